@@ -1,0 +1,30 @@
+#include "common/config.h"
+
+#include <mutex>
+
+namespace jaxring {
+namespace {
+std::mutex config_mutex;
+Config global_config;
+}  // namespace
+
+const char* AlgorithmName(Algorithm a) {
+  switch (a) {
+    case Algorithm::kAuto: return "auto";
+    case Algorithm::kDirect: return "direct";
+    case Algorithm::kRing: return "ring";
+  }
+  return "unknown";
+}
+
+Config CurrentConfig() {
+  std::lock_guard<std::mutex> lock(config_mutex);
+  return global_config;
+}
+
+void SetConfig(const Config& config) {
+  std::lock_guard<std::mutex> lock(config_mutex);
+  global_config = config;
+}
+
+}  // namespace jaxring

@@ -1,0 +1,33 @@
+// The one place for jaxring's tunables (NCCL keeps its tuning numbers apart from the algorithms;
+// so do we). Python's jaxring.config writes these through the extension module; environment
+// variables are read there, not here.
+#pragma once
+
+#include <cstdint>
+
+namespace jaxring {
+
+enum class Algorithm : uint8_t { kAuto = 0, kDirect = 1, kRing = 2 };
+const char* AlgorithmName(Algorithm a);
+
+struct Config {
+  // Every wait gives up after this long and names the peers that never arrived.
+  double timeout_seconds = 300.0;
+  // kAuto picks the direct (one-shot) path for messages up to this many bytes per rank and the
+  // pipelined ring above it. The default comes from benchmarks/allreduce.py on CPU devices.
+  int64_t ring_threshold_bytes = int64_t{1} << 62;
+  // Forces one algorithm for every call when not kAuto (tests and benchmarks use this).
+  Algorithm algorithm = Algorithm::kAuto;
+  // Ring pipelining: each ring chunk moves in slices of about this many bytes, so a neighbour
+  // can reduce slice k while slice k+1 is being produced.
+  int64_t pipeline_slice_bytes = 256 * 1024;
+  // Busy-poll iterations before a waiter sleeps in the kernel. With more devices than cores,
+  // spinning steals the core a late peer needs, so keep this small.
+  int64_t spin_iterations = 256;
+};
+
+// A snapshot of the current configuration; cheap enough to take once per collective.
+Config CurrentConfig();
+void SetConfig(const Config& config);
+
+}  // namespace jaxring

@@ -1,0 +1,21 @@
+// A tiny error type for the native layers; handlers turn it into an XLA FFI error.
+#pragma once
+
+#include <string>
+#include <utility>
+
+namespace jaxring {
+
+class Status {
+ public:
+  Status() = default;
+  static Status Error(std::string message) { return Status(std::move(message)); }
+  bool ok() const { return message_.empty(); }
+  const std::string& message() const { return message_; }
+
+ private:
+  explicit Status(std::string message) : message_(std::move(message)) {}
+  std::string message_;
+};
+
+}  // namespace jaxring

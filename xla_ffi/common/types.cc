@@ -1,0 +1,74 @@
+#include "common/types.h"
+
+#include <sstream>
+
+namespace jaxring {
+
+bool IsSupported(DType dtype) {
+  switch (dtype) {
+    case DType::kS32: case DType::kS64: case DType::kF16:
+    case DType::kF32: case DType::kF64: case DType::kBF16:
+      return true;
+  }
+  return false;
+}
+
+size_t ByteWidth(DType dtype) {
+  switch (dtype) {
+    case DType::kF16: case DType::kBF16: return 2;
+    case DType::kS32: case DType::kF32: return 4;
+    case DType::kS64: case DType::kF64: return 8;
+  }
+  return 0;
+}
+
+const char* DTypeName(DType dtype) {
+  switch (dtype) {
+    case DType::kS32: return "int32";
+    case DType::kS64: return "int64";
+    case DType::kF16: return "float16";
+    case DType::kF32: return "float32";
+    case DType::kF64: return "float64";
+    case DType::kBF16: return "bfloat16";
+  }
+  return "unsupported";
+}
+
+const char* ReduceOpName(ReduceOp op) {
+  switch (op) {
+    case ReduceOp::kSum: return "sum";
+    case ReduceOp::kMean: return "mean";
+    case ReduceOp::kMax: return "max";
+    case ReduceOp::kMin: return "min";
+  }
+  return "unknown";
+}
+
+const char* CollectiveName(Collective kind) {
+  switch (kind) {
+    case Collective::kAllReduce: return "all_reduce";
+    case Collective::kReduceScatter: return "reduce_scatter";
+    case Collective::kAllGather: return "all_gather";
+    case Collective::kBroadcast: return "broadcast";
+    case Collective::kBarrier: return "barrier";
+  }
+  return "unknown";
+}
+
+bool operator==(const Header& a, const Header& b) {
+  return a.kind == b.kind && a.op == b.op && a.dtype == b.dtype && a.op_id == b.op_id &&
+         a.count == b.count && a.root == b.root;
+}
+
+std::string Describe(const Header& h) {
+  std::ostringstream s;
+  s << CollectiveName(h.kind);
+  if (h.kind == Collective::kAllReduce || h.kind == Collective::kReduceScatter)
+    s << "(" << ReduceOpName(h.op) << ")";
+  if (h.kind == Collective::kBroadcast) s << "(root=" << h.root << ")";
+  s << " op " << h.op_id;
+  if (h.kind != Collective::kBarrier) s << " " << DTypeName(h.dtype) << "[" << h.count << "]";
+  return s.str();
+}
+
+}  // namespace jaxring

@@ -1,0 +1,53 @@
+// Shared vocabulary of jaxring's native code: element types, reduction ops, collective kinds and
+// the header peers exchange before any data moves. One table each; every other file uses these.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+
+namespace jaxring {
+
+// Values match xla::ffi::DataType (XLA_FFI_DataType) so a buffer's element type converts directly.
+enum class DType : uint8_t {
+  kS32 = 4,
+  kS64 = 5,
+  kF16 = 10,
+  kF32 = 11,
+  kF64 = 12,
+  kBF16 = 16,
+};
+
+bool IsSupported(DType dtype);
+size_t ByteWidth(DType dtype);
+const char* DTypeName(DType dtype);
+
+// Values match jaxring/_src/common.py REDUCE_OPS.
+enum class ReduceOp : uint8_t { kSum = 0, kMean = 1, kMax = 2, kMin = 3 };
+const char* ReduceOpName(ReduceOp op);
+
+// Values match jaxring/_src/common.py COLLECTIVES.
+enum class Collective : uint8_t {
+  kAllReduce = 0,
+  kReduceScatter = 1,
+  kAllGather = 2,
+  kBroadcast = 3,
+  kBarrier = 4,
+};
+const char* CollectiveName(Collective kind);
+
+// What every participant announces before data moves. Peers must agree on all fields; a mismatch
+// is reported on every rank, naming both sides (Horovod's standard for mismatch errors).
+struct Header {
+  Collective kind = Collective::kBarrier;
+  ReduceOp op = ReduceOp::kSum;
+  DType dtype = DType::kF32;
+  int64_t op_id = 0;   // static id of the call site, assigned at trace time
+  int64_t count = 0;   // elements in this rank's input
+  int64_t root = 0;    // broadcast root; 0 otherwise
+};
+
+bool operator==(const Header& a, const Header& b);
+std::string Describe(const Header& h);  // e.g. "all_reduce(sum) op 3 float32[1024]"
+
+}  // namespace jaxring

@@ -1,0 +1,106 @@
+#include "common/wait.h"
+
+#include <algorithm>
+#include <climits>
+#include <thread>
+
+#if defined(__linux__)
+#include <linux/futex.h>
+#include <sys/syscall.h>
+#include <time.h>
+#include <unistd.h>
+#endif
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#define JAXRING_CPU_RELAX() _mm_pause()
+#elif defined(__aarch64__)
+#define JAXRING_CPU_RELAX() asm volatile("yield" ::: "memory")
+#else
+#define JAXRING_CPU_RELAX() ((void)0)
+#endif
+
+namespace jaxring {
+namespace {
+
+// Longest single sleep: a sleeper re-checks its deadline at least this often.
+constexpr std::chrono::milliseconds kMaxSleep{50};
+
+void SleepWhileEqual(const std::atomic<uint32_t>& word, uint32_t expected,
+                     std::chrono::nanoseconds timeout) {
+#if defined(__linux__)
+  timespec ts;
+  ts.tv_sec = static_cast<time_t>(timeout.count() / 1000000000);
+  ts.tv_nsec = static_cast<long>(timeout.count() % 1000000000);
+  syscall(SYS_futex, reinterpret_cast<const uint32_t*>(&word), FUTEX_WAIT_PRIVATE, expected, &ts,
+          nullptr, 0);
+#else
+  (void)expected;
+  std::this_thread::sleep_for(std::min<std::chrono::nanoseconds>(timeout,
+                                                                   std::chrono::microseconds(50)));
+#endif
+}
+
+}  // namespace
+
+Deadline::Deadline(double seconds)
+    : when_(std::chrono::steady_clock::now() +
+            std::chrono::duration_cast<std::chrono::steady_clock::duration>(
+                std::chrono::duration<double>(seconds))),
+      seconds_(seconds) {}
+
+std::chrono::nanoseconds Deadline::Remaining(std::chrono::nanoseconds cap) const {
+  auto left = when_ - std::chrono::steady_clock::now();
+  if (left <= std::chrono::nanoseconds::zero()) return std::chrono::nanoseconds::zero();
+  return std::min<std::chrono::nanoseconds>(cap, left);
+}
+
+void Flag::WakeAll() {
+  if (sleepers_.load(std::memory_order_seq_cst) == 0) return;
+#if defined(__linux__)
+  syscall(SYS_futex, reinterpret_cast<uint32_t*>(&value_), FUTEX_WAKE_PRIVATE, INT_MAX, nullptr,
+          nullptr, 0);
+#endif
+}
+
+void Flag::Store(uint32_t value) {
+  value_.store(value, std::memory_order_seq_cst);
+  WakeAll();
+}
+
+uint32_t Flag::Add(uint32_t delta) {
+  uint32_t now = value_.fetch_add(delta, std::memory_order_seq_cst) + delta;
+  WakeAll();
+  return now;
+}
+
+bool Flag::AbandonBelow(uint32_t target) {
+  uint32_t seen = value_.load(std::memory_order_seq_cst);
+  while ((seen & ~kAbandoned) < target) {
+    if (value_.compare_exchange_weak(seen, seen | kAbandoned, std::memory_order_seq_cst)) {
+      WakeAll();
+      return true;
+    }
+  }
+  return false;
+}
+
+bool Flag::WaitAtLeast(uint32_t target, const Deadline& deadline, int64_t spin_iterations) const {
+  for (int64_t i = 0; i < spin_iterations; ++i) {
+    if (value_.load(std::memory_order_acquire) >= target) return true;
+    JAXRING_CPU_RELAX();
+  }
+  while (true) {
+    uint32_t seen = value_.load(std::memory_order_acquire);
+    if (seen >= target) return true;
+    auto left = deadline.Remaining(kMaxSleep);
+    if (left == std::chrono::nanoseconds::zero()) return false;
+    // Announce the sleeper before re-checking, so a writer either sees us or we see its value.
+    sleepers_.fetch_add(1, std::memory_order_seq_cst);
+    seen = value_.load(std::memory_order_seq_cst);
+    if (seen < target) SleepWhileEqual(value_, seen, left);
+    sleepers_.fetch_sub(1, std::memory_order_seq_cst);
+  }
+}
+
+}  // namespace jaxring

@@ -1,0 +1,46 @@
+// Waiting without starving peers. jaxring runs one thread per device, often more threads than
+// cores (8 CPU devices on 2 cores), so a waiter polls briefly and then sleeps in the kernel
+// (futex on Linux) until the writer wakes it. Every wait has a deadline.
+#pragma once
+
+#include <atomic>
+#include <chrono>
+#include <cstdint>
+
+namespace jaxring {
+
+class Deadline {
+ public:
+  explicit Deadline(double seconds);
+  bool Expired() const { return std::chrono::steady_clock::now() >= when_; }
+  // Time left, clamped to [0, cap].
+  std::chrono::nanoseconds Remaining(std::chrono::nanoseconds cap) const;
+  double seconds() const { return seconds_; }
+
+ private:
+  std::chrono::steady_clock::time_point when_;
+  double seconds_;
+};
+
+// A 32-bit counter that threads wait on until it reaches a target. Writers issue a wake-up
+// system call only when someone is asleep on it.
+class Flag {
+ public:
+  uint32_t Load() const { return value_.load(std::memory_order_acquire); }
+  void Store(uint32_t value);
+  uint32_t Add(uint32_t delta);  // returns the new value
+  // Marks a counter that never reached `target` as abandoned (sets kAbandoned, waking waiters),
+  // unless it already reached `target`. Returns whether it was abandoned. Used when a rank gives
+  // up, so that late peers fail instead of touching the buffers of a rank that has left.
+  bool AbandonBelow(uint32_t target);
+  static constexpr uint32_t kAbandoned = 1u << 31;
+  // Waits until Load() >= target (counters only grow; an abandoned counter satisfies any wait). False when the deadline passed first.
+  bool WaitAtLeast(uint32_t target, const Deadline& deadline, int64_t spin_iterations) const;
+
+ private:
+  void WakeAll();
+  std::atomic<uint32_t> value_{0};
+  mutable std::atomic<uint32_t> sleepers_{0};
+};
+
+}  // namespace jaxring

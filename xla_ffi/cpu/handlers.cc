@@ -1,0 +1,159 @@
+// XLA FFI handlers for CPU devices. A handler only decodes buffers and attributes, finds its
+// peers through the local transport and dispatches to an algorithm.
+#include <cstdint>
+#include <string>
+#include <string_view>
+#include <utility>
+
+#include "common/config.h"
+#include "common/types.h"
+#include "ring/algorithms.h"
+#include "transports/local.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace jaxring {
+namespace {
+
+struct CallAttributes {
+  int64_t comm;
+  std::string_view comm_name;
+  int64_t size;
+  int64_t op_id;
+};
+
+ffi::Error ToFfi(const Status& status) {
+  return status.ok() ? ffi::Error::Success() : ffi::Error::Internal(status.message());
+}
+
+ffi::Error Run(Collective kind, ReduceOp op, int64_t root, ffi::RunId run_id,
+               ffi::AnyBuffer rank_buffer, ffi::AnyBuffer group_buffer, const void* input,
+               int64_t input_count, DType dtype, void* output, int64_t output_count,
+               const CallAttributes& attrs) {
+  const int rank = *static_cast<const int32_t*>(rank_buffer.untyped_data());
+  const int64_t group = *static_cast<const int32_t*>(group_buffer.untyped_data());
+  const int size = static_cast<int>(attrs.size);
+  if (rank < 0 || rank >= size) {
+    return ffi::Error::InvalidArgument("jaxring " + std::string(CollectiveName(kind)) +
+                                       ": rank " + std::to_string(rank) + " is outside [0, " +
+                                       std::to_string(size) + ")");
+  }
+  if (!IsSupported(dtype)) {
+    return ffi::Error::InvalidArgument("jaxring " + std::string(CollectiveName(kind)) +
+                                       ": unsupported element type");
+  }
+  Header header;
+  header.kind = kind;
+  header.op = op;
+  header.dtype = dtype;
+  header.op_id = attrs.op_id;
+  header.count = input_count;
+  header.root = root;
+
+  const Config config = CurrentConfig();
+  const Algorithm algorithm = ChooseAlgorithm(header, size, config);
+  ScratchLease scratch = ScratchLease::Acquire(ScratchBytes(header, size, algorithm));
+  CommunicatorId comm{static_cast<uint64_t>(attrs.comm), group, size, std::string(attrs.comm_name)};
+  auto transport = LocalTransport::Join(comm, run_id.run_id, rank, header, input, output,
+                                        scratch.data(), config.timeout_seconds,
+                                        config.spin_iterations);
+  Status status = transport->WaitForPeers();
+  if (!status.ok()) return ToFfi(status);
+  return ToFfi(RunCollective(*transport, algorithm, config,
+                             CollectiveBuffers{input, output, output_count}));
+}
+
+DType ToDType(ffi::DataType type) { return static_cast<DType>(static_cast<uint8_t>(type)); }
+
+ffi::Error AllReduceImpl(ffi::RunId run_id, ffi::Token, ffi::AnyBuffer rank, ffi::AnyBuffer group,
+                         ffi::AnyBuffer x, ffi::Result<ffi::Token>, ffi::Result<ffi::AnyBuffer> y,
+                         int64_t comm, std::string_view comm_name, int64_t size, int64_t op_id,
+                         int64_t op) {
+  return Run(Collective::kAllReduce, static_cast<ReduceOp>(op), 0, run_id, rank, group,
+             x.untyped_data(), x.element_count(), ToDType(x.element_type()), y->untyped_data(),
+             y->element_count(), CallAttributes{comm, comm_name, size, op_id});
+}
+
+ffi::Error ReduceScatterImpl(ffi::RunId run_id, ffi::Token, ffi::AnyBuffer rank,
+                             ffi::AnyBuffer group, ffi::AnyBuffer x, ffi::Result<ffi::Token>,
+                             ffi::Result<ffi::AnyBuffer> y, int64_t comm,
+                             std::string_view comm_name, int64_t size, int64_t op_id, int64_t op) {
+  if (static_cast<int64_t>(y->element_count()) * size != static_cast<int64_t>(x.element_count()))
+    return ffi::Error::InvalidArgument("jaxring reduce_scatter: output size times world size "
+                                       "must equal the input size");
+  return Run(Collective::kReduceScatter, static_cast<ReduceOp>(op), 0, run_id, rank, group,
+             x.untyped_data(), x.element_count(), ToDType(x.element_type()), y->untyped_data(),
+             y->element_count(), CallAttributes{comm, comm_name, size, op_id});
+}
+
+ffi::Error AllGatherImpl(ffi::RunId run_id, ffi::Token, ffi::AnyBuffer rank, ffi::AnyBuffer group,
+                         ffi::AnyBuffer x, ffi::Result<ffi::Token>, ffi::Result<ffi::AnyBuffer> y,
+                         int64_t comm, std::string_view comm_name, int64_t size, int64_t op_id) {
+  if (static_cast<int64_t>(x.element_count()) * size != static_cast<int64_t>(y->element_count()))
+    return ffi::Error::InvalidArgument("jaxring all_gather: output size must be the input size "
+                                       "times world size");
+  return Run(Collective::kAllGather, ReduceOp::kSum, 0, run_id, rank, group, x.untyped_data(),
+             x.element_count(), ToDType(x.element_type()), y->untyped_data(), y->element_count(),
+             CallAttributes{comm, comm_name, size, op_id});
+}
+
+ffi::Error BroadcastImpl(ffi::RunId run_id, ffi::Token, ffi::AnyBuffer rank, ffi::AnyBuffer group,
+                         ffi::AnyBuffer x, ffi::Result<ffi::Token>, ffi::Result<ffi::AnyBuffer> y,
+                         int64_t comm, std::string_view comm_name, int64_t size, int64_t op_id,
+                         int64_t root) {
+  if (root < 0 || root >= size)
+    return ffi::Error::InvalidArgument("jaxring broadcast: root " + std::to_string(root) +
+                                       " is outside [0, " + std::to_string(size) + ")");
+  return Run(Collective::kBroadcast, ReduceOp::kSum, root, run_id, rank, group, x.untyped_data(),
+             x.element_count(), ToDType(x.element_type()), y->untyped_data(), y->element_count(),
+             CallAttributes{comm, comm_name, size, op_id});
+}
+
+ffi::Error BarrierImpl(ffi::RunId run_id, ffi::Token, ffi::AnyBuffer rank, ffi::AnyBuffer group,
+                       ffi::Result<ffi::Token>, int64_t comm, std::string_view comm_name,
+                       int64_t size, int64_t op_id) {
+  return Run(Collective::kBarrier, ReduceOp::kSum, 0, run_id, rank, group, nullptr, 0,
+             DType::kS32, nullptr, 0, CallAttributes{comm, comm_name, size, op_id});
+}
+
+// Binding shared by every handler: run id, token, rank, group, [x] -> token, [y], then the
+// communicator attributes. Handler-specific attributes are appended after these.
+template <typename Binding>
+auto WithCommunicator(Binding&& binding) {
+  return std::move(binding)
+      .template Attr<int64_t>("comm")
+      .template Attr<std::string_view>("comm_name")
+      .template Attr<int64_t>("size")
+      .template Attr<int64_t>("op_id");
+}
+
+template <bool kHasData>
+auto Bind() {
+  auto prefix = ffi::Ffi::Bind()
+                    .Ctx<ffi::RunId>()
+                    .Arg<ffi::Token>()
+                    .Arg<ffi::AnyBuffer>()   // rank along the communicator
+                    .Arg<ffi::AnyBuffer>();  // group: index along the mesh axes not reduced over
+  if constexpr (kHasData) {
+    return WithCommunicator(std::move(prefix)
+                                .template Arg<ffi::AnyBuffer>()
+                                .template Ret<ffi::Token>()
+                                .template Ret<ffi::AnyBuffer>());
+  } else {
+    return WithCommunicator(std::move(prefix).template Ret<ffi::Token>());
+  }
+}
+
+}  // namespace
+}  // namespace jaxring
+
+using namespace jaxring;
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxringAllReduceCpu, AllReduceImpl, Bind<true>().Attr<int64_t>("op"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxringReduceScatterCpu, ReduceScatterImpl,
+                              Bind<true>().Attr<int64_t>("op"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxringAllGatherCpu, AllGatherImpl, Bind<true>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxringBroadcastCpu, BroadcastImpl,
+                              Bind<true>().Attr<int64_t>("root"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxringBarrierCpu, BarrierImpl, Bind<false>());

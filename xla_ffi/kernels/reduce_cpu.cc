@@ -1,0 +1,173 @@
+#include "kernels/reduce_cpu.h"
+
+#include <cstring>
+
+namespace jaxring {
+namespace {
+
+inline uint32_t FloatBits(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  return u;
+}
+inline float BitsFloat(uint32_t u) {
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+struct Half { uint16_t bits; };
+struct BFloat16 { uint16_t bits; };
+
+// Storage type T, accumulator type Acc and the conversions between them.
+template <typename T> struct Traits {
+  using Acc = T;
+  static Acc Load(T v) { return v; }
+  static T Store(Acc v) { return v; }
+};
+template <> struct Traits<Half> {
+  using Acc = float;
+  static Acc Load(Half v) { return HalfToFloat(v.bits); }
+  static Half Store(Acc v) { return Half{FloatToHalf(v)}; }
+};
+template <> struct Traits<BFloat16> {
+  using Acc = float;
+  static Acc Load(BFloat16 v) { return BFloat16ToFloat(v.bits); }
+  static BFloat16 Store(Acc v) { return BFloat16{FloatToBFloat16(v)}; }
+};
+
+// max/min propagate NaN, as XLA's do (std::max would not).
+template <typename A> inline A Max(A a, A b) { return a != a ? a : (b != b ? b : (a > b ? a : b)); }
+template <typename A> inline A Min(A a, A b) { return a != a ? a : (b != b ? b : (a < b ? a : b)); }
+
+constexpr int64_t kBlock = 512;  // elements per block: the block's accumulators stay in L1
+
+template <typename T, ReduceOp kOp>
+void ReduceTyped(const Operand* srcs, int num_srcs, const Target* dsts, int num_dsts,
+                 int64_t count, int64_t mean_divisor) {
+  using Tr = Traits<T>;
+  using Acc = typename Tr::Acc;
+  Acc acc[kBlock];
+  for (int64_t base = 0; base < count; base += kBlock) {
+    const int64_t len = count - base < kBlock ? count - base : kBlock;
+    for (int s = 0; s < num_srcs; ++s) {
+      if (srcs[s].is_accumulator) {
+        const Acc* src = static_cast<const Acc*>(srcs[s].data) + base;
+        if (s == 0) {
+          for (int64_t i = 0; i < len; ++i) acc[i] = src[i];
+          continue;
+        }
+        for (int64_t i = 0; i < len; ++i) {
+          if constexpr (kOp == ReduceOp::kMax) acc[i] = Max<Acc>(acc[i], src[i]);
+          else if constexpr (kOp == ReduceOp::kMin) acc[i] = Min<Acc>(acc[i], src[i]);
+          else acc[i] += src[i];
+        }
+      } else {
+        const T* src = static_cast<const T*>(srcs[s].data) + base;
+        if (s == 0) {
+          for (int64_t i = 0; i < len; ++i) acc[i] = Tr::Load(src[i]);
+          continue;
+        }
+        for (int64_t i = 0; i < len; ++i) {
+          if constexpr (kOp == ReduceOp::kMax) acc[i] = Max<Acc>(acc[i], Tr::Load(src[i]));
+          else if constexpr (kOp == ReduceOp::kMin) acc[i] = Min<Acc>(acc[i], Tr::Load(src[i]));
+          else acc[i] += Tr::Load(src[i]);
+        }
+      }
+    }
+    if constexpr (kOp == ReduceOp::kMean) {
+      if (mean_divisor > 0) {
+        const Acc divisor = static_cast<Acc>(mean_divisor);
+        for (int64_t i = 0; i < len; ++i) acc[i] = acc[i] / divisor;
+      }
+    }
+    for (int d = 0; d < num_dsts; ++d) {
+      if (dsts[d].is_accumulator) {
+        std::memcpy(static_cast<Acc*>(dsts[d].data) + base, acc, len * sizeof(Acc));
+      } else {
+        T* dst = static_cast<T*>(dsts[d].data) + base;
+        for (int64_t i = 0; i < len; ++i) dst[i] = Tr::Store(acc[i]);
+      }
+    }
+  }
+}
+
+template <typename T>
+void ReduceDispatchOp(ReduceOp op, const Operand* srcs, int num_srcs, const Target* dsts,
+                      int num_dsts, int64_t count, int64_t mean_divisor) {
+  switch (op) {
+    case ReduceOp::kSum:
+      return ReduceTyped<T, ReduceOp::kSum>(srcs, num_srcs, dsts, num_dsts, count, 0);
+    case ReduceOp::kMean:
+      return ReduceTyped<T, ReduceOp::kMean>(srcs, num_srcs, dsts, num_dsts, count, mean_divisor);
+    case ReduceOp::kMax:
+      return ReduceTyped<T, ReduceOp::kMax>(srcs, num_srcs, dsts, num_dsts, count, 0);
+    case ReduceOp::kMin:
+      return ReduceTyped<T, ReduceOp::kMin>(srcs, num_srcs, dsts, num_dsts, count, 0);
+  }
+}
+
+}  // namespace
+
+size_t AccumulatorWidth(DType dtype) {
+  return dtype == DType::kF16 || dtype == DType::kBF16 ? sizeof(float) : ByteWidth(dtype);
+}
+
+void Reduce(DType dtype, ReduceOp op, const Operand* srcs, int num_srcs, const Target* dsts,
+            int num_dsts, int64_t count, int64_t mean_divisor) {
+  if (count <= 0 || num_srcs <= 0) return;
+  switch (dtype) {
+    case DType::kF32:
+      return ReduceDispatchOp<float>(op, srcs, num_srcs, dsts, num_dsts, count, mean_divisor);
+    case DType::kF64:
+      return ReduceDispatchOp<double>(op, srcs, num_srcs, dsts, num_dsts, count, mean_divisor);
+    case DType::kF16:
+      return ReduceDispatchOp<Half>(op, srcs, num_srcs, dsts, num_dsts, count, mean_divisor);
+    case DType::kBF16:
+      return ReduceDispatchOp<BFloat16>(op, srcs, num_srcs, dsts, num_dsts, count, mean_divisor);
+    case DType::kS32:
+      return ReduceDispatchOp<int32_t>(op, srcs, num_srcs, dsts, num_dsts, count, mean_divisor);
+    case DType::kS64:
+      return ReduceDispatchOp<int64_t>(op, srcs, num_srcs, dsts, num_dsts, count, mean_divisor);
+  }
+}
+
+// IEEE binary16 <-> binary32 (after F. Giesen's branch-light formulation).
+float HalfToFloat(uint16_t h) {
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
+  const uint32_t exponent = (h >> 10) & 0x1fu;
+  const uint32_t mantissa = h & 0x3ffu;
+  if (exponent == 0) {  // zero or subnormal: mantissa * 2^-24
+    const float magnitude = static_cast<float>(mantissa) * 5.9604644775390625e-8f;
+    return BitsFloat(FloatBits(magnitude) | sign);
+  }
+  if (exponent == 31) return BitsFloat(sign | 0x7f800000u | (mantissa << 13));
+  return BitsFloat(sign | ((exponent + 112) << 23) | (mantissa << 13));
+}
+
+uint16_t FloatToHalf(float value) {
+  uint32_t f = FloatBits(value);
+  const uint16_t sign = static_cast<uint16_t>((f >> 16) & 0x8000u);
+  f &= 0x7fffffffu;
+  if (f >= 0x7f800000u) return sign | (f > 0x7f800000u ? 0x7e00u : 0x7c00u);  // NaN, inf
+  if (f >= 0x477ff000u) return sign | 0x7c00u;  // rounds to inf (>= 65520)
+  if (f < 0x38800000u) {  // below 2^-14: the float adder rounds the subnormal for us
+    const float shifted = BitsFloat(f) + 0.5f;
+    return sign | static_cast<uint16_t>(FloatBits(shifted) - FloatBits(0.5f));
+  }
+  const uint32_t mantissa_odd = (f >> 13) & 1u;
+  f += (static_cast<uint32_t>(15 - 127) << 23) + 0xfffu;
+  f += mantissa_odd;
+  return sign | static_cast<uint16_t>(f >> 13);
+}
+
+float BFloat16ToFloat(uint16_t b) { return BitsFloat(static_cast<uint32_t>(b) << 16); }
+
+uint16_t FloatToBFloat16(float value) {
+  uint32_t f = FloatBits(value);
+  if ((f & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((f >> 16) | 0x40u);  // NaN
+  f += 0x7fffu + ((f >> 16) & 1u);
+  return static_cast<uint16_t>(f >> 16);
+}
+
+}  // namespace jaxring

@@ -1,0 +1,37 @@
+// CPU reduction kernels. Every algorithm funnels its arithmetic through Reduce(), so rounding
+// rules live here once: 16-bit floats accumulate in float32 and are rounded once on store.
+#pragma once
+
+#include <cstdint>
+
+#include "common/types.h"
+
+namespace jaxring {
+
+// The accumulator type of a dtype: float for float16/bfloat16, the dtype itself otherwise.
+size_t AccumulatorWidth(DType dtype);
+
+// A source or destination array: either in the dtype itself or in its accumulator type (the
+// ring keeps 16-bit partial sums in float32 scratch so that they are rounded only once).
+struct Operand {
+  const void* data;
+  bool is_accumulator = false;
+};
+struct Target {
+  void* data;
+  bool is_accumulator = false;
+};
+
+// For i in [0, count): v = op(srcs[0][i], srcs[1][i], ...) folded left to right, divided by
+// mean_divisor when op is kMean and mean_divisor > 0, then written to every target. Reading each
+// source once and writing each target once is what makes the direct all-reduce memory-optimal.
+void Reduce(DType dtype, ReduceOp op, const Operand* srcs, int num_srcs, const Target* dsts,
+            int num_dsts, int64_t count, int64_t mean_divisor);
+
+// Bit-exact conversions used by the kernels (and tested against numpy's).
+float HalfToFloat(uint16_t h);
+uint16_t FloatToHalf(float f);  // round to nearest even
+float BFloat16ToFloat(uint16_t b);
+uint16_t FloatToBFloat16(float f);  // round to nearest even
+
+}  // namespace jaxring

@@ -1,0 +1,80 @@
+// The Python extension: hands XLA the FFI handlers (as capsules) and exposes the configuration.
+#include <nanobind/nanobind.h>
+#include <nanobind/stl/string.h>
+
+#include "common/config.h"
+#include "kernels/reduce_cpu.h"
+#include "xla/ffi/api/c_api.h"
+
+namespace nb = nanobind;
+
+extern "C" {
+XLA_FFI_Error* JaxringAllReduceCpu(XLA_FFI_CallFrame*);
+XLA_FFI_Error* JaxringReduceScatterCpu(XLA_FFI_CallFrame*);
+XLA_FFI_Error* JaxringAllGatherCpu(XLA_FFI_CallFrame*);
+XLA_FFI_Error* JaxringBroadcastCpu(XLA_FFI_CallFrame*);
+XLA_FFI_Error* JaxringBarrierCpu(XLA_FFI_CallFrame*);
+}
+
+namespace {
+
+template <typename Fn>
+nb::capsule Capsule(Fn* fn) {
+  return nb::capsule(reinterpret_cast<void*>(fn));
+}
+
+jaxring::Algorithm ParseAlgorithm(const std::string& name) {
+  if (name == "auto") return jaxring::Algorithm::kAuto;
+  if (name == "direct") return jaxring::Algorithm::kDirect;
+  if (name == "ring") return jaxring::Algorithm::kRing;
+  throw nb::value_error(("algorithm must be one of 'auto', 'direct', 'ring'; got '" + name + "'")
+                            .c_str());
+}
+
+}  // namespace
+
+NB_MODULE(_jaxring, m) {
+  m.doc() = "jaxring native library: XLA FFI collectives";
+
+  m.def("cpu_targets", []() {
+    nb::dict targets;
+    targets["jaxring_all_reduce"] = Capsule(JaxringAllReduceCpu);
+    targets["jaxring_reduce_scatter"] = Capsule(JaxringReduceScatterCpu);
+    targets["jaxring_all_gather"] = Capsule(JaxringAllGatherCpu);
+    targets["jaxring_broadcast"] = Capsule(JaxringBroadcastCpu);
+    targets["jaxring_barrier"] = Capsule(JaxringBarrierCpu);
+    return targets;
+  });
+
+  m.def(
+      "set_config",
+      [](double timeout_seconds, int64_t ring_threshold_bytes, const std::string& algorithm,
+         int64_t pipeline_slice_bytes, int64_t spin_iterations) {
+        jaxring::Config config;
+        config.timeout_seconds = timeout_seconds;
+        config.ring_threshold_bytes = ring_threshold_bytes;
+        config.algorithm = ParseAlgorithm(algorithm);
+        config.pipeline_slice_bytes = pipeline_slice_bytes;
+        config.spin_iterations = spin_iterations;
+        jaxring::SetConfig(config);
+      },
+      nb::arg("timeout_seconds"), nb::arg("ring_threshold_bytes"), nb::arg("algorithm"),
+      nb::arg("pipeline_slice_bytes"), nb::arg("spin_iterations"));
+
+  m.def("get_config", []() {
+    const jaxring::Config config = jaxring::CurrentConfig();
+    nb::dict d;
+    d["timeout_seconds"] = config.timeout_seconds;
+    d["ring_threshold_bytes"] = config.ring_threshold_bytes;
+    d["algorithm"] = std::string(jaxring::AlgorithmName(config.algorithm));
+    d["pipeline_slice_bytes"] = config.pipeline_slice_bytes;
+    d["spin_iterations"] = config.spin_iterations;
+    return d;
+  });
+
+  // Exposed so tests can check the kernels' rounding against numpy bit for bit.
+  m.def("half_to_float", &jaxring::HalfToFloat);
+  m.def("float_to_half", &jaxring::FloatToHalf);
+  m.def("bfloat16_to_float", &jaxring::BFloat16ToFloat);
+  m.def("float_to_bfloat16", &jaxring::FloatToBFloat16);
+}

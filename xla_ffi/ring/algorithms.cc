@@ -1,0 +1,197 @@
+#include "ring/algorithms.h"
+
+#include <algorithm>
+#include <cstring>
+#include <vector>
+
+#include "kernels/reduce_cpu.h"
+#include "ring/schedule.h"
+
+namespace jaxring {
+namespace {
+
+constexpr int64_t kCacheLineBytes = 64;
+
+int64_t AlignElements(DType dtype) {
+  return std::max<int64_t>(1, kCacheLineBytes / static_cast<int64_t>(ByteWidth(dtype)));
+}
+
+const char* Offset(const void* base, int64_t elements, size_t width) {
+  return static_cast<const char*>(base) + elements * static_cast<int64_t>(width);
+}
+char* Offset(void* base, int64_t elements, size_t width) {
+  return static_cast<char*>(base) + elements * static_cast<int64_t>(width);
+}
+
+bool IsReduction(Collective kind) {
+  return kind == Collective::kAllReduce || kind == Collective::kReduceScatter;
+}
+
+// ---- direct (one-shot) algorithms --------------------------------------------------------------
+// Every rank handles 1/n of the data, reading every peer's input once and writing every peer's
+// output once: the least memory traffic possible in shared memory, and two hand-offs in all
+// (arrival and Finish), which is what a small message needs.
+
+Status DirectAllReduce(LocalTransport& t, const CollectiveBuffers& b) {
+  const Header& h = t.header();
+  const int n = t.size();
+  const size_t width = ByteWidth(h.dtype);
+  const Partition partition{h.count, n, AlignElements(h.dtype)};
+  const int64_t begin = partition.Begin(t.rank());
+  const int64_t count = partition.Size(t.rank());
+  std::vector<Operand> srcs(n);
+  std::vector<Target> dsts(n);
+  for (int peer = 0; peer < n; ++peer) {
+    srcs[peer] = Operand{Offset(t.PeerInput(peer), begin, width)};
+    dsts[peer] = Target{Offset(t.PeerOutput(peer), begin, width)};
+  }
+  Reduce(h.dtype, h.op, srcs.data(), n, dsts.data(), n, count, n);
+  return t.Finish();
+}
+
+Status DirectReduceScatter(LocalTransport& t, const CollectiveBuffers& b) {
+  const Header& h = t.header();
+  const int n = t.size();
+  const size_t width = ByteWidth(h.dtype);
+  std::vector<Operand> srcs(n);
+  for (int peer = 0; peer < n; ++peer)
+    srcs[peer] = Operand{Offset(t.PeerInput(peer), t.rank() * b.output_count, width)};
+  const Target dst{b.output};
+  Reduce(h.dtype, h.op, srcs.data(), n, &dst, 1, b.output_count, n);
+  return t.Finish();
+}
+
+Status DirectAllGather(LocalTransport& t, const CollectiveBuffers& b) {
+  const Header& h = t.header();
+  const size_t bytes = h.count * ByteWidth(h.dtype);
+  for (int peer = 0; peer < t.size(); ++peer)
+    if (bytes) std::memcpy(Offset(b.output, peer * h.count, ByteWidth(h.dtype)),
+                           t.PeerInput(peer), bytes);
+  return t.Finish();
+}
+
+Status DirectBroadcast(LocalTransport& t, const CollectiveBuffers& b) {
+  const Header& h = t.header();
+  const size_t bytes = h.count * ByteWidth(h.dtype);
+  if (bytes) std::memcpy(b.output, t.PeerInput(static_cast<int>(h.root)), bytes);
+  return t.Finish();
+}
+
+// ---- the ring ----------------------------------------------------------------------------------
+// Each step is cut into `slices` pieces; slice k of step g waits only for the left neighbour's
+// slice k of step g-1, so reduction of one slice overlaps production of the next (pipelining)
+// and there is no global barrier anywhere in the ring.
+
+Status RunRing(LocalTransport& t, const std::vector<RingStep>& steps, int64_t slices,
+               int64_t mean_divisor) {
+  const Header& h = t.header();
+  const int n = t.size();
+  const int left = (t.rank() + n - 1) % n;
+  const int right = (t.rank() + 1) % n;
+  const size_t width = ByteWidth(h.dtype);
+  const size_t acc_width = AccumulatorWidth(h.dtype);
+  auto locate = [&](Buffer buffer, int owner, int64_t offset) -> char* {
+    switch (buffer) {
+      case Buffer::kInput:
+        return const_cast<char*>(Offset(t.PeerInput(owner), offset, width));
+      case Buffer::kOutput:
+        return Offset(t.PeerOutput(owner), offset, width);
+      case Buffer::kScratch:
+        return Offset(t.PeerScratch(owner), offset, acc_width);
+    }
+    return nullptr;
+  };
+  for (size_t g = 0; g < steps.size(); ++g) {
+    const RingStep& step = steps[g];
+    const int source_owner = step.from_left ? left : t.rank();
+    for (int64_t k = 0; k < slices; ++k) {
+      if (step.waits_for_left) {
+        Status status = t.WaitForProgress(left, static_cast<uint32_t>((g - 1) * slices + k + 1));
+        if (!status.ok()) return status;
+      }
+      const int64_t lo = step.count * k / slices;
+      const int64_t hi = step.count * (k + 1) / slices;
+      if (hi > lo) {
+        const bool source_acc = step.source == Buffer::kScratch;
+        const bool dst_acc = step.dst == Buffer::kScratch;
+        const size_t source_width = source_acc ? acc_width : width;
+        const size_t dst_width = dst_acc ? acc_width : width;
+        char* source = locate(step.source, source_owner, step.source_offset) + lo * source_width;
+        char* dst = locate(step.dst, t.rank(), step.dst_offset) + lo * dst_width;
+        if (step.reduce) {
+          const Operand srcs[2] = {
+              Operand{source, source_acc},
+              Operand{locate(Buffer::kInput, t.rank(), step.own_input_offset) + lo * width}};
+          const Target target{dst, dst_acc};
+          Reduce(h.dtype, h.op, srcs, 2, &target, 1, hi - lo, dst_acc ? 0 : mean_divisor);
+        } else {
+          std::memcpy(dst, source, (hi - lo) * width);
+        }
+      }
+      t.PublishProgress(static_cast<uint32_t>(g * slices + k + 1));
+    }
+  }
+  // The right neighbour is the only reader of this rank's buffers; once it is done we may leave.
+  return t.WaitForProgress(right, static_cast<uint32_t>(steps.size() * slices));
+}
+
+Status RingCollective(LocalTransport& t, const Config& config, const CollectiveBuffers& b) {
+  const Header& h = t.header();
+  const int n = t.size();
+  std::vector<RingStep> steps;
+  int64_t chunk = 0;
+  switch (h.kind) {
+    case Collective::kAllReduce:
+      steps = RingAllReduceSchedule(t.rank(), n, h.count, AlignElements(h.dtype));
+      chunk = (h.count + n - 1) / n;
+      break;
+    case Collective::kReduceScatter:
+      steps = RingReduceScatterSchedule(t.rank(), n, b.output_count);
+      chunk = b.output_count;
+      break;
+    case Collective::kAllGather:
+      steps = RingAllGatherSchedule(t.rank(), n, h.count);
+      chunk = h.count;
+      break;
+    default:
+      return Status::Error(t.Where() + ": no ring algorithm for this collective");
+  }
+  const int64_t slice_elements =
+      std::max<int64_t>(1, config.pipeline_slice_bytes / static_cast<int64_t>(ByteWidth(h.dtype)));
+  const int64_t slices = std::max<int64_t>(1, (chunk + slice_elements - 1) / slice_elements);
+  return RunRing(t, steps, slices, n);
+}
+
+}  // namespace
+
+Algorithm ChooseAlgorithm(const Header& header, int size, const Config& config) {
+  const bool has_ring = header.kind == Collective::kAllReduce ||
+                        header.kind == Collective::kReduceScatter ||
+                        header.kind == Collective::kAllGather;
+  if (!has_ring || size == 1) return Algorithm::kDirect;
+  if (config.algorithm != Algorithm::kAuto) return config.algorithm;
+  const int64_t bytes = header.count * static_cast<int64_t>(ByteWidth(header.dtype));
+  return bytes > config.ring_threshold_bytes ? Algorithm::kRing : Algorithm::kDirect;
+}
+
+size_t ScratchBytes(const Header& header, int size, Algorithm algorithm) {
+  if (algorithm != Algorithm::kRing || !IsReduction(header.kind) || size < 3) return 0;
+  return header.count * AccumulatorWidth(header.dtype);
+}
+
+Status RunCollective(LocalTransport& t, Algorithm algorithm, const Config& config,
+                     const CollectiveBuffers& b) {
+  const Header& h = t.header();
+  if (h.kind == Collective::kBarrier) return Status();  // arriving was the barrier
+  if (algorithm == Algorithm::kRing) return RingCollective(t, config, b);
+  switch (h.kind) {
+    case Collective::kAllReduce: return DirectAllReduce(t, b);
+    case Collective::kReduceScatter: return DirectReduceScatter(t, b);
+    case Collective::kAllGather: return DirectAllGather(t, b);
+    case Collective::kBroadcast: return DirectBroadcast(t, b);
+    case Collective::kBarrier: break;
+  }
+  return Status();
+}
+
+}  // namespace jaxring

@@ -1,0 +1,251 @@
+#include "transports/local.h"
+
+#include <algorithm>
+#include <cstdlib>
+#include <deque>
+#include <map>
+#include <mutex>
+#include <sstream>
+#include <tuple>
+#include <unordered_map>
+
+namespace jaxring {
+
+struct PeerSlot {
+  Header header;
+  const void* input = nullptr;
+  void* output = nullptr;
+  void* scratch = nullptr;
+  Flag progress;
+  std::atomic<bool> arrived{false};
+  std::atomic<bool> finished{false};
+};
+
+class Meeting {
+ public:
+  explicit Meeting(int size) : size(size), peers(new PeerSlot[size]) {}
+  const int size;
+  std::unique_ptr<PeerSlot[]> peers;
+  Flag arrivals;
+  Flag departures;
+};
+
+namespace {
+
+bool Arrived(const Meeting& m, int peer) { return m.peers[peer].arrived.load(); }
+bool Finished(const Meeting& m, int peer) { return m.peers[peer].finished.load(); }
+
+using MeetingKey = std::tuple<uint64_t, int64_t, int64_t, uint64_t>;  // comm, group, run, seq
+using SequenceKey = std::tuple<uint64_t, int64_t, int, int64_t>;      // comm, group, rank, run
+
+// Where ranks find each other. Meetings leave the registry once everyone has arrived; the
+// sequence counters of old runs are evicted oldest first.
+class Registry {
+ public:
+  static Registry& Get() {
+    static Registry* registry = new Registry();  // never destroyed: device threads may outlive exit
+    return *registry;
+  }
+
+  // Returns the meeting for this rank's next call, and whether the rank was already there.
+  std::shared_ptr<Meeting> Enter(const CommunicatorId& comm, int64_t run_id, int rank,
+                                 uint64_t* sequence) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    SequenceKey seq_key{comm.comm, comm.group, rank, run_id};
+    auto [it, inserted] = sequences_.try_emplace(seq_key, 0);
+    if (inserted) {
+      order_.push_back(seq_key);
+      if (order_.size() > kMaxSequences) {
+        sequences_.erase(order_.front());
+        order_.pop_front();
+      }
+    }
+    *sequence = it->second++;
+    MeetingKey key{comm.comm, comm.group, run_id, *sequence};
+    auto& slot = meetings_[key];
+    if (!slot) slot = std::make_shared<Meeting>(comm.size);
+    return slot;
+  }
+
+  void Leave(const CommunicatorId& comm, int64_t run_id, uint64_t sequence) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    meetings_.erase(MeetingKey{comm.comm, comm.group, run_id, sequence});
+  }
+
+ private:
+  static constexpr size_t kMaxSequences = 1 << 14;
+  std::mutex mutex_;
+  std::map<MeetingKey, std::shared_ptr<Meeting>> meetings_;
+  std::map<SequenceKey, uint64_t> sequences_;
+  std::deque<SequenceKey> order_;
+};
+
+}  // namespace
+
+std::unique_ptr<LocalTransport> LocalTransport::Join(const CommunicatorId& comm, int64_t run_id,
+                                                     int rank, const Header& header,
+                                                     const void* input, void* output,
+                                                     void* scratch, double timeout_seconds,
+                                                     int64_t spin_iterations) {
+  uint64_t sequence = 0;
+  std::shared_ptr<Meeting> meeting = Registry::Get().Enter(comm, run_id, rank, &sequence);
+  PeerSlot& me = meeting->peers[rank];
+  me.header = header;
+  me.input = input;
+  me.output = output;
+  me.scratch = scratch;
+  me.arrived.store(true, std::memory_order_release);
+  if (meeting->arrivals.Add(1) == static_cast<uint32_t>(comm.size) ||
+      meeting->arrivals.Load() & Flag::kAbandoned) {
+    Registry::Get().Leave(comm, run_id, sequence);  // everyone holds the meeting now
+  }
+  return std::unique_ptr<LocalTransport>(
+      new LocalTransport(comm, rank, header, std::move(meeting), timeout_seconds, spin_iterations));
+}
+
+LocalTransport::LocalTransport(CommunicatorId comm, int rank, Header header,
+                               std::shared_ptr<Meeting> meeting, double timeout_seconds,
+                               int64_t spin_iterations)
+    : comm_(std::move(comm)),
+      rank_(rank),
+      header_(header),
+      meeting_(std::move(meeting)),
+      deadline_(timeout_seconds),
+      spin_iterations_(spin_iterations) {}
+
+LocalTransport::~LocalTransport() = default;
+
+std::string LocalTransport::Where() const {
+  std::ostringstream s;
+  s << "jaxring " << Describe(header_) << " on " << comm_.name << " (rank " << rank_ << " of "
+    << comm_.size << ")";
+  return s.str();
+}
+
+std::string LocalTransport::MissingPeers(const char* what,
+                                         bool (*done)(const Meeting&, int)) const {
+  std::ostringstream s;
+  s << Where() << ": timed out after " << deadline_.seconds() << " s waiting for rank(s) [";
+  bool first = true;
+  for (int peer = 0; peer < comm_.size; ++peer) {
+    if (done(*meeting_, peer)) continue;
+    s << (first ? "" : ", ") << peer;
+    first = false;
+  }
+  s << "] to " << what
+    << ". A peer that never calls this collective (a rank-dependent branch, or a crashed "
+       "device) cannot be waited for; raise jaxring.config timeout_seconds if it is just slow.";
+  return s.str();
+}
+
+Status LocalTransport::WaitForPeers() {
+  const uint32_t size = static_cast<uint32_t>(comm_.size);
+  if (!meeting_->arrivals.WaitAtLeast(size, deadline_, spin_iterations_) &&
+      meeting_->arrivals.AbandonBelow(size))
+    return Status::Error(MissingPeers("arrive", Arrived));
+  if (meeting_->arrivals.Load() & Flag::kAbandoned)
+    return Status::Error(Where() + ": a peer gave up waiting for this collective (it timed out "
+                                   "before this rank arrived); see the error on the other ranks.");
+  // Every rank checks every header, so a mismatch is reported on every rank.
+  const Header& reference = meeting_->peers[0].header;
+  for (int peer = 1; peer < comm_.size; ++peer) {
+    const Header& other = meeting_->peers[peer].header;
+    if (!(other == reference)) {
+      std::ostringstream s;
+      s << Where() << ": mismatched collectives: rank 0 called " << Describe(reference)
+        << " but rank " << peer << " called " << Describe(other)
+        << ". Every rank must make the same collective calls in the same order.";
+      return Status::Error(s.str());
+    }
+  }
+  return Status();
+}
+
+Status LocalTransport::Finish() {
+  meeting_->peers[rank_].finished.store(true, std::memory_order_release);
+  meeting_->departures.Add(1);
+  const uint32_t size = static_cast<uint32_t>(comm_.size);
+  if (!meeting_->departures.WaitAtLeast(size, deadline_, spin_iterations_) &&
+      meeting_->departures.AbandonBelow(size))
+    return Status::Error(MissingPeers("finish", Finished));
+  if (meeting_->departures.Load() & Flag::kAbandoned)
+    return Status::Error(Where() + ": a peer gave up waiting for this collective to finish; its "
+                                   "result cannot be trusted. See the error on the other ranks.");
+  return Status();
+}
+
+const void* LocalTransport::PeerInput(int peer) const { return meeting_->peers[peer].input; }
+void* LocalTransport::PeerOutput(int peer) const { return meeting_->peers[peer].output; }
+void* LocalTransport::PeerScratch(int peer) const { return meeting_->peers[peer].scratch; }
+
+void LocalTransport::PublishProgress(uint32_t units) {
+  meeting_->peers[rank_].progress.Store(units);
+}
+
+Status LocalTransport::WaitForProgress(int peer, uint32_t units) {
+  if (meeting_->peers[peer].progress.WaitAtLeast(units, deadline_, spin_iterations_))
+    return Status();
+  std::ostringstream s;
+  s << Where() << ": timed out after " << deadline_.seconds() << " s waiting for rank " << peer
+    << " to reach ring step unit " << units << " (it reached "
+    << meeting_->peers[peer].progress.Load() << ")";
+  return Status::Error(s.str());
+}
+
+// ---- scratch pool ------------------------------------------------------------------------------
+
+namespace {
+struct ScratchPool {
+  std::mutex mutex;
+  std::multimap<size_t, void*> free_buffers;  // capacity -> buffer
+  static constexpr size_t kMaxPooled = 64;
+};
+ScratchPool& Pool() {
+  static ScratchPool* pool = new ScratchPool();
+  return *pool;
+}
+}  // namespace
+
+ScratchLease ScratchLease::Acquire(size_t bytes) {
+  ScratchLease lease;
+  if (bytes == 0) return lease;
+  {
+    ScratchPool& pool = Pool();
+    std::lock_guard<std::mutex> lock(pool.mutex);
+    auto it = pool.free_buffers.lower_bound(bytes);
+    if (it != pool.free_buffers.end()) {
+      lease.capacity_ = it->first;
+      lease.data_ = it->second;
+      pool.free_buffers.erase(it);
+      return lease;
+    }
+  }
+  lease.capacity_ = (bytes + 63) / 64 * 64;
+  lease.data_ = std::aligned_alloc(64, lease.capacity_);
+  return lease;
+}
+
+ScratchLease::ScratchLease(ScratchLease&& other) noexcept
+    : data_(other.data_), capacity_(other.capacity_) {
+  other.data_ = nullptr;
+  other.capacity_ = 0;
+}
+
+ScratchLease& ScratchLease::operator=(ScratchLease&& other) noexcept {
+  std::swap(data_, other.data_);
+  std::swap(capacity_, other.capacity_);
+  return *this;
+}
+
+ScratchLease::~ScratchLease() {
+  if (!data_) return;
+  ScratchPool& pool = Pool();
+  std::lock_guard<std::mutex> lock(pool.mutex);
+  if (pool.free_buffers.size() < ScratchPool::kMaxPooled) {
+    pool.free_buffers.emplace(capacity_, data_);
+  } else {
+    std::free(data_);
+  }
+}
+
+}  // namespace jaxring

@@ -1,0 +1,92 @@
+// The local transport: the devices of one process meet in shared memory. Each collective call is
+// one Meeting, found in a registry keyed by (communicator, group, XLA run id, call sequence).
+// Peers publish a header and their buffer pointers; algorithms then read and write peers' buffers
+// directly (no staging copy) and hand off work through per-rank progress flags.
+//
+// The transport knows nothing about which collective it serves: it moves no bytes itself.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "common/status.h"
+#include "common/types.h"
+#include "common/wait.h"
+
+namespace jaxring {
+
+// Identifies a set of devices that talk to each other: a hash of the mesh axes reduced over
+// (`comm`), and which group of those axes this is (`group`, the index along all other axes).
+struct CommunicatorId {
+  uint64_t comm = 0;
+  int64_t group = 0;
+  int size = 1;
+  std::string name;  // for error messages, e.g. "axis 'data'"
+};
+
+class Meeting;
+
+class LocalTransport {
+ public:
+  // Joins the next collective of `rank` in `comm` during XLA run `run_id`. Calls of one rank are
+  // matched with its peers' in program order; the header check then proves they are the same call.
+  static std::unique_ptr<LocalTransport> Join(const CommunicatorId& comm, int64_t run_id, int rank,
+                                              const Header& header, const void* input,
+                                              void* output, void* scratch, double timeout_seconds,
+                                              int64_t spin_iterations);
+  ~LocalTransport();
+
+  int rank() const { return rank_; }
+  int size() const { return comm_.size; }
+  const Header& header() const { return header_; }
+
+  // Waits until every peer has published, then checks that all headers agree.
+  Status WaitForPeers();
+  // Waits until every peer has called Finish (or this rank's deadline passes).
+  Status Finish();
+
+  // Peers' published buffers (valid after WaitForPeers).
+  const void* PeerInput(int peer) const;
+  void* PeerOutput(int peer) const;
+  void* PeerScratch(int peer) const;
+
+  // Pairwise hand-off: this rank has completed `units` units of work (monotone).
+  void PublishProgress(uint32_t units);
+  // Waits until `peer` has published at least `units`.
+  Status WaitForProgress(int peer, uint32_t units);
+
+  // Error text prefix naming the call, the communicator and this rank.
+  std::string Where() const;
+
+ private:
+  LocalTransport(CommunicatorId comm, int rank, Header header, std::shared_ptr<Meeting> meeting,
+                 double timeout_seconds, int64_t spin_iterations);
+  std::string MissingPeers(const char* what, bool (*done)(const Meeting&, int)) const;
+
+  CommunicatorId comm_;
+  int rank_;
+  Header header_;
+  std::shared_ptr<Meeting> meeting_;
+  Deadline deadline_;
+  int64_t spin_iterations_;
+};
+
+// Reusable scratch memory (the ring's float32 partial sums), so that a collective does not
+// allocate and fault in fresh pages on every call.
+class ScratchLease {
+ public:
+  static ScratchLease Acquire(size_t bytes);
+  ScratchLease() = default;
+  ScratchLease(ScratchLease&& other) noexcept;
+  ScratchLease& operator=(ScratchLease&& other) noexcept;
+  ~ScratchLease();
+  void* data() const { return data_; }
+
+ private:
+  void* data_ = nullptr;
+  size_t capacity_ = 0;
+};
+
+}  // namespace jaxring
