@@ -1,0 +1,99 @@
+"""all_gather: the twin of lax.all_gather(..., tiled=True); the second half of the ring."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax._src import core
+from jax.interpreters import ad, batching
+
+from jaxring._src import common
+
+# ---- primitive ---------------------------------------------------------------------------------
+
+# Gathers along the leading dimension; the public function moves `axis` there.
+all_gather_p = core.Primitive("jaxring_all_gather")
+
+# ---- public function ---------------------------------------------------------------------------
+
+
+def all_gather(x, axis_name, axis: int = 0):
+    """Concatenates the `x` of every device of `axis_name` along `axis`, in device order.
+
+    Drop-in for ``lax.all_gather(x, axis_name, axis=axis, tiled=True)``. Scalars are gathered
+    into a vector of one element per device.
+    """
+
+    def gather_leaf(leaf):
+        leaf = jnp.asarray(leaf)
+        common.check_dtype("all_gather", leaf)
+        comm = common.communicator("all_gather", axis_name)
+        if leaf.ndim == 0:
+            leaf = leaf[None]
+        if not -leaf.ndim <= axis < leaf.ndim:
+            raise ValueError(f"jaxring.all_gather: axis {axis} is out of range for rank {leaf.ndim}")
+        dim = axis % leaf.ndim
+        out = _bind(jnp.moveaxis(leaf, dim, 0), comm)
+        return jnp.moveaxis(out, 0, dim)
+
+    return jax.tree.map(gather_leaf, x)
+
+
+def _bind(x, comm: common.AxisCommunicator):
+    rank, group = comm.rank_and_group()
+    x = common.make_varying(x, comm.axes)
+    return all_gather_p.bind(rank, group, x, comm=comm, op_id=common.next_op_id())
+
+
+# ---- abstract evaluation -----------------------------------------------------------------------
+
+
+def _abstract_eval(rank, group, x, *, comm, op_id):
+    shape = (x.shape[0] * comm.size, *x.shape[1:])
+    return x.update(shape=shape), {common.collective_effect}
+
+
+# ---- lowering ----------------------------------------------------------------------------------
+
+
+def _lowering(ctx, rank, group, x, *, comm, op_id):
+    return common.lower_collective("jaxring_all_gather", ctx, rank, group, x, comm=comm,
+                                   op_id=op_id)
+
+
+# ---- batching ----------------------------------------------------------------------------------
+
+
+def _batching(args, dims, *, comm, op_id):
+    rank, group, x = args
+    assert common.unbatched(dims[0], dims[1]), "jaxring: rank/group cannot be batched"
+    x = common.move_batch_axis(x, dims[2], 1)
+    return all_gather_p.bind(rank, group, x, comm=comm, op_id=common.next_op_id()), 1
+
+
+# ---- JVP and transpose -------------------------------------------------------------------------
+
+
+def _jvp(primals, tangents, *, comm, op_id):
+    rank, group, x = primals
+    out = all_gather_p.bind(rank, group, x, comm=comm, op_id=op_id)
+    if type(tangents[2]) is ad.Zero:
+        return out, ad.Zero.from_primal_value(out)
+    return out, _bind(tangents[2], comm)
+
+
+def _transpose(cotangent, rank, group, x, *, comm, op_id):
+    from jaxring._src import reduce_scatter  # the other half of the ring
+
+    if type(cotangent) is ad.Zero:
+        return None, None, ad.Zero(x.aval)
+    return None, None, reduce_scatter._bind(cotangent, comm, "sum")
+
+
+# ---- registration ------------------------------------------------------------------------------
+
+all_gather_p.def_effectful_abstract_eval(_abstract_eval)
+common.register_lowering_rule(all_gather_p, _lowering)
+batching.primitive_batchers[all_gather_p] = _batching
+ad.primitive_jvps[all_gather_p] = _jvp
+ad.primitive_transposes[all_gather_p] = _transpose

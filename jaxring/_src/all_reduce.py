@@ -1,0 +1,113 @@
+"""all_reduce: the twin of lax.psum / pmean / pmax / pmin."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax._src import core
+from jax.interpreters import ad, batching
+
+from jaxring._src import common
+
+# ---- primitive ---------------------------------------------------------------------------------
+
+all_reduce_p = core.Primitive("jaxring_all_reduce")
+
+# ---- public function ---------------------------------------------------------------------------
+
+
+def all_reduce(x, axis_name, op: str = "sum"):
+    """Reduces `x` over the devices of `axis_name`; every device gets the same result.
+
+    Drop-in for ``lax.psum`` (op="sum"), ``lax.pmean`` ("mean"), ``lax.pmax`` ("max") and
+    ``lax.pmin`` ("min") inside ``jax.shard_map`` or ``jax.pmap``. `x` may be a pytree.
+    float16/bfloat16 accumulate in float32 and are rounded once. Results are bit-identical from
+    run to run and on every device. Integer "mean" divides like ``lax.pmean`` (true division).
+    """
+    common.check_op("all_reduce", op)
+
+    def reduce_leaf(leaf):
+        leaf = jnp.asarray(leaf)
+        common.check_dtype("all_reduce", leaf)
+        comm = common.communicator("all_reduce", axis_name)
+        if op == "mean" and jnp.issubdtype(leaf.dtype, jnp.integer):
+            return all_reduce(leaf, axis_name, "sum") / comm.size  # as lax.pmean does
+        return _bind(leaf, comm, op)
+
+    return jax.tree.map(reduce_leaf, x)
+
+
+def _bind(x, comm: common.AxisCommunicator, op: str):
+    rank, group = comm.rank_and_group()
+    x = common.make_varying(x, comm.axes)
+    return all_reduce_p.bind(rank, group, x, comm=comm, op=op, op_id=common.next_op_id())
+
+
+# ---- abstract evaluation -----------------------------------------------------------------------
+
+
+def _abstract_eval(rank, group, x, *, comm, op, op_id):
+    # Like psum: the result no longer varies over the reduced axes.
+    out = common.with_varying_axes(x, common.varying_axes(x) - frozenset(comm.axes))
+    return out, {common.collective_effect}
+
+
+# ---- lowering ----------------------------------------------------------------------------------
+
+
+def _lowering(ctx, rank, group, x, *, comm, op, op_id):
+    return common.lower_collective(
+        "jaxring_all_reduce", ctx, rank, group, x, comm=comm, op_id=op_id, op=common.REDUCE_OPS[op]
+    )
+
+
+# ---- batching ----------------------------------------------------------------------------------
+
+
+def _batching(args, dims, *, comm, op, op_id):
+    rank, group, x = args
+    assert common.unbatched(dims[0], dims[1]), "jaxring: rank/group cannot be batched"
+    # Elementwise across devices: the batch dimension just rides along.
+    return all_reduce_p.bind(rank, group, x, comm=comm, op=op, op_id=common.next_op_id()), dims[2]
+
+
+# ---- JVP and transpose -------------------------------------------------------------------------
+
+
+def _jvp(primals, tangents, *, comm, op, op_id):
+    rank, group, x = primals
+    out = all_reduce_p.bind(rank, group, x, comm=comm, op=op, op_id=op_id)
+    tangent = tangents[2]
+    if type(tangent) is ad.Zero:
+        return out, ad.Zero.from_primal_value(out)
+    if op in ("sum", "mean"):
+        return out, _bind(tangent, comm, op)
+    # max/min: the tangent of the winning element; ties share it equally (as jnp.max does).
+    winner = (x == out).astype(tangent.dtype)
+    share = _bind(winner, comm, "sum")
+    return out, _bind(tangent * winner, comm, "sum") / share
+
+
+def _transpose(cotangent, rank, group, x, *, comm, op, op_id):
+    if op not in ("sum", "mean"):
+        raise NotImplementedError(f"jaxring.all_reduce: op={op!r} is not linear")
+    if type(cotangent) is ad.Zero:
+        return None, None, ad.Zero(x.aval)
+    if common.vma_checking() and set(comm.axes) <= common.varying_axes(x.aval):
+        # As psum under shard_map's type checker: an invariant cotangent is cast back to varying.
+        ct = common.make_varying(cotangent, comm.axes)
+    else:
+        ct = _bind(cotangent, comm, "sum")
+    if op == "mean":
+        ct = ct / np.asarray(comm.size, ct.dtype)
+    return None, None, ct
+
+
+# ---- registration ------------------------------------------------------------------------------
+
+all_reduce_p.def_effectful_abstract_eval(_abstract_eval)
+common.register_lowering_rule(all_reduce_p, _lowering)
+batching.primitive_batchers[all_reduce_p] = _batching
+ad.primitive_jvps[all_reduce_p] = _jvp
+ad.primitive_transposes[all_reduce_p] = _transpose

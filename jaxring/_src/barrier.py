@@ -1,0 +1,56 @@
+"""barrier: no device of the axis continues until every device has reached it."""
+
+from __future__ import annotations
+
+from jax._src import core
+from jax.interpreters import batching
+
+from jaxring._src import common
+
+# ---- primitive ---------------------------------------------------------------------------------
+
+barrier_p = core.Primitive("jaxring_barrier")
+barrier_p.multiple_results = True
+
+# ---- public function ---------------------------------------------------------------------------
+
+
+def barrier(axis_name) -> None:
+    """Blocks each device of `axis_name` until all of them have arrived.
+
+    Ordered with every other jaxring call on the device, so it also separates the collectives
+    before it from those after it. A device that never arrives is named in a timeout error.
+    """
+    comm = common.communicator("barrier", axis_name)
+    rank, group = comm.rank_and_group()
+    barrier_p.bind(rank, group, comm=comm, op_id=common.next_op_id())
+
+
+# ---- abstract evaluation -----------------------------------------------------------------------
+
+
+def _abstract_eval(rank, group, *, comm, op_id):
+    return [], {common.collective_effect}
+
+
+# ---- lowering ----------------------------------------------------------------------------------
+
+
+def _lowering(ctx, rank, group, *, comm, op_id):
+    return common.lower_collective("jaxring_barrier", ctx, rank, group, comm=comm, op_id=op_id)
+
+
+# ---- batching ----------------------------------------------------------------------------------
+
+
+def _batching(args, dims, *, comm, op_id):
+    # Under vmap there is still one barrier per device.
+    rank, group = args
+    return barrier_p.bind(rank, group, comm=comm, op_id=op_id), []
+
+
+# ---- registration ------------------------------------------------------------------------------
+
+barrier_p.def_effectful_abstract_eval(_abstract_eval)
+common.register_lowering_rule(barrier_p, _lowering)
+batching.primitive_batchers[barrier_p] = _batching

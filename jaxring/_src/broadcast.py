@@ -1,0 +1,98 @@
+"""broadcast: every device of the axis receives the `x` of device `root`."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax._src import core
+from jax.interpreters import ad, batching
+
+from jaxring._src import common
+
+# ---- primitive ---------------------------------------------------------------------------------
+
+broadcast_p = core.Primitive("jaxring_broadcast")
+
+# ---- public function ---------------------------------------------------------------------------
+
+
+def broadcast(x, axis_name, root: int = 0):
+    """Returns, on every device of `axis_name`, the value `x` has on device `root`.
+
+    The result has the shape and dtype of `x`. Gradients flow back to `root` only: its
+    cotangent is the sum of every device's cotangent; the others get zeros.
+    """
+
+    def broadcast_leaf(leaf):
+        leaf = jnp.asarray(leaf)
+        common.check_dtype("broadcast", leaf)
+        comm = common.communicator("broadcast", axis_name)
+        if not isinstance(root, int) or not 0 <= root < comm.size:
+            raise ValueError(
+                f"jaxring.broadcast: root must be an int in [0, {comm.size}) for {comm.name}, "
+                f"got {root!r}"
+            )
+        return _bind(leaf, comm, root)
+
+    return jax.tree.map(broadcast_leaf, x)
+
+
+def _bind(x, comm: common.AxisCommunicator, root: int):
+    rank, group = comm.rank_and_group()
+    x = common.make_varying(x, comm.axes)
+    return broadcast_p.bind(rank, group, x, comm=comm, root=root, op_id=common.next_op_id())
+
+
+# ---- abstract evaluation -----------------------------------------------------------------------
+
+
+def _abstract_eval(rank, group, x, *, comm, root, op_id):
+    return x, {common.collective_effect}
+
+
+# ---- lowering ----------------------------------------------------------------------------------
+
+
+def _lowering(ctx, rank, group, x, *, comm, root, op_id):
+    return common.lower_collective("jaxring_broadcast", ctx, rank, group, x, comm=comm,
+                                   op_id=op_id, root=root)
+
+
+# ---- batching ----------------------------------------------------------------------------------
+
+
+def _batching(args, dims, *, comm, root, op_id):
+    rank, group, x = args
+    assert common.unbatched(dims[0], dims[1]), "jaxring: rank/group cannot be batched"
+    return broadcast_p.bind(rank, group, x, comm=comm, root=root,
+                            op_id=common.next_op_id()), dims[2]
+
+
+# ---- JVP and transpose -------------------------------------------------------------------------
+
+
+def _jvp(primals, tangents, *, comm, root, op_id):
+    rank, group, x = primals
+    out = broadcast_p.bind(rank, group, x, comm=comm, root=root, op_id=op_id)
+    if type(tangents[2]) is ad.Zero:
+        return out, ad.Zero.from_primal_value(out)
+    return out, _bind(tangents[2], comm, root)
+
+
+def _transpose(cotangent, rank, group, x, *, comm, root, op_id):
+    from jaxring._src import all_reduce
+
+    if type(cotangent) is ad.Zero:
+        return None, None, ad.Zero(x.aval)
+    total = all_reduce._bind(cotangent, comm, "sum")
+    total = common.make_varying(total, comm.axes)
+    return None, None, jnp.where(rank == root, total, jnp.zeros_like(total))
+
+
+# ---- registration ------------------------------------------------------------------------------
+
+broadcast_p.def_effectful_abstract_eval(_abstract_eval)
+common.register_lowering_rule(broadcast_p, _lowering)
+batching.primitive_batchers[broadcast_p] = _batching
+ad.primitive_jvps[broadcast_p] = _jvp
+ad.primitive_transposes[broadcast_p] = _transpose

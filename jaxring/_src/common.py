@@ -1,0 +1,216 @@
+"""What every jaxring collective shares: the dtype and op tables, the ordered effect, the
+communicator of a mesh axis, the lowering to an FFI custom call, and the vma (varying manual axes)
+bookkeeping that shard_map's type checker needs.
+
+The per-collective modules (all_reduce.py, reduce_scatter.py, ...) all have the same sections:
+primitive, public function, abstract eval, lowering, batching, JVP/transpose, registration.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import itertools
+import math
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax._src import config as jax_config
+from jax._src import core, effects
+from jax._src.interpreters import mlir
+
+from jaxring._src import native
+
+# ---- tables (one place for each fact) ----------------------------------------------------------
+
+SUPPORTED_DTYPES: tuple[np.dtype, ...] = tuple(
+    np.dtype(d) for d in (jnp.float32, jnp.float64, jnp.float16, jnp.bfloat16, jnp.int32, jnp.int64)
+)
+# Values match xla_ffi/common/types.h ReduceOp.
+REDUCE_OPS: dict[str, int] = {"sum": 0, "mean": 1, "max": 2, "min": 3}
+
+
+def check_dtype(name: str, x) -> None:
+    dtype = np.dtype(x.dtype)
+    if dtype not in SUPPORTED_DTYPES:
+        allowed = ", ".join(str(d) for d in SUPPORTED_DTYPES)
+        raise TypeError(f"jaxring.{name}: unsupported dtype {dtype}; allowed: {allowed}")
+
+
+def check_op(name: str, op: str) -> None:
+    if op not in REDUCE_OPS:
+        raise ValueError(
+            f"jaxring.{name}: unsupported op {op!r}; allowed: {', '.join(map(repr, REDUCE_OPS))}"
+        )
+
+
+# ---- the ordered effect --------------------------------------------------------------------------
+
+
+class CollectiveEffect(effects.Effect):
+    """Communication happens in program order on every device: XLA threads a token through every
+    jaxring call, so two collectives can never be reordered (or run concurrently) on one device
+    and be matched with the wrong peers."""
+
+    def __str__(self):
+        return "jaxring.Collective"
+
+
+collective_effect = CollectiveEffect()
+for _effect_set in (
+    effects.ordered_effects,
+    effects.shardable_ordered_effects,  # allowed in computations over several devices
+    effects.lowerable_effects,
+    effects.control_flow_allowed_effects,
+    effects.custom_derivatives_allowed_effects,
+    effects.remat_allowed_effects,
+):
+    _effect_set.add_type(CollectiveEffect)
+
+# ---- op ids ------------------------------------------------------------------------------------
+
+_op_ids = itertools.count(1)
+
+
+def next_op_id() -> int:
+    """A static id for one call site, carried in the header peers compare."""
+    return next(_op_ids)
+
+
+# ---- communicators of mesh axes ------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class AxisCommunicator:
+    """The devices along `axes` of the current shard_map/pmap mesh. Devices that differ in the
+    other mesh axes form separate groups of this communicator; `key` is the same in every group."""
+
+    axes: tuple[Any, ...]
+    size: int
+    key: int
+    name: str
+
+    def rank_and_group(self):
+        """The (rank, group) int32 operands every jaxring custom call takes."""
+        rank = lax.axis_index(self.axes) if self.axes else jnp.int32(0)
+        others = _other_mesh_axes(self.axes)
+        group = lax.axis_index(others) if others else jnp.int32(0)
+        return jnp.asarray(rank, jnp.int32), jnp.asarray(group, jnp.int32)
+
+
+def _mesh_axes() -> tuple[Any, ...]:
+    mesh = jax.sharding.get_abstract_mesh()
+    names = tuple(mesh.axis_names) if mesh is not None and not mesh.empty else ()
+    return names
+
+
+def _other_mesh_axes(axes: tuple[Any, ...]) -> tuple[Any, ...]:
+    mesh = jax.sharding.get_abstract_mesh()
+    return tuple(a for a in _mesh_axes() if a not in axes and mesh.shape[a] > 1)
+
+
+def communicator(name: str, axis_name) -> AxisCommunicator:
+    """Resolves `axis_name` (a mesh axis name or a tuple of them) inside shard_map or pmap."""
+    axes = tuple(axis_name) if isinstance(axis_name, (tuple, list)) else (axis_name,)
+    env = core.get_axis_env()
+    mesh_axes = _mesh_axes()
+    for axis in axes:
+        if not env.axis_exists(axis):
+            raise NameError(
+                f"jaxring.{name}: unbound axis name {axis!r}; call it inside jax.shard_map or "
+                f"jax.pmap over that axis (bound axes: {env.axis_names()})"
+            )
+        if axis not in mesh_axes:
+            raise ValueError(
+                f"jaxring.{name}: axis {axis!r} is not a device mesh axis (a vmap axis?); "
+                "jaxring communicates between devices, use jax.lax collectives for vmap axes"
+            )
+    mesh = jax.sharding.get_abstract_mesh()
+    auto = [a for a in mesh.axis_names if a not in mesh.manual_axes and mesh.shape[a] > 1]
+    if auto:
+        raise ValueError(
+            f"jaxring.{name}: every mesh axis must be manual inside shard_map, but {auto} are "
+            "not (shard_map(..., axis_names=...) left them automatic); jaxring needs to know "
+            "which device it runs on"
+        )
+    size = math.prod(env.axis_size(a) for a in axes)
+    label = ", ".join(repr(a) for a in axes)
+    digest = hashlib.blake2b(repr((axes, tuple(mesh.shape.items()))).encode(), digest_size=8)
+    key = int.from_bytes(digest.digest(), "little") & ((1 << 63) - 1)
+    return AxisCommunicator(axes=axes, size=size, key=key, name=f"mesh axis {label}")
+
+
+# ---- varying manual axes (shard_map's check_vma) --------------------------------------------------
+
+
+def vma_checking() -> bool:
+    return bool(jax_config._check_vma.value)
+
+
+def varying_axes(aval) -> frozenset:
+    mat = getattr(aval, "mat", None)
+    if mat is not None:
+        return frozenset(mat.varying)
+    return frozenset(getattr(aval, "vma", frozenset()))
+
+
+def with_varying_axes(aval, varying: frozenset):
+    if getattr(aval, "mat", None) is not None:
+        return aval.update(manual_axis_type=aval.mat.update(varying=frozenset(varying)))
+    if hasattr(aval, "vma"):
+        return aval.update(vma=frozenset(varying))
+    return aval
+
+
+def make_varying(x, axes: tuple[Any, ...]):
+    """Casts `x` to vary over `axes`, as lax collectives do for invariant inputs."""
+    if not vma_checking():
+        return x
+    missing = tuple(a for a in axes if a not in varying_axes(core.typeof(x)))
+    return lax.pcast(x, missing, to="varying") if missing else x
+
+
+# ---- lowering ----------------------------------------------------------------------------------
+
+
+def lower_collective(target: str, ctx, *operands, comm: AxisCommunicator, op_id: int, **attrs):
+    """Lowers to the FFI custom call `target`, threading the ordered effect's token through it.
+
+    Operands are (rank, group, *data); results are (token, *data)."""
+    native.register_targets()
+    token = ctx.tokens_in.get(collective_effect)
+    lowering = jax.ffi.ffi_lowering(target, has_side_effect=True)
+    sub_ctx = ctx.replace(
+        avals_in=[core.abstract_token, *ctx.avals_in],
+        avals_out=[core.abstract_token, *ctx.avals_out],
+    )
+    results = lowering(
+        sub_ctx,
+        token,
+        *operands,
+        comm=np.int64(comm.key),
+        comm_name=comm.name,
+        size=np.int64(comm.size),
+        op_id=np.int64(op_id),
+        **{k: np.int64(v) for k, v in attrs.items()},
+    )
+    ctx.set_tokens_out(mlir.TokenSet({collective_effect: results[0]}))
+    return results[1:]
+
+
+def register_lowering_rule(primitive, rule) -> None:
+    mlir.register_lowering(primitive, rule, platform="cpu")
+
+
+def move_batch_axis(x, batch_dim, to: int = 0):
+    """Batching helper: put vmap's batch dimension at `to`."""
+    if batch_dim is None or batch_dim == to:
+        return x
+    return jnp.moveaxis(x, batch_dim, to)
+
+
+def unbatched(*dims: Sequence[Any]) -> bool:
+    return all(d is None for d in dims)

@@ -1,0 +1,122 @@
+"""reduce_scatter: the twin of lax.psum_scatter(..., tiled=True); the first half of the ring."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax._src import core
+from jax.interpreters import ad, batching
+
+from jaxring._src import common
+
+# ---- primitive ---------------------------------------------------------------------------------
+
+# Scatters along the leading dimension; the public function moves `scatter_dimension` there.
+reduce_scatter_p = core.Primitive("jaxring_reduce_scatter")
+
+# ---- public function ---------------------------------------------------------------------------
+
+
+def reduce_scatter(x, axis_name, op: str = "sum", scatter_dimension: int = 0):
+    """Reduces `x` over the devices of `axis_name` and leaves block i of the result on device i.
+
+    Drop-in for ``lax.psum_scatter(x, axis_name, scatter_dimension=d, tiled=True)``: dimension `d`
+    of `x` must be divisible by the number of devices and shrinks by that factor. `op` is one of
+    "sum", "mean", "max", "min".
+    """
+    common.check_op("reduce_scatter", op)
+
+    def scatter_leaf(leaf):
+        leaf = jnp.asarray(leaf)
+        common.check_dtype("reduce_scatter", leaf)
+        comm = common.communicator("reduce_scatter", axis_name)
+        if leaf.ndim == 0:
+            raise ValueError("jaxring.reduce_scatter: needs an array of rank >= 1, got a scalar")
+        dim = _canonical_dimension(scatter_dimension, leaf.ndim)
+        if leaf.shape[dim] % comm.size:
+            raise ValueError(
+                f"jaxring.reduce_scatter: dimension {dim} of shape {leaf.shape} must be divisible "
+                f"by the {comm.size} devices of {comm.name}"
+            )
+        if op == "mean" and jnp.issubdtype(leaf.dtype, jnp.integer):
+            return reduce_scatter(leaf, axis_name, "sum", dim) / comm.size
+        out = _bind(jnp.moveaxis(leaf, dim, 0), comm, op)
+        return jnp.moveaxis(out, 0, dim)
+
+    return jax.tree.map(scatter_leaf, x)
+
+
+def _canonical_dimension(dim: int, ndim: int) -> int:
+    if not -ndim <= dim < ndim:
+        raise ValueError(f"jaxring: dimension {dim} is out of range for rank {ndim}")
+    return dim % ndim
+
+
+def _bind(x, comm: common.AxisCommunicator, op: str):
+    rank, group = comm.rank_and_group()
+    x = common.make_varying(x, comm.axes)
+    return reduce_scatter_p.bind(rank, group, x, comm=comm, op=op, op_id=common.next_op_id())
+
+
+# ---- abstract evaluation -----------------------------------------------------------------------
+
+
+def _abstract_eval(rank, group, x, *, comm, op, op_id):
+    shape = (x.shape[0] // comm.size, *x.shape[1:])
+    return x.update(shape=shape), {common.collective_effect}
+
+
+# ---- lowering ----------------------------------------------------------------------------------
+
+
+def _lowering(ctx, rank, group, x, *, comm, op, op_id):
+    return common.lower_collective(
+        "jaxring_reduce_scatter", ctx, rank, group, x, comm=comm, op_id=op_id,
+        op=common.REDUCE_OPS[op],
+    )
+
+
+# ---- batching ----------------------------------------------------------------------------------
+
+
+def _batching(args, dims, *, comm, op, op_id):
+    rank, group, x = args
+    assert common.unbatched(dims[0], dims[1]), "jaxring: rank/group cannot be batched"
+    # The leading dimension is the scattered one, so the batch dimension goes second.
+    x = common.move_batch_axis(x, dims[2], 1)
+    return reduce_scatter_p.bind(rank, group, x, comm=comm, op=op, op_id=common.next_op_id()), 1
+
+
+# ---- JVP and transpose -------------------------------------------------------------------------
+
+
+def _jvp(primals, tangents, *, comm, op, op_id):
+    rank, group, x = primals
+    out = reduce_scatter_p.bind(rank, group, x, comm=comm, op=op, op_id=op_id)
+    tangent = tangents[2]
+    if type(tangent) is ad.Zero:
+        return out, ad.Zero.from_primal_value(out)
+    if op not in ("sum", "mean"):
+        raise NotImplementedError(f"jaxring.reduce_scatter: no derivative for op={op!r}")
+    return out, _bind(tangent, comm, op)
+
+
+def _transpose(cotangent, rank, group, x, *, comm, op, op_id):
+    from jaxring._src import all_gather  # the other half of the ring
+
+    if type(cotangent) is ad.Zero:
+        return None, None, ad.Zero(x.aval)
+    ct = all_gather._bind(cotangent, comm)
+    if op == "mean":
+        ct = ct / np.asarray(comm.size, ct.dtype)
+    return None, None, ct
+
+
+# ---- registration ------------------------------------------------------------------------------
+
+reduce_scatter_p.def_effectful_abstract_eval(_abstract_eval)
+common.register_lowering_rule(reduce_scatter_p, _lowering)
+batching.primitive_batchers[reduce_scatter_p] = _batching
+ad.primitive_jvps[reduce_scatter_p] = _jvp
+ad.primitive_transposes[reduce_scatter_p] = _transpose

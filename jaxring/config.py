@@ -1,0 +1,87 @@
+"""jaxring's configuration: one object, written through to the native library.
+
+Environment variables (JAXRING_TIMEOUT_SECONDS, JAXRING_RING_THRESHOLD_BYTES, JAXRING_ALGORITHM,
+JAXRING_PIPELINE_SLICE_BYTES, JAXRING_SPIN_ITERATIONS) override the defaults at import time;
+``update`` and ``override`` change them at run time. Values are read when a collective runs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+
+from jaxring._src import native
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    # Every wait gives up after this long, naming the devices that never arrived.
+    timeout_seconds: float = 300.0
+    # "auto" uses the direct (one-shot) algorithm up to this many bytes per device and the
+    # pipelined ring above it. Measured in benchmarks/allreduce.py: on CPU devices sharing one
+    # memory the direct path moves the fewest bytes at every size, so the ring is opt-in there.
+    ring_threshold_bytes: int = 1 << 62
+    # "auto", "direct" or "ring": forces one algorithm for every call when not "auto".
+    algorithm: str = "auto"
+    # The ring moves each chunk in slices of about this many bytes (pipelining).
+    pipeline_slice_bytes: int = 256 * 1024
+    # Polls before a waiting device sleeps in the kernel; small because devices share cores.
+    spin_iterations: int = 256
+
+
+_ENV = {
+    "timeout_seconds": ("JAXRING_TIMEOUT_SECONDS", float),
+    "ring_threshold_bytes": ("JAXRING_RING_THRESHOLD_BYTES", int),
+    "algorithm": ("JAXRING_ALGORITHM", str),
+    "pipeline_slice_bytes": ("JAXRING_PIPELINE_SLICE_BYTES", int),
+    "spin_iterations": ("JAXRING_SPIN_ITERATIONS", int),
+}
+
+
+def _validate(config: Config) -> Config:
+    if config.algorithm not in ("auto", "direct", "ring"):
+        raise ValueError(
+            f"jaxring.config: algorithm must be 'auto', 'direct' or 'ring', got {config.algorithm!r}"
+        )
+    if not config.timeout_seconds > 0:
+        raise ValueError(f"jaxring.config: timeout_seconds must be > 0, got {config.timeout_seconds}")
+    if config.pipeline_slice_bytes <= 0 or config.spin_iterations < 0:
+        raise ValueError("jaxring.config: pipeline_slice_bytes must be > 0, spin_iterations >= 0")
+    return config
+
+
+def _from_environment() -> Config:
+    values = {}
+    for field, (variable, kind) in _ENV.items():
+        if variable in os.environ:
+            values[field] = kind(os.environ[variable])
+    return _validate(Config(**values))
+
+
+_current = _from_environment()
+native.extension.set_config(**dataclasses.asdict(_current))
+
+
+def get() -> Config:
+    """The configuration in force."""
+    return _current
+
+
+def update(**changes) -> Config:
+    """Changes some fields, e.g. ``jaxring.config.update(timeout_seconds=10)``."""
+    global _current
+    _current = _validate(dataclasses.replace(_current, **changes))
+    native.extension.set_config(**dataclasses.asdict(_current))
+    return _current
+
+
+@contextlib.contextmanager
+def override(**changes):
+    """Changes some fields inside a ``with`` block, restoring them afterwards."""
+    previous = _current
+    update(**changes)
+    try:
+        yield _current
+    finally:
+        update(**dataclasses.asdict(previous))
