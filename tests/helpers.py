@@ -1,0 +1,72 @@
+"""Shared test utilities: meshes of n devices, random inputs per dtype, and tolerances (the one
+table of them)."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import jaxring
+
+DTYPES = [np.dtype(d) for d in jaxring.SUPPORTED_DTYPES]
+DEVICE_COUNTS = [1, 2, 3, 4, 8]
+# Per-device leading sizes: empty, one, prime, not divisible by any device count, larger than the
+# ring's pipeline slices.
+AWKWARD_SIZES = [0, 1, 7, 1001]
+
+# Relative tolerance of one reduction against a float64 reference, by dtype. 16-bit types
+# accumulate in float32 and round once, so one unit in the last place of the dtype suffices.
+RTOL = {
+    np.dtype(np.float16): 2**-10,
+    np.dtype(jnp.bfloat16): 2**-7,
+    np.dtype(np.float32): 1e-5,
+    np.dtype(np.float64): 1e-12,
+    np.dtype(np.int32): 0,
+    np.dtype(np.int64): 0,
+}
+
+
+@functools.cache
+def mesh(n: int, axis: str = "i"):
+    return jax.make_mesh((n,), (axis,), devices=jax.devices()[:n])
+
+
+def shard(x, m, spec=P("i")):
+    return jax.device_put(x, NamedSharding(m, spec))
+
+
+def random_array(rng: np.random.Generator, shape, dtype) -> np.ndarray:
+    dtype = np.dtype(dtype)
+    if np.issubdtype(dtype, np.integer):
+        return rng.integers(-1000, 1000, size=shape).astype(dtype)
+    return rng.standard_normal(shape).astype(dtype)
+
+
+def assert_close(actual, expected_f64, dtype, count: int = 1, exact_reference: bool = True):
+    """Checks every element against a reference, with a tolerance that grows with the number of
+    values summed. Against an exact (float64) reference a 16-bit result may differ by one
+    rounding only; against a lax twin, which accumulates in 16 bits, by `count` roundings."""
+    dtype = np.dtype(dtype)
+    actual = np.asarray(actual).astype(np.float64)
+    expected = np.asarray(expected_f64, dtype=np.float64)
+    assert actual.shape == expected.shape, (actual.shape, expected.shape)
+    if RTOL[dtype] == 0:
+        np.testing.assert_array_equal(actual, expected)
+        return
+    scale = np.maximum(np.abs(expected), 1.0)
+    growth = 1 if dtype.itemsize == 2 and exact_reference else count
+    error = np.abs(actual - expected)
+    bound = RTOL[dtype] * growth * scale
+    bad = np.argwhere(~(error <= bound))
+    assert bad.size == 0, (
+        f"{len(bad)} of {error.size} elements off, first at {bad[0].tolist()}: "
+        f"{actual[tuple(bad[0])]} vs {expected[tuple(bad[0])]} (bound {bound[tuple(bad[0])]})")
+
+
+def shmap(f, m, in_specs=P("i"), out_specs=P("i")):
+    return jax.jit(jax.shard_map(f, mesh=m, in_specs=in_specs, out_specs=out_specs))

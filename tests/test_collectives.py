@@ -1,0 +1,150 @@
+"""Every collective x dtype x device count x awkward size, against float64 references and the lax
+twins, with both algorithms (the algorithm is read when the collective runs, so one compiled
+program serves both)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+from jax.sharding import PartitionSpec as P
+
+import jaxring
+from helpers import (AWKWARD_SIZES, DEVICE_COUNTS, DTYPES, assert_close, mesh, random_array,
+                     shard, shmap)
+
+ALGORITHMS = ["direct", "ring"]
+
+
+def _inputs(rng, n, dtype, trailing=(3,)):
+    """Per-device blocks of several awkward sizes, stacked over n devices, plus a scalar on
+    every device ("scalar": one element per device, squeezed to rank 0 inside shard_map)."""
+    data = {f"size{size}": random_array(rng, (n * size, *trailing), dtype)
+            for size in AWKWARD_SIZES}
+    data["scalar"] = random_array(rng, (n,), dtype)
+    return data
+
+
+def _per_device(data):
+    return {k: v[0] if k == "scalar" else v for k, v in data.items()}
+
+
+def _run_both(fn, *args):
+    results = {}
+    for algorithm in ALGORITHMS:
+        with jaxring.config.override(algorithm=algorithm):
+            results[algorithm] = jax.tree.map(np.asarray, fn(*args))
+    return results
+
+
+@pytest.mark.parametrize("n", DEVICE_COUNTS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("op", ["sum", "mean", "max", "min"])
+def test_all_reduce(n, dtype, op):
+    rng = np.random.default_rng(hash((n, str(dtype), op)) % 2**32)
+    m = mesh(n)
+    data = _inputs(rng, n, dtype)
+    f = shmap(lambda d: jaxring.all_reduce(_per_device(d), "i", op), m, out_specs=P())
+    sharded = {k: shard(v, m) for k, v in data.items()}
+    for algorithm, out in _run_both(f, sharded).items():
+        for key, stacked in data.items():
+            ref = stacked.astype(np.float64).reshape(n, -1, *stacked.shape[1:])
+            if key == "scalar":
+                ref = ref.reshape(n)
+            expected = {"sum": ref.sum(0), "mean": ref.mean(0), "max": ref.max(0),
+                        "min": ref.min(0)}[op]
+            result = out[key]
+            if op == "mean" and np.issubdtype(dtype, np.integer):
+                assert result.dtype.kind == "f", "integer mean divides like lax.pmean"
+                np.testing.assert_allclose(result, expected, rtol=1e-6)
+                continue
+            assert result.dtype == dtype, (algorithm, key)
+            assert_close(result, expected, dtype, count=n if op in ("sum", "mean") else 1)
+
+
+@pytest.mark.parametrize("n", DEVICE_COUNTS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_all_reduce_matches_lax_psum(n, dtype):
+    rng = np.random.default_rng(n)
+    m = mesh(n)
+    x = shard(random_array(rng, (n * 37, 5), dtype), m)
+    ours = _run_both(shmap(lambda v: jaxring.all_reduce(v, "i"), m, out_specs=P()), x)
+    theirs = np.asarray(shmap(lambda v: lax.psum(v, "i"), m, out_specs=P())(x))
+    for algorithm, out in ours.items():
+        assert out.shape == theirs.shape and out.dtype == theirs.dtype
+        assert_close(out, theirs.astype(np.float64), dtype, count=2 * n, exact_reference=False)
+
+
+@pytest.mark.parametrize("n", DEVICE_COUNTS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("dim", [0, 1])
+def test_reduce_scatter(n, dtype, dim):
+    rng = np.random.default_rng(7 * n + dim)
+    m = mesh(n)
+    shape = [n * 3, 4 * n + 0, 2]
+    shape[dim] = n * n * 3  # per-device block divisible by n along dim
+    x = random_array(rng, (n * shape[0], *shape[1:]), dtype)
+    xs = shard(x, m)
+    ours = _run_both(shmap(lambda v: jaxring.reduce_scatter(v, "i", scatter_dimension=dim), m), xs)
+    theirs = np.asarray(shmap(lambda v: lax.psum_scatter(v, "i", scatter_dimension=dim,
+                                                         tiled=True), m)(xs))
+    expected = x.astype(np.float64).reshape(n, *shape).sum(0)  # the full reduction
+    expected = np.concatenate(np.split(expected, n, axis=dim), axis=0)  # device blocks, stacked
+    for algorithm, out in ours.items():
+        assert out.shape == theirs.shape and out.dtype == theirs.dtype
+        assert_close(out, expected, dtype, count=n)
+
+
+@pytest.mark.parametrize("n", DEVICE_COUNTS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("axis", [0, 1, -1])
+def test_all_gather(n, dtype, axis):
+    rng = np.random.default_rng(11 * n)
+    m = mesh(n)
+    for size in AWKWARD_SIZES:
+        x = random_array(rng, (n * size, 3, 2), dtype)
+        gathered = np.concatenate(np.split(x, n, axis=0), axis=axis)  # what each device gets
+        expected = np.concatenate([gathered] * n, axis=0)
+        ours = _run_both(shmap(lambda v: jaxring.all_gather(v, "i", axis=axis), m), shard(x, m))
+        for algorithm, out in ours.items():
+            np.testing.assert_array_equal(out, expected, err_msg=f"{algorithm} size {size}")
+        if size:  # lax cannot gather empty blocks
+            theirs = shmap(lambda v: lax.all_gather(v, "i", axis=axis, tiled=True), m)(shard(x, m))
+            np.testing.assert_array_equal(ours["ring"], np.asarray(theirs))
+
+
+@pytest.mark.parametrize("n", DEVICE_COUNTS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_broadcast(n, dtype):
+    rng = np.random.default_rng(13 * n)
+    m = mesh(n)
+    x = random_array(rng, (n * 5, 3), dtype)
+    for root in sorted({0, n // 2, n - 1}):
+        out = np.asarray(shmap(lambda v: jaxring.broadcast(v, "i", root=root), m)(shard(x, m)))
+        expected = np.tile(x[root * 5:(root + 1) * 5], (n, 1))
+        np.testing.assert_array_equal(out, expected)
+
+
+def test_scalar_all_gather_and_size_zero():
+    n = 4
+    m = mesh(n)
+    x = shard(np.arange(n, dtype=np.float32), m)
+    out = shmap(lambda v: jaxring.all_gather(v[0], "i"), m)(x)
+    np.testing.assert_array_equal(np.asarray(out), np.tile(np.arange(n, dtype=np.float32), n))
+    empty = shard(np.zeros((0, 3), np.float32), m)
+    assert shmap(lambda v: jaxring.all_reduce(v, "i"), m, out_specs=P())(empty).shape == (0, 3)
+
+
+@pytest.mark.parametrize("n", [2, 3, 8])
+def test_barrier_orders_and_returns(n):
+    m = mesh(n)
+    x = shard(np.arange(n * 2, dtype=np.float32), m)
+
+    def body(v):
+        jaxring.barrier("i")
+        y = jaxring.all_reduce(v, "i")
+        jaxring.barrier("i")
+        return y
+
+    out = shmap(body, m, out_specs=P())(x)
+    np.testing.assert_array_equal(np.asarray(out), np.arange(n * 2).reshape(n, 2).sum(0))
