@@ -9,7 +9,7 @@ from jaxring._src.all_gather import all_gather
 from jaxring._src.all_reduce import all_reduce
 from jaxring._src.barrier import barrier
 from jaxring._src.broadcast import broadcast
-from jaxring._src.common import REDUCE_OPS, SUPPORTED_DTYPES
+from jaxring._src.common import REDUCE_OPS, SUPPORTED_DTYPES, reset_after_error
 from jaxring._src.reduce_scatter import reduce_scatter
 
 __version__ = "0.1.0"
@@ -23,4 +23,5 @@ __all__ = [
     "broadcast",
     "config",
     "reduce_scatter",
+    "reset_after_error",
 ]

@@ -70,6 +70,19 @@ for _effect_set in (
 ):
     _effect_set.add_type(CollectiveEffect)
 
+def reset_after_error() -> None:
+    """Lets later programs run after a jaxring collective raised (a timeout or a mismatch).
+
+    JAX threads the ordered effect's token from one program to the next, so a program that
+    failed hands its error to every later program that uses jaxring. Call this once the error
+    has been caught and handled to start a fresh token chain.
+    """
+    from jax._src import dispatch
+
+    dispatch.runtime_tokens.current_tokens.pop(collective_effect, None)
+    dispatch.runtime_tokens.output_runtime_tokens.clear()
+
+
 # ---- op ids ------------------------------------------------------------------------------------
 
 _op_ids = itertools.count(1)

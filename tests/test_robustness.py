@@ -1,0 +1,242 @@
+"""Determinism, concurrency, stress, the failure behaviour DESIGN.md promises, configuration and
+the kernels' 16-bit rounding."""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+from jax import lax
+from jax.sharding import PartitionSpec as P
+
+import jaxring
+from jaxring._src import native
+from helpers import assert_close, mesh, random_array, shard, shmap
+
+# ---- determinism -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("algorithm", ["direct", "ring"])
+@pytest.mark.parametrize("dtype", [np.float32, jnp.bfloat16])
+def test_bit_identical_across_runs_and_devices(algorithm, dtype):
+    n = 8
+    m = mesh(n)
+    x = shard(random_array(np.random.default_rng(0), (n * 5003,), dtype), m)
+    f = shmap(lambda v: jaxring.all_reduce(v, "i"), m, out_specs=P("i"))  # keep every copy
+    with jaxring.config.override(algorithm=algorithm, pipeline_slice_bytes=4096):
+        runs = [np.asarray(f(x)).reshape(n, -1) for _ in range(3)]
+    for run in runs:
+        for device in range(1, n):
+            np.testing.assert_array_equal(run[device].view(np.uint16 if run.itemsize == 2 else
+                                                           np.uint32),
+                                          run[0].view(np.uint16 if run.itemsize == 2 else
+                                                      np.uint32))
+        np.testing.assert_array_equal(run, runs[0])
+
+
+# ---- concurrency -------------------------------------------------------------------------------
+
+
+def test_many_collectives_in_one_program_and_back_to_back():
+    n = 8
+    m = mesh(n)
+    rng = np.random.default_rng(1)
+    xs = [random_array(rng, (n * s, 3), np.float32) for s in (1, 17, 300, 2)]
+
+    def ours(a, b, c, d):
+        return (jaxring.all_reduce(a, "i"), jaxring.reduce_scatter(jnp.tile(b, (n, 1)), "i"),
+                jaxring.all_gather(c, "i"), jaxring.broadcast(d, "i", root=5),
+                jaxring.all_reduce(c * 2, "i", "max"))
+
+    def theirs(a, b, c, d):
+        return (lax.psum(a, "i"), lax.psum_scatter(jnp.tile(b, (n, 1)), "i", tiled=True),
+                lax.all_gather(c, "i", tiled=True), lax.all_gather(d, "i", tiled=False)[5],
+                lax.pmax(c * 2, "i"))
+
+    specs = (P("i"),) * 4
+    f = shmap(ours, m, specs, (P(), P("i"), P("i"), P("i"), P()))
+    g = shmap(theirs, m, specs, (P(), P("i"), P("i"), P("i"), P()))
+    args = [shard(x, m) for x in xs]
+    expected = [np.asarray(e) for e in g(*args)]
+    outs = [f(*args) for _ in range(20)]  # dispatched back to back, without waiting
+    for out in outs:
+        for a, e in zip(out, expected):
+            assert_close(np.asarray(a), e.astype(np.float64), np.float32, count=2 * n,
+                         exact_reference=False)
+
+
+_MANY_DEVICES = textwrap.dedent("""
+    import os
+    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=32"
+    import jax, numpy as np, jaxring
+    from jax.sharding import NamedSharding, PartitionSpec as P
+    for n in (5, 7, 16, 32):
+        m = jax.make_mesh((n,), ("i",), devices=jax.devices()[:n])
+        x = np.random.default_rng(n).standard_normal((n * 1001,)).astype(np.float32)
+        f = jax.jit(jax.shard_map(lambda v: jaxring.all_reduce(v, "i"), mesh=m,
+                                  in_specs=P("i"), out_specs=P()))
+        xs = jax.device_put(x, NamedSharding(m, P("i")))
+        for algorithm in ("direct", "ring"):
+            with jaxring.config.override(algorithm=algorithm):
+                got = np.asarray(f(xs))
+            expected = x.astype(np.float64).reshape(n, -1).sum(0)
+            err = np.max(np.abs(got - expected) / np.maximum(np.abs(expected), 1))
+            assert err < 1e-5 * n, (n, algorithm, err)
+    print("ALL OK")
+""")
+
+
+def test_up_to_32_devices_including_odd_counts():
+    env = dict(os.environ, JAXRING_TIMEOUT_SECONDS="120")
+    result = subprocess.run([sys.executable, "-c", _MANY_DEVICES], capture_output=True, text=True,
+                            timeout=600, env=env)
+    assert result.returncode == 0 and "ALL OK" in result.stdout, result.stderr[-3000:]
+
+
+def test_stress_thousands_of_calls_of_random_sizes():
+    n = 4
+    m = mesh(n)
+    rng = np.random.default_rng(2)
+    sizes = [int(s) for s in rng.integers(0, 3000, size=64)]
+    x = shard(random_array(rng, (n * sum(sizes),), np.float32), m)
+
+    def body(ours):
+        def f(v):
+            pieces, start = [], 0
+            for size in sizes:  # 64 calls of random sizes per step
+                piece = v[start:start + size]
+                pieces.append(jaxring.all_reduce(piece, "i") if ours else lax.psum(piece, "i"))
+                start += size
+            return jnp.concatenate(pieces)
+
+        def loop(v):  # 32 steps: 2048 collectives per program run
+            return lax.fori_loop(0, 31, lambda i, c: f(c) * 0.25, f(v))
+        return shmap(loop, m, out_specs=P())
+
+    with jaxring.config.override(pipeline_slice_bytes=1024):
+        for algorithm in ("direct", "ring"):
+            with jaxring.config.override(algorithm=algorithm):
+                got = np.asarray(body(True)(x))
+            expected = np.asarray(body(False)(x))
+            np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-6)
+
+
+# ---- errors at trace time ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [np.complex64, np.int8, np.uint32, np.bool_])
+def test_unsupported_dtype_is_refused_with_allowed_values(dtype):
+    m = mesh(2)
+    with pytest.raises(TypeError, match=r"unsupported dtype .*allowed: float32, float64"):
+        shmap(lambda v: jaxring.all_reduce(v, "i"), m)(shard(np.zeros(4, dtype), m))
+
+
+def test_unsupported_op_and_bad_arguments():
+    m = mesh(4)
+    x = shard(np.zeros((8, 3), np.float32), m)
+    with pytest.raises(ValueError, match=r"unsupported op 'prod'; allowed: 'sum', 'mean'"):
+        shmap(lambda v: jaxring.all_reduce(v, "i", "prod"), m)(x)
+    with pytest.raises(NameError, match="unbound axis name 'j'"):
+        shmap(lambda v: jaxring.all_reduce(v, "j"), m)(x)
+    with pytest.raises(ValueError, match="must be divisible by the 4 devices"):
+        shmap(lambda v: jaxring.reduce_scatter(v, "i", scatter_dimension=1), m)(x)
+    with pytest.raises(ValueError, match=r"root must be an int in \[0, 4\)"):
+        shmap(lambda v: jaxring.broadcast(v, "i", root=4), m)(x)
+    with pytest.raises(ValueError, match="not a device mesh axis"):
+        shmap(jax.vmap(lambda v: jaxring.all_reduce(v, "v"), axis_name="v"), m)(x)
+    with pytest.raises(ValueError, match="algorithm must be"):
+        jaxring.config.update(algorithm="tree")
+
+
+# ---- errors at run time: never a hang, never wrong data ----------------------------------------
+
+
+def _rank_dependent(m, on_rank0, on_others):
+    """A program whose devices disagree: device 0 runs `on_rank0`, the others `on_others`."""
+    def f(v):
+        return lax.cond(lax.axis_index("i") == 0, on_rank0, on_others, v)
+    return jax.jit(jax.shard_map(f, mesh=m, in_specs=P("i"), out_specs=P("i"), check_vma=False))
+
+
+def test_missing_peer_times_out_naming_the_missing_devices():
+    m = mesh(4)
+    x = shard(np.ones((8, 3), np.float32), m)
+    f = _rank_dependent(m, lambda v: jaxring.all_reduce(v, "i"), lambda v: v)
+    with jaxring.config.override(timeout_seconds=1.0):
+        with pytest.raises(Exception, match=r"timed out after 1 s waiting for rank\(s\) "
+                                            r"\[1, 2, 3\] to arrive"):
+            np.asarray(f(x))
+    _check_recovery(m, x, "timed out")
+
+
+def _check_recovery(m, x, error):
+    """JAX hands a failed program's ordering token to the next program; after
+    reset_after_error the next program runs normally."""
+    f = shmap(lambda v: jaxring.all_reduce(v, "i"), m, out_specs=P())
+    with pytest.raises(Exception, match=error):
+        np.asarray(f(x))
+    jaxring.reset_after_error()
+    np.testing.assert_array_equal(np.asarray(f(x)), np.full((2, 3), 4.0, np.float32))
+
+
+def test_mismatched_calls_raise_on_every_device_naming_both_sides():
+    m = mesh(4)
+    x = shard(np.ones((8, 3), np.float32), m)
+    short = lambda v: jnp.concatenate([jaxring.all_reduce(v[:1], "i"), v[1:]])  # noqa: E731
+    f = _rank_dependent(m, short, lambda v: jaxring.all_reduce(v, "i"))
+    with jaxring.config.override(timeout_seconds=30.0):
+        with pytest.raises(Exception, match=r"mismatched collectives: rank 0 called "
+                                            r"all_reduce\(sum\) op \d+ float32\[3\] but rank 1 "
+                                            r"called all_reduce\(sum\) op \d+ float32\[6\]"):
+            np.asarray(f(x))
+    _check_recovery(m, x, "mismatched collectives")
+
+
+# ---- configuration -----------------------------------------------------------------------------
+
+
+def test_config_override_restores_and_reaches_native():
+    before = jaxring.config.get()
+    with jaxring.config.override(timeout_seconds=7.5, algorithm="ring"):
+        native_config = native.extension.get_config()
+        assert native_config["timeout_seconds"] == 7.5 and native_config["algorithm"] == "ring"
+    assert jaxring.config.get() == before
+    assert native.extension.get_config()["algorithm"] == before.algorithm
+
+
+def test_config_from_environment():
+    code = "import jaxring; c = jaxring.config.get(); print(c.timeout_seconds, c.algorithm)"
+    env = dict(os.environ, JAXRING_TIMEOUT_SECONDS="12.5", JAXRING_ALGORITHM="ring")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                         check=True).stdout.split()
+    assert out == ["12.5", "ring"]
+
+
+# ---- kernels: 16-bit conversions, exhaustively -------------------------------------------------
+
+
+@pytest.mark.parametrize("name,dtype", [("half", np.float16), ("bfloat16", ml_dtypes.bfloat16)])
+def test_16_bit_conversions_match_numpy_bit_for_bit(name, dtype):
+    to_float = getattr(native.extension, f"{name}_to_float")
+    from_float = getattr(native.extension, f"float_to_{name}")
+    bits = np.arange(1 << 16, dtype=np.uint16)
+    values = bits.view(dtype)
+    widened = np.array([to_float(int(b)) for b in bits], dtype=np.float32)
+    expected = values.astype(np.float32)
+    same = (widened.view(np.uint32) == expected.view(np.uint32)) | (np.isnan(widened) &
+                                                                     np.isnan(expected))
+    assert same.all(), bits[~same][:10]
+    # Rounding float32 -> 16 bits (to nearest even), on random and on halfway values.
+    rng = np.random.default_rng(3)
+    probes = np.concatenate([rng.standard_normal(20000).astype(np.float32) * 1e3,
+                             rng.standard_normal(20000).astype(np.float32) * 1e-6,
+                             (expected[np.isfinite(expected)][:-1] +
+                              np.diff(expected[np.isfinite(expected)]) / 2).astype(np.float32)])
+    probes = probes[np.isfinite(probes)]
+    narrowed = np.array([from_float(float(p)) for p in probes], dtype=np.uint16)
+    np.testing.assert_array_equal(narrowed, probes.astype(dtype).view(np.uint16))

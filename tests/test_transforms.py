@@ -1,0 +1,161 @@
+"""jaxring under JAX's transformations: grad (against the lax twins, and a whole data-parallel
+training step), scan, cond, remat, vmap and pmap."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+from jax.sharding import PartitionSpec as P
+
+import jaxring
+from helpers import assert_close, mesh, shard, shmap
+
+N = 4
+
+
+def _grad_of(f, m, x, out_specs=P()):
+    with jax.set_mesh(m):
+        return np.asarray(jax.jit(jax.grad(
+            lambda v: jnp.sum(jax.shard_map(f, mesh=m, in_specs=P("i"), out_specs=out_specs)(v)
+                              ** 2)))(x))
+
+
+@pytest.mark.parametrize("check_vma", [True, False])
+@pytest.mark.parametrize("ours,theirs,out_specs", [
+    (lambda v: jaxring.all_reduce(jnp.sin(v), "i"), lambda v: lax.psum(jnp.sin(v), "i"), P()),
+    (lambda v: jaxring.all_reduce(v * v, "i", "mean"), lambda v: lax.pmean(v * v, "i"), P()),
+    (lambda v: jaxring.reduce_scatter(v * v, "i"),
+     lambda v: lax.psum_scatter(v * v, "i", tiled=True), P("i")),
+    (lambda v: jaxring.reduce_scatter(v * v, "i", scatter_dimension=1),
+     lambda v: lax.psum_scatter(v * v, "i", scatter_dimension=1, tiled=True), P("i")),
+    (lambda v: jaxring.all_gather(jnp.cos(v), "i", axis=1),
+     lambda v: lax.all_gather(jnp.cos(v), "i", axis=1, tiled=True), P("i")),
+], ids=["psum", "pmean", "psum_scatter", "psum_scatter_dim1", "all_gather"])
+def test_grad_matches_lax(ours, theirs, out_specs, check_vma):
+    m = mesh(N)
+    x = shard(np.random.default_rng(0).standard_normal((N * 4, 8)), m)
+
+    def grad(f):
+        with jax.set_mesh(m):
+            g = jax.grad(lambda v: jnp.sum(jax.shard_map(
+                f, mesh=m, in_specs=P("i"), out_specs=out_specs, check_vma=check_vma)(v) ** 2))
+            return np.asarray(jax.jit(g)(x))
+
+    np.testing.assert_allclose(grad(ours), grad(theirs), rtol=1e-12, atol=1e-12)
+
+
+def test_grad_of_max_picks_the_winner():
+    m = mesh(N)
+    x = np.random.default_rng(1).standard_normal((N, 6))
+    x[2, 0] = x[1, 0] = 10.0  # a tie: both devices share the gradient
+    got = _grad_of(lambda v: jaxring.all_reduce(v, "i", "max"), m, shard(x, m))
+    expected = np.asarray(jax.grad(lambda v: jnp.sum(jnp.max(v, axis=0) ** 2))(x))
+    np.testing.assert_allclose(got, expected, rtol=1e-12)
+
+
+def test_grad_of_broadcast_flows_to_root():
+    m = mesh(N)
+    x = np.random.default_rng(2).standard_normal((N, 5))
+    got = _grad_of(lambda v: jaxring.broadcast(v, "i", root=2) * (1 + lax.axis_index("i")), m,
+                   shard(x, m), out_specs=P("i"))
+    weights = np.arange(1, N + 1, dtype=np.float64)[:, None]
+    expected = np.zeros_like(x)
+    expected[2] = np.sum(2 * x[2] * weights**2, axis=0)
+    np.testing.assert_allclose(got, expected, rtol=1e-12)
+
+
+def _mlp_loss(params, batch):
+    x, y = batch
+    h = jnp.tanh(x @ params["w1"] + params["b1"])
+    return jnp.mean((h @ params["w2"] - y) ** 2)
+
+
+@pytest.mark.parametrize("n", [2, 3, 8])
+def test_data_parallel_training_step_matches_pmean(n):
+    """A whole shard_map SGD step: per-device gradients averaged with jaxring vs lax.pmean."""
+    rng = np.random.default_rng(n)
+    params = {"w1": rng.standard_normal((6, 16)), "b1": np.zeros(16),
+              "w2": rng.standard_normal((16, 2))}
+    batch = (rng.standard_normal((n * 8, 6)), rng.standard_normal((n * 8, 2)))
+    m = mesh(n)
+
+    def step(reduce):
+        def body(p, b):
+            loss, grads = jax.value_and_grad(_mlp_loss)(p, b)
+            grads = reduce(grads)
+            return jax.tree.map(lambda w, g: w - 0.1 * g, p, grads), reduce(loss)
+
+        return jax.jit(jax.shard_map(body, mesh=m, in_specs=(P(), P("i")), out_specs=(P(), P())))
+
+    b = jax.tree.map(lambda v: shard(v, m), batch)
+    ours = step(lambda t: jaxring.all_reduce(t, "i", "mean"))(params, b)
+    theirs = step(lambda t: lax.pmean(t, "i"))(params, b)
+    for a, e in zip(jax.tree.leaves(ours), jax.tree.leaves(theirs)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(e), rtol=1e-12, atol=1e-14)
+
+
+def test_inside_scan_cond_and_remat():
+    m = mesh(N)
+    x = shard(np.random.default_rng(3).standard_normal((N * 3, 4)), m)
+
+    def ours(v):
+        def body(carry, _):
+            carry = jax.checkpoint(lambda c: jaxring.all_reduce(jnp.sin(c), "i", "mean"))(carry)
+            carry = lax.cond(jnp.sum(carry) > 0, lambda c: jaxring.all_reduce(c, "i", "max"),
+                             lambda c: jaxring.all_reduce(c, "i", "min"), carry)
+            return carry, jnp.sum(carry)
+        return lax.scan(body, jaxring.all_reduce(v, "i"), None, length=5)
+
+    def theirs(v):
+        def body(carry, _):
+            carry = lax.pmean(jnp.sin(carry), "i")
+            carry = lax.cond(jnp.sum(carry) > 0, lambda c: lax.pmax(c, "i"),
+                             lambda c: lax.pmin(c, "i"), carry)
+            return carry, jnp.sum(carry)
+        return lax.scan(body, lax.psum(v, "i"), None, length=5)
+
+    got = shmap(ours, m, out_specs=(P(), P()))(x)
+    expected = shmap(theirs, m, out_specs=(P(), P()))(x)
+    for a, e in zip(got, expected):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(e), rtol=1e-12)
+
+
+def test_vmap_inside_shard_map():
+    m = mesh(N)
+    x = np.random.default_rng(4).standard_normal((N * 3, 5, 6))
+
+    def check(ours, theirs):
+        got = shmap(jax.vmap(ours, in_axes=1, out_axes=1), m)(shard(x, m))
+        expected = shmap(jax.vmap(theirs, in_axes=1, out_axes=1), m)(shard(x, m))
+        np.testing.assert_allclose(np.asarray(got), np.asarray(expected), rtol=1e-12)
+
+    check(lambda v: jaxring.all_reduce(v, "i"), lambda v: lax.psum(v, "i"))
+    check(lambda v: jaxring.reduce_scatter(v[:, :4], "i", scatter_dimension=1),
+          lambda v: lax.psum_scatter(v[:, :4], "i", scatter_dimension=1, tiled=True))
+    check(lambda v: jaxring.all_gather(v, "i", axis=1),
+          lambda v: lax.all_gather(v, "i", axis=1, tiled=True))
+    check(lambda v: jaxring.broadcast(v, "i", root=1),
+          lambda v: lax.all_gather(v, "i", tiled=False)[1])
+
+
+def test_pmap():
+    x = np.random.default_rng(5).standard_normal((8, 7))
+    got = jax.pmap(lambda v: jaxring.all_reduce(v, "d"), axis_name="d")(x)
+    expected = jax.pmap(lambda v: lax.psum(v, "d"), axis_name="d")(x)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(expected), rtol=1e-12)
+    got = jax.pmap(lambda v: jaxring.all_gather(v, "d"), axis_name="d")(x)
+    np.testing.assert_array_equal(np.asarray(got), np.tile(x.reshape(-1), (8, 1)))
+
+
+def test_two_dimensional_mesh_keeps_groups_apart():
+    """Reducing over one mesh axis: the groups along the other axis must never mix."""
+    m = jax.make_mesh((4, 2), ("data", "model"))
+    x = np.random.default_rng(6).standard_normal((4 * 3, 2 * 5))
+    xs = shard(x, m, P("data", "model"))
+    for axes in ["data", "model", ("data", "model")]:
+        got = shmap(lambda v: jaxring.all_reduce(v, axes), m, P("data", "model"),
+                    P("data", "model"))(xs)
+        expected = shmap(lambda v: lax.psum(v, axes), m, P("data", "model"),
+                         P("data", "model"))(xs)
+        assert_close(np.asarray(got), np.asarray(expected), np.float64, count=8)
