@@ -1,0 +1,164 @@
+"""In-process collectives on CPU devices: jaxring against its lax twins, measured in one run.
+
+    python benchmarks/allreduce.py            # 2, 4, 8 devices, 4 B .. 64 MiB per device
+    python benchmarks/allreduce.py --quick    # a short run (the README's demo)
+
+For each device count and size it times (median of many repetitions, inputs placed with
+device_put + NamedSharding): jaxring.all_reduce (auto, and forced direct and ring) against
+lax.psum, jaxring.reduce_scatter against lax.psum_scatter, jaxring.all_gather against
+lax.all_gather. It reports time, algbw and busbw (nccl-tests definitions) against the copy
+bandwidth of this machine measured in the same run, and writes
+benchmarks/results/allreduce-cpu.{json,md,png}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+os.environ["XLA_FLAGS"] = (
+    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+from jax import lax  # noqa: E402
+from jax.sharding import NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import jaxring  # noqa: E402
+from common import (bus_factor, environment, human_bytes, median_seconds,  # noqa: E402
+                    memory_bandwidth_gbps, write_results)
+
+# (name, collective, jaxring algorithm or None for the lax twin, body)
+CASES = [
+    ("jaxring.all_reduce", "all_reduce", "auto", lambda v: jaxring.all_reduce(v, "i")),
+    ("jaxring.all_reduce[ring]", "all_reduce", "ring", lambda v: jaxring.all_reduce(v, "i")),
+    ("lax.psum", "all_reduce", None, lambda v: lax.psum(v, "i")),
+    ("jaxring.reduce_scatter", "reduce_scatter", "auto", lambda v: jaxring.reduce_scatter(v, "i")),
+    ("lax.psum_scatter", "reduce_scatter", None, lambda v: lax.psum_scatter(v, "i", tiled=True)),
+    ("jaxring.all_gather", "all_gather", "auto", lambda v: jaxring.all_gather(v, "i")),
+    ("lax.all_gather", "all_gather", None, lambda v: lax.all_gather(v, "i", tiled=True)),
+]
+TWIN = {"all_reduce": "lax.psum", "reduce_scatter": "lax.psum_scatter",
+        "all_gather": "lax.all_gather"}
+
+
+def measure(n: int, nbytes: int) -> list[dict]:
+    mesh = jax.make_mesh((n,), ("i",), devices=jax.devices()[:n])
+    count = max(1, nbytes // 4)
+    rows = []
+    for name, collective, algorithm, body in CASES:
+        # reduce_scatter needs its input divisible by n; all_gather's size is its output.
+        per_device = count
+        if collective == "reduce_scatter":
+            per_device = max(n, count // n * n)
+        if collective == "all_gather":
+            per_device = max(1, count // n)
+        x = jax.device_put(np.random.default_rng(0).standard_normal(n * per_device, np.float32),
+                           NamedSharding(mesh, P("i")))
+        f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("i"), out_specs=P("i")))
+        with jaxring.config.override(algorithm=algorithm or "auto"):
+            seconds = median_seconds(lambda: f(x).block_until_ready())
+        size = per_device * 4 * (n if collective == "all_gather" else 1)
+        algbw = size / seconds / 1e9
+        rows.append({"devices": n, "bytes": size, "case": name, "collective": collective,
+                     "seconds": seconds, "algbw_GBps": algbw,
+                     "busbw_GBps": algbw * bus_factor(collective, n)})
+    return rows
+
+
+def markdown(env: dict, ceiling: float, rows: list[dict]) -> str:
+    lines = [
+        "# In-process collectives on CPU devices: jaxring vs lax",
+        "",
+        f"Device: {env['device']}, {env['cores']} cores ({env['cpu']}); python {env['python']}, "
+        f"jax {env['jax']}, jaxlib {env['jaxlib']}; {env['date']}.",
+        f"Memory copy bandwidth measured in the same run: **{ceiling:.1f} GB/s** (read + write).",
+        "",
+        "Times are medians; `ratio` is jaxring time / lax twin time (below 1 is faster).",
+        "busbw follows nccl-tests (all-reduce: algbw x 2(n-1)/n; reduce-scatter and all-gather:"
+        " algbw x (n-1)/n).",
+        "",
+    ]
+    by_key = {(r["devices"], r["bytes"], r["case"]): r for r in rows}
+    for collective, twin in TWIN.items():
+        ours = [c[0] for c in CASES if c[1] == collective and c[0] != twin]
+        lines += [f"## {collective}", "",
+                  "| n | size | " + " | ".join(f"{c} (us)" for c in ours) + f" | {twin} (us) | "
+                  + " | ".join(f"ratio {c.split('.')[1]}" for c in ours)
+                  + " | busbw jaxring (GB/s) |",
+                  "|" + "---|" * (3 + 2 * len(ours) + 1)]
+        keys = sorted({(r["devices"], r["bytes"]) for r in rows if r["collective"] == collective})
+        for n, size in keys:
+            t = by_key[(n, size, twin)]["seconds"]
+            cells = [f"{by_key[(n, size, c)]['seconds'] * 1e6:.1f}" for c in ours]
+            ratios = [f"{by_key[(n, size, c)]['seconds'] / t:.2f}" for c in ours]
+            busbw = by_key[(n, size, ours[0])]["busbw_GBps"]
+            lines.append(f"| {n} | {human_bytes(size)} | " + " | ".join(cells)
+                         + f" | {t * 1e6:.1f} | " + " | ".join(ratios) + f" | {busbw:.2f} |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def plot(rows: list[dict], ceiling: float, path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    counts = sorted({r["devices"] for r in rows})
+    fig, axes = plt.subplots(1, len(counts), figsize=(5 * len(counts), 4), squeeze=False)
+    for ax, n in zip(axes[0], counts):
+        for case in ("jaxring.all_reduce", "jaxring.all_reduce[ring]", "lax.psum"):
+            pts = sorted((r["bytes"], r["seconds"]) for r in rows
+                         if r["devices"] == n and r["case"] == case)
+            ax.loglog([p[0] for p in pts], [p[1] * 1e6 for p in pts], marker="o", label=case)
+        ax.set_title(f"all-reduce, {n} CPU devices")
+        ax.set_xlabel("bytes per device")
+        ax.set_ylabel("median time (us)")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend()
+    fig.suptitle(f"jaxring vs lax.psum (memory copy bandwidth {ceiling:.1f} GB/s)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--devices", default="2,4,8")
+    parser.add_argument("--max-bytes", type=int, default=64 << 20)
+    parser.add_argument("--quick", action="store_true", help="8 devices, 4 B .. 4 MiB, no files")
+    parser.add_argument("--name", default="allreduce-cpu")
+    args = parser.parse_args(argv)
+    counts = [8] if args.quick else [int(n) for n in args.devices.split(",")]
+    max_bytes = 4 << 20 if args.quick else args.max_bytes
+    sizes = [4]
+    while sizes[-1] * 4 <= max_bytes:
+        sizes.append(sizes[-1] * 4)
+
+    env = environment()
+    ceiling = memory_bandwidth_gbps()
+    print(f"{env['device']}; memory copy bandwidth {ceiling:.1f} GB/s", flush=True)
+    rows = []
+    for n in counts:
+        for size in sizes:
+            new = measure(n, size)
+            rows += new
+            psum = next(r for r in new if r["case"] == "lax.psum")["seconds"]
+            ours = next(r for r in new if r["case"] == "jaxring.all_reduce")
+            print(f"n={n} {human_bytes(size):>9}: all_reduce {ours['seconds'] * 1e6:9.1f} us "
+                  f"(psum {psum * 1e6:9.1f} us, ratio {ours['seconds'] / psum:.2f}, "
+                  f"busbw {ours['busbw_GBps']:.2f} GB/s)", flush=True)
+    if args.quick:
+        return
+    text = markdown(env, ceiling, rows)
+    path = write_results(args.name, {"environment": env, "memory_copy_GBps": ceiling,
+                                     "config": jaxring.config.get().__dict__, "rows": rows}, text)
+    plot(rows, ceiling, path.with_suffix(".png"))
+    print(f"wrote {path.with_suffix('.*')}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,81 @@
+"""Helpers every benchmark shares: timing, bandwidth definitions, the memory ceiling, and the
+record of the machine and versions that goes with every result."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import time
+from pathlib import Path
+
+import numpy as np
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def bus_factor(collective: str, n: int) -> float:
+    """nccl-tests' busbw = algbw x factor: what each link must carry for the collective."""
+    if n == 1:
+        return 1.0
+    if collective == "all_reduce":
+        return 2 * (n - 1) / n
+    if collective in ("reduce_scatter", "all_gather"):
+        return (n - 1) / n
+    return 1.0
+
+
+def median_seconds(fn, min_repeats: int = 10, budget_seconds: float = 0.6) -> float:
+    """Median wall time of fn() (which must block until its result is ready)."""
+    fn()
+    fn()  # warm-up: compilation and first-touch page faults
+    start = time.perf_counter()
+    fn()
+    estimate = time.perf_counter() - start
+    repeats = int(min(500, max(min_repeats, budget_seconds / max(estimate, 1e-6))))
+    samples = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        samples.append(time.perf_counter() - start)
+    return statistics.median(samples)
+
+
+def memory_bandwidth_gbps(nbytes: int = 256 << 20) -> float:
+    """Copy bandwidth of this machine, counting the bytes read and written (a STREAM copy)."""
+    src = np.ones(nbytes // 8, np.float64)
+    dst = np.empty_like(src)
+    seconds = median_seconds(lambda: np.copyto(dst, src), min_repeats=5, budget_seconds=1.0)
+    return 2 * nbytes / seconds / 1e9
+
+
+def environment() -> dict:
+    import jax
+    import jaxlib
+
+    return {
+        "device": f"{jax.devices()[0].platform} x{len(jax.devices())} host devices",
+        "cpu": platform.processor() or platform.machine(),
+        "cores": os.cpu_count(),
+        "python": platform.python_version(),
+        "jax": jax.__version__,
+        "jaxlib": jaxlib.__version__,
+        "date": time.strftime("%Y-%m-%d"),
+    }
+
+
+def human_bytes(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:g} {unit}" if unit == "B" else f"{n:g} {unit}"
+        n /= 1024
+    return f"{n} B"
+
+
+def write_results(name: str, payload: dict, markdown: str) -> Path:
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    json_path = RESULTS / f"{name}.json"
+    json_path.write_text(json.dumps(payload, indent=1))
+    (RESULTS / f"{name}.md").write_text(markdown)
+    return json_path
