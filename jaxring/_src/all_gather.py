@@ -40,9 +40,7 @@ def all_gather(x, axis_name, axis: int = 0):
 
 
 def _bind(x, comm: common.AxisCommunicator):
-    rank, group = comm.rank_and_group()
-    x = common.make_varying(x, comm.axes)
-    return all_gather_p.bind(rank, group, x, comm=comm, op_id=common.next_op_id())
+    return common.bind_collective(all_gather_p, x, comm)
 
 
 # ---- abstract evaluation -----------------------------------------------------------------------

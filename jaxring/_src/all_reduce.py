@@ -39,9 +39,7 @@ def all_reduce(x, axis_name, op: str = "sum"):
 
 
 def _bind(x, comm: common.AxisCommunicator, op: str):
-    rank, group = comm.rank_and_group()
-    x = common.make_varying(x, comm.axes)
-    return all_reduce_p.bind(rank, group, x, comm=comm, op=op, op_id=common.next_op_id())
+    return common.bind_collective(all_reduce_p, x, comm, op=op)
 
 
 # ---- abstract evaluation -----------------------------------------------------------------------

@@ -38,9 +38,7 @@ def broadcast(x, axis_name, root: int = 0):
 
 
 def _bind(x, comm: common.AxisCommunicator, root: int):
-    rank, group = comm.rank_and_group()
-    x = common.make_varying(x, comm.axes)
-    return broadcast_p.bind(rank, group, x, comm=comm, root=root, op_id=common.next_op_id())
+    return common.bind_collective(broadcast_p, x, comm, root=root)
 
 
 # ---- abstract evaluation -----------------------------------------------------------------------

@@ -156,6 +156,14 @@ def communicator(name: str, axis_name) -> AxisCommunicator:
     return AxisCommunicator(axes=axes, size=size, key=key, name=f"mesh axis {label}")
 
 
+def bind_collective(primitive, x, comm: AxisCommunicator, **params):
+    """Binds `primitive` to (rank, group, x) for a fresh call site; x becomes varying over the
+    communicator's axes first, as lax collectives do for invariant inputs."""
+    rank, group = comm.rank_and_group()
+    x = make_varying(x, comm.axes)
+    return primitive.bind(rank, group, x, comm=comm, op_id=next_op_id(), **params)
+
+
 # ---- varying manual axes (shard_map's check_vma) --------------------------------------------------
 
 

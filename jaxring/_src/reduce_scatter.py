@@ -54,9 +54,7 @@ def _canonical_dimension(dim: int, ndim: int) -> int:
 
 
 def _bind(x, comm: common.AxisCommunicator, op: str):
-    rank, group = comm.rank_and_group()
-    x = common.make_varying(x, comm.axes)
-    return reduce_scatter_p.bind(rank, group, x, comm=comm, op=op, op_id=common.next_op_id())
+    return common.bind_collective(reduce_scatter_p, x, comm, op=op)
 
 
 # ---- abstract evaluation -----------------------------------------------------------------------
