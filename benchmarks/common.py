@@ -68,7 +68,7 @@ def environment() -> dict:
 def human_bytes(n: int) -> str:
     for unit in ("B", "KiB", "MiB", "GiB"):
         if n < 1024 or unit == "GiB":
-            return f"{n:g} {unit}" if unit == "B" else f"{n:g} {unit}"
+            return f"{n:g} {unit}"
         n /= 1024
     return f"{n} B"
 
