@@ -16,5 +16,6 @@ except ImportError as error:  # pragma: no cover - only when the build is missin
 
 @functools.cache
 def register_targets() -> None:
-    for name, capsule in extension.cpu_targets().items():
+    targets = {**extension.cpu_targets(), **extension.model_cpu_targets()}
+    for name, capsule in targets.items():
         jax.ffi.register_ffi_target(name, capsule, platform="cpu")

@@ -4,6 +4,7 @@
 
 #include "common/config.h"
 #include "kernels/reduce_cpu.h"
+#include "models/targets.h"
 #include "xla/ffi/api/c_api.h"
 
 namespace nb = nanobind;
@@ -43,6 +44,14 @@ NB_MODULE(_jaxring, m) {
     targets["jaxring_all_gather"] = Capsule(JaxringAllGatherCpu);
     targets["jaxring_broadcast"] = Capsule(JaxringBroadcastCpu);
     targets["jaxring_barrier"] = Capsule(JaxringBarrierCpu);
+    return targets;
+  });
+
+  m.def("model_cpu_targets", []() {
+    nb::dict targets;
+    for (const jaxring::models::FfiTarget& target : jaxring::models::CpuTargets()) {
+      targets[target.name] = nb::capsule(target.handler);
+    }
     return targets;
   });
 

@@ -1,0 +1,7 @@
+#include "models/targets.h"
+
+namespace jaxring::models {
+
+std::vector<FfiTarget> CpuTargets() { return {}; }
+
+}  // namespace jaxring::models
