@@ -10,7 +10,9 @@ from jaxring._src.all_reduce import all_reduce
 from jaxring._src.barrier import barrier
 from jaxring._src.broadcast import broadcast
 from jaxring._src.common import REDUCE_OPS, SUPPORTED_DTYPES, reset_after_error
+from jaxring._src.ppermute import ppermute
 from jaxring._src.reduce_scatter import reduce_scatter
+from jaxring._src.send_recv import recv, send
 
 __version__ = "0.1.0"
 
@@ -22,6 +24,9 @@ __all__ = [
     "barrier",
     "broadcast",
     "config",
+    "ppermute",
+    "recv",
     "reduce_scatter",
     "reset_after_error",
+    "send",
 ]

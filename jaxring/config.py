@@ -1,7 +1,7 @@
 """jaxring's configuration: one object, written through to the native library.
 
 Environment variables (JAXRING_TIMEOUT_SECONDS, JAXRING_RING_THRESHOLD_BYTES, JAXRING_ALGORITHM,
-JAXRING_PIPELINE_SLICE_BYTES, JAXRING_SPIN_ITERATIONS) override the defaults at import time;
+JAXRING_PIPELINE_SLICE_BYTES, JAXRING_SPIN_ITERATIONS, JAXRING_P2P_EAGER_BYTES) override the defaults at import time;
 ``update`` and ``override`` change them at run time. Values are read when a collective runs.
 """
 
@@ -28,6 +28,9 @@ class Config:
     pipeline_slice_bytes: int = 256 * 1024
     # Polls before a waiting device sleeps in the kernel; small because devices share cores.
     spin_iterations: int = 256
+    # Point-to-point: ppermute messages up to this many bytes go eagerly through the receiver's
+    # mailbox (the sender does not wait); larger ones are read in place from the sender.
+    p2p_eager_bytes: int = 64 * 1024
 
 
 _ENV = {
@@ -36,6 +39,7 @@ _ENV = {
     "algorithm": ("JAXRING_ALGORITHM", str),
     "pipeline_slice_bytes": ("JAXRING_PIPELINE_SLICE_BYTES", int),
     "spin_iterations": ("JAXRING_SPIN_ITERATIONS", int),
+    "p2p_eager_bytes": ("JAXRING_P2P_EAGER_BYTES", int),
 }
 
 
@@ -46,8 +50,9 @@ def _validate(config: Config) -> Config:
         )
     if not config.timeout_seconds > 0:
         raise ValueError(f"jaxring.config: timeout_seconds must be > 0, got {config.timeout_seconds}")
-    if config.pipeline_slice_bytes <= 0 or config.spin_iterations < 0:
-        raise ValueError("jaxring.config: pipeline_slice_bytes must be > 0, spin_iterations >= 0")
+    if config.pipeline_slice_bytes <= 0 or config.spin_iterations < 0 or config.p2p_eager_bytes < 0:
+        raise ValueError("jaxring.config: pipeline_slice_bytes must be > 0, spin_iterations and "
+                         "p2p_eager_bytes >= 0")
     return config
 
 

@@ -81,6 +81,36 @@ def reset_after_error() -> None:
 
     dispatch.runtime_tokens.current_tokens.pop(collective_effect, None)
     dispatch.runtime_tokens.output_runtime_tokens.clear()
+    native.extension.reset_point_to_point()
+
+
+def check_perm(name: str, perm, size: int, where: str) -> tuple[tuple[int, int], ...]:
+    """Validates a permutation given as (source, destination) pairs, as lax.ppermute takes it."""
+    try:
+        pairs = tuple((int(s), int(d)) for s, d in perm)
+    except (TypeError, ValueError):
+        raise TypeError(
+            f"jaxring.{name}: perm must be a sequence of (source, destination) int pairs, "
+            f"got {perm!r}"
+        ) from None
+    for s, d in pairs:
+        if not (0 <= s < size and 0 <= d < size):
+            raise ValueError(
+                f"jaxring.{name}: pair {(s, d)} of perm is outside [0, {size}) for {where}"
+            )
+    sources = [s for s, _ in pairs]
+    dests = [d for _, d in pairs]
+    if len(set(sources)) != len(sources) or len(set(dests)) != len(dests):
+        raise ValueError(
+            f"jaxring.{name}: perm {pairs} repeats a source or a destination; each device sends "
+            "at most one message and receives at most one"
+        )
+    return pairs
+
+
+def perm_attribute(perm: tuple[tuple[int, int], ...]) -> np.ndarray:
+    """The flattened (source, destination) pairs the native handlers decode."""
+    return np.asarray(perm, np.int64).reshape(-1)
 
 
 # ---- op ids ------------------------------------------------------------------------------------
@@ -216,7 +246,7 @@ def lower_collective(target: str, ctx, *operands, comm: AxisCommunicator, op_id:
         comm_name=comm.name,
         size=np.int64(comm.size),
         op_id=np.int64(op_id),
-        **{k: np.int64(v) for k, v in attrs.items()},
+        **{k: v if isinstance(v, np.ndarray) else np.int64(v) for k, v in attrs.items()},
     )
     ctx.set_tokens_out(mlir.TokenSet({collective_effect: results[0]}))
     return results[1:]

@@ -24,6 +24,10 @@ struct Config {
   // Busy-poll iterations before a waiter sleeps in the kernel. With more devices than cores,
   // spinning steals the core a late peer needs, so keep this small.
   int64_t spin_iterations = 256;
+  // Point-to-point: messages up to this many bytes are copied into the receiver's mailbox and
+  // the sender moves on (eager, NCCL LL-style); larger ppermute messages are copied once, straight
+  // from the sender's buffer, while the sender waits (rendezvous). Measured in benchmarks/p2p.py.
+  int64_t p2p_eager_bytes = 64 * 1024;
 };
 
 // A snapshot of the current configuration; cheap enough to take once per collective.

@@ -51,6 +51,8 @@ const char* CollectiveName(Collective kind) {
     case Collective::kAllGather: return "all_gather";
     case Collective::kBroadcast: return "broadcast";
     case Collective::kBarrier: return "barrier";
+    case Collective::kPermute: return "ppermute";
+    case Collective::kSendRecv: return "send/recv";
   }
   return "unknown";
 }

@@ -33,6 +33,8 @@ enum class Collective : uint8_t {
   kAllGather = 2,
   kBroadcast = 3,
   kBarrier = 4,
+  kPermute = 5,   // ppermute: send and receive in one call
+  kSendRecv = 6,  // a send matched with a recv (a separate call site on each side)
 };
 const char* CollectiveName(Collective kind);
 

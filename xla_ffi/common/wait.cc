@@ -85,22 +85,38 @@ bool Flag::AbandonBelow(uint32_t target) {
   return false;
 }
 
-bool Flag::WaitAtLeast(uint32_t target, const Deadline& deadline, int64_t spin_iterations) const {
+void Flag::Abandon() {
+  value_.fetch_or(kAbandoned, std::memory_order_seq_cst);
+  WakeAll();
+}
+
+template <typename Done>
+bool Flag::Wait(Done done, const Deadline& deadline, int64_t spin_iterations) const {
   for (int64_t i = 0; i < spin_iterations; ++i) {
-    if (value_.load(std::memory_order_acquire) >= target) return true;
+    if (done(value_.load(std::memory_order_acquire))) return true;
     JAXRING_CPU_RELAX();
   }
   while (true) {
     uint32_t seen = value_.load(std::memory_order_acquire);
-    if (seen >= target) return true;
+    if (done(seen)) return true;
     auto left = deadline.Remaining(kMaxSleep);
     if (left == std::chrono::nanoseconds::zero()) return false;
     // Announce the sleeper before re-checking, so a writer either sees us or we see its value.
     sleepers_.fetch_add(1, std::memory_order_seq_cst);
     seen = value_.load(std::memory_order_seq_cst);
-    if (seen < target) SleepWhileEqual(value_, seen, left);
+    if (!done(seen)) SleepWhileEqual(value_, seen, left);
     sleepers_.fetch_sub(1, std::memory_order_seq_cst);
   }
+}
+
+bool Flag::WaitAtLeast(uint32_t target, const Deadline& deadline, int64_t spin_iterations) const {
+  return Wait([target](uint32_t seen) { return seen >= target; }, deadline, spin_iterations);
+}
+
+bool Flag::WaitUntilEqual(uint32_t target, const Deadline& deadline,
+                          int64_t spin_iterations) const {
+  return Wait([target](uint32_t seen) { return seen == target || (seen & kAbandoned); }, deadline,
+              spin_iterations);
 }
 
 }  // namespace jaxring

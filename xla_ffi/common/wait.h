@@ -34,10 +34,17 @@ class Flag {
   // up, so that late peers fail instead of touching the buffers of a rank that has left.
   bool AbandonBelow(uint32_t target);
   static constexpr uint32_t kAbandoned = 1u << 31;
+  // Marks the flag abandoned (sets kAbandoned), waking waiters.
+  void Abandon();
+  // Waits until Load() == target or the flag is abandoned. For round numbers that wrap around
+  // (point-to-point slots), where "at least" has no meaning. False when the deadline passed first.
+  bool WaitUntilEqual(uint32_t target, const Deadline& deadline, int64_t spin_iterations) const;
   // Waits until Load() >= target (counters only grow; an abandoned counter satisfies any wait). False when the deadline passed first.
   bool WaitAtLeast(uint32_t target, const Deadline& deadline, int64_t spin_iterations) const;
 
  private:
+  template <typename Done>
+  bool Wait(Done done, const Deadline& deadline, int64_t spin_iterations) const;
   void WakeAll();
   std::atomic<uint32_t> value_{0};
   mutable std::atomic<uint32_t> sleepers_{0};

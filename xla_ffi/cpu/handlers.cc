@@ -7,8 +7,10 @@
 
 #include "common/config.h"
 #include "common/types.h"
+#include "p2p/protocol.h"
 #include "ring/algorithms.h"
 #include "transports/local.h"
+#include "transports/mailbox.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -65,6 +67,81 @@ ffi::Error Run(Collective kind, ReduceOp op, int64_t root, ffi::RunId run_id,
 }
 
 DType ToDType(ffi::DataType type) { return static_cast<DType>(static_cast<uint8_t>(type)); }
+
+// ---- point-to-point ----------------------------------------------------------------------------
+
+// This rank's partner in `perm` (flattened (source, destination) pairs): whom it sends to, or
+// whom it receives from; -1 if none.
+int Partner(ffi::Span<const int64_t> perm, int rank, bool sending) {
+  for (size_t i = 0; i + 1 < perm.size(); i += 2) {
+    if (sending && perm[i] == rank) return static_cast<int>(perm[i + 1]);
+    if (!sending && perm[i + 1] == rank) return static_cast<int>(perm[i]);
+  }
+  return -1;
+}
+
+template <typename Body>
+ffi::Error RunPointToPoint(Collective kind, ffi::AnyBuffer rank_buffer,
+                           ffi::AnyBuffer group_buffer, DType dtype, int64_t count,
+                           const CallAttributes& attrs, Body body) {
+  const int rank = *static_cast<const int32_t*>(rank_buffer.untyped_data());
+  const int64_t group = *static_cast<const int32_t*>(group_buffer.untyped_data());
+  const int size = static_cast<int>(attrs.size);
+  if (rank < 0 || rank >= size)
+    return ffi::Error::InvalidArgument("jaxring " + std::string(CollectiveName(kind)) + ": rank " +
+                                       std::to_string(rank) + " is outside [0, " +
+                                       std::to_string(size) + ")");
+  if (!IsSupported(dtype))
+    return ffi::Error::InvalidArgument("jaxring " + std::string(CollectiveName(kind)) +
+                                       ": unsupported element type");
+  Header header;
+  header.kind = kind;
+  header.dtype = dtype;
+  header.op_id = attrs.op_id;
+  header.count = count;
+  const Config config = CurrentConfig();
+  LocalPointToPoint transport(
+      CommunicatorId{static_cast<uint64_t>(attrs.comm), group, size, std::string(attrs.comm_name)},
+      rank, config.timeout_seconds, config.spin_iterations);
+  return ToFfi(body(transport, header, rank, config, count * ByteWidth(dtype)));
+}
+
+ffi::Error PermuteImpl(ffi::Token, ffi::AnyBuffer rank, ffi::AnyBuffer group, ffi::AnyBuffer x,
+                       ffi::Result<ffi::Token>, ffi::Result<ffi::AnyBuffer> y, int64_t comm,
+                       std::string_view comm_name, int64_t size, int64_t op_id,
+                       ffi::Span<const int64_t> perm) {
+  return RunPointToPoint(
+      Collective::kPermute, rank, group, ToDType(x.element_type()), x.element_count(),
+      CallAttributes{comm, comm_name, size, op_id},
+      [&](PointToPoint& transport, const Header& header, int me, const Config& config,
+          size_t bytes) {
+        return Permute(transport, header, Partner(perm, me, true), Partner(perm, me, false),
+                       x.untyped_data(), y->untyped_data(), bytes, config);
+      });
+}
+
+ffi::Error SendImpl(ffi::Token, ffi::AnyBuffer rank, ffi::AnyBuffer group, ffi::AnyBuffer x,
+                    ffi::Result<ffi::Token>, int64_t comm, std::string_view comm_name,
+                    int64_t size, int64_t op_id, ffi::Span<const int64_t> perm) {
+  return RunPointToPoint(
+      Collective::kSendRecv, rank, group, ToDType(x.element_type()), x.element_count(),
+      CallAttributes{comm, comm_name, size, op_id},
+      [&](PointToPoint& transport, const Header& header, int me, const Config&, size_t bytes) {
+        return Send(transport, header, Partner(perm, me, true), x.untyped_data(), bytes);
+      });
+}
+
+ffi::Error RecvImpl(ffi::Token, ffi::AnyBuffer rank, ffi::AnyBuffer group,
+                    ffi::Result<ffi::Token>, ffi::Result<ffi::AnyBuffer> y, int64_t comm,
+                    std::string_view comm_name, int64_t size, int64_t op_id,
+                    ffi::Span<const int64_t> perm) {
+  return RunPointToPoint(
+      Collective::kSendRecv, rank, group, ToDType(y->element_type()), y->element_count(),
+      CallAttributes{comm, comm_name, size, op_id},
+      [&](PointToPoint& transport, const Header& header, int me, const Config&, size_t bytes) {
+        return Receive(transport, header, Partner(perm, me, false), y->untyped_data(), bytes);
+      });
+}
 
 ffi::Error AllReduceImpl(ffi::RunId run_id, ffi::Token, ffi::AnyBuffer rank, ffi::AnyBuffer group,
                          ffi::AnyBuffer x, ffi::Result<ffi::Token>, ffi::Result<ffi::AnyBuffer> y,
@@ -157,3 +234,25 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxringAllGatherCpu, AllGatherImpl, Bind<true>());
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxringBroadcastCpu, BroadcastImpl,
                               Bind<true>().Attr<int64_t>("root"));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxringBarrierCpu, BarrierImpl, Bind<false>());
+
+// Point-to-point handlers need no run id: messages are matched in order per (source, destination).
+namespace {
+auto BindPointToPoint() {
+  return ffi::Ffi::Bind().Arg<ffi::Token>().Arg<ffi::AnyBuffer>().Arg<ffi::AnyBuffer>();
+}
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxringPpermuteCpu, PermuteImpl,
+                              WithCommunicator(BindPointToPoint()
+                                                   .Arg<ffi::AnyBuffer>()
+                                                   .Ret<ffi::Token>()
+                                                   .Ret<ffi::AnyBuffer>())
+                                  .Attr<ffi::Span<const int64_t>>("perm"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxringSendCpu, SendImpl,
+                              WithCommunicator(
+                                  BindPointToPoint().Arg<ffi::AnyBuffer>().Ret<ffi::Token>())
+                                  .Attr<ffi::Span<const int64_t>>("perm"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxringRecvCpu, RecvImpl,
+                              WithCommunicator(
+                                  BindPointToPoint().Ret<ffi::Token>().Ret<ffi::AnyBuffer>())
+                                  .Attr<ffi::Span<const int64_t>>("perm"));

@@ -5,6 +5,7 @@
 #include "common/config.h"
 #include "kernels/reduce_cpu.h"
 #include "models/targets.h"
+#include "transports/mailbox.h"
 #include "xla/ffi/api/c_api.h"
 
 namespace nb = nanobind;
@@ -15,6 +16,9 @@ XLA_FFI_Error* JaxringReduceScatterCpu(XLA_FFI_CallFrame*);
 XLA_FFI_Error* JaxringAllGatherCpu(XLA_FFI_CallFrame*);
 XLA_FFI_Error* JaxringBroadcastCpu(XLA_FFI_CallFrame*);
 XLA_FFI_Error* JaxringBarrierCpu(XLA_FFI_CallFrame*);
+XLA_FFI_Error* JaxringPpermuteCpu(XLA_FFI_CallFrame*);
+XLA_FFI_Error* JaxringSendCpu(XLA_FFI_CallFrame*);
+XLA_FFI_Error* JaxringRecvCpu(XLA_FFI_CallFrame*);
 }
 
 namespace {
@@ -44,6 +48,9 @@ NB_MODULE(_jaxring, m) {
     targets["jaxring_all_gather"] = Capsule(JaxringAllGatherCpu);
     targets["jaxring_broadcast"] = Capsule(JaxringBroadcastCpu);
     targets["jaxring_barrier"] = Capsule(JaxringBarrierCpu);
+    targets["jaxring_ppermute"] = Capsule(JaxringPpermuteCpu);
+    targets["jaxring_send"] = Capsule(JaxringSendCpu);
+    targets["jaxring_recv"] = Capsule(JaxringRecvCpu);
     return targets;
   });
 
@@ -58,17 +65,18 @@ NB_MODULE(_jaxring, m) {
   m.def(
       "set_config",
       [](double timeout_seconds, int64_t ring_threshold_bytes, const std::string& algorithm,
-         int64_t pipeline_slice_bytes, int64_t spin_iterations) {
+         int64_t pipeline_slice_bytes, int64_t spin_iterations, int64_t p2p_eager_bytes) {
         jaxring::Config config;
         config.timeout_seconds = timeout_seconds;
         config.ring_threshold_bytes = ring_threshold_bytes;
         config.algorithm = ParseAlgorithm(algorithm);
         config.pipeline_slice_bytes = pipeline_slice_bytes;
         config.spin_iterations = spin_iterations;
+        config.p2p_eager_bytes = p2p_eager_bytes;
         jaxring::SetConfig(config);
       },
       nb::arg("timeout_seconds"), nb::arg("ring_threshold_bytes"), nb::arg("algorithm"),
-      nb::arg("pipeline_slice_bytes"), nb::arg("spin_iterations"));
+      nb::arg("pipeline_slice_bytes"), nb::arg("spin_iterations"), nb::arg("p2p_eager_bytes"));
 
   m.def("get_config", []() {
     const jaxring::Config config = jaxring::CurrentConfig();
@@ -78,8 +86,12 @@ NB_MODULE(_jaxring, m) {
     d["algorithm"] = std::string(jaxring::AlgorithmName(config.algorithm));
     d["pipeline_slice_bytes"] = config.pipeline_slice_bytes;
     d["spin_iterations"] = config.spin_iterations;
+    d["p2p_eager_bytes"] = config.p2p_eager_bytes;
     return d;
   });
+
+  m.def("reset_point_to_point", &jaxring::LocalPointToPoint::ResetAll,
+        "Empties every point-to-point mailbox (after an error).");
 
   // Exposed so tests can check the kernels' rounding against numpy bit for bit.
   m.def("half_to_float", &jaxring::HalfToFloat);

@@ -1,0 +1,122 @@
+"""send and recv: the two halves of a permutation as separate calls (the twins of lax.psend and
+lax.precv), so that a pipeline stage can send, compute, and receive later."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax._src import core
+from jax.interpreters import ad, batching
+
+from jaxring._src import common
+
+# ---- primitives --------------------------------------------------------------------------------
+
+send_p = core.Primitive("jaxring_send")
+send_p.multiple_results = True
+recv_p = core.Primitive("jaxring_recv")
+
+# ---- public functions --------------------------------------------------------------------------
+
+
+def send(x, axis_name, perm) -> None:
+    """Sends `x` from each source device of `perm` to its destination along `axis_name`.
+
+    `perm` holds (source, destination) pairs, as in ``ppermute``; devices that are no pair's
+    source send nothing. A send never waits for its receiver: the message is copied into the
+    destination's mailbox. The matching ``recv`` (same `perm`, shape and dtype) receives it;
+    sends and receives between two devices are matched in program order. Not differentiable:
+    use ``ppermute``, whose transpose is the inverse permutation, in code you take gradients of.
+    """
+
+    def send_leaf(leaf):
+        leaf = jnp.asarray(leaf)
+        common.check_dtype("send", leaf)
+        comm = common.communicator("send", axis_name)
+        pairs = common.check_perm("send", perm, comm.size, comm.name)
+        common.bind_collective(send_p, leaf, comm, perm=pairs)
+
+    jax.tree.map(send_leaf, x)
+
+
+def recv(like, axis_name, perm):
+    """Receives, on each destination device of `perm`, what the matching ``send`` sent.
+
+    `like` gives the shape and dtype (an array or ``jax.ShapeDtypeStruct``; a pytree of them).
+    Devices that are no pair's destination get zeros, as ``lax.ppermute``.
+    """
+
+    def recv_leaf(leaf):
+        aval = core.ShapedArray(np.shape(leaf), np.dtype(leaf.dtype))
+        common.check_dtype("recv", aval)
+        comm = common.communicator("recv", axis_name)
+        pairs = common.check_perm("recv", perm, comm.size, comm.name)
+        rank, group = comm.rank_and_group()
+        return recv_p.bind(rank, group, aval=aval, comm=comm, perm=pairs,
+                           op_id=common.next_op_id())
+
+    return jax.tree.map(recv_leaf, like)
+
+
+# ---- abstract evaluation -----------------------------------------------------------------------
+
+
+def _send_abstract_eval(rank, group, x, *, comm, perm, op_id):
+    return [], {common.collective_effect}
+
+
+def _recv_abstract_eval(rank, group, *, aval, comm, perm, op_id):
+    # What arrives differs from device to device (like ppermute's result): it varies over the
+    # communicator's axes and the group's, so take the device context from the rank operand.
+    out = rank.update(shape=aval.shape, dtype=aval.dtype, weak_type=False)
+    varying = frozenset(comm.axes) | common.varying_axes(rank) | common.varying_axes(group)
+    out = common.with_varying_axes(out, varying)
+    return out, {common.collective_effect}
+
+
+# ---- lowering ----------------------------------------------------------------------------------
+
+
+def _send_lowering(ctx, rank, group, x, *, comm, perm, op_id):
+    return common.lower_collective("jaxring_send", ctx, rank, group, x, comm=comm, op_id=op_id,
+                                   perm=common.perm_attribute(perm))
+
+
+def _recv_lowering(ctx, rank, group, *, aval, comm, perm, op_id):
+    return common.lower_collective("jaxring_recv", ctx, rank, group, comm=comm, op_id=op_id,
+                                   perm=common.perm_attribute(perm))
+
+
+# ---- batching ----------------------------------------------------------------------------------
+
+
+def _send_batching(args, dims, *, comm, perm, op_id):
+    rank, group, x = args
+    assert common.unbatched(dims[0], dims[1]), "jaxring: rank/group cannot be batched"
+    send_p.bind(rank, group, x, comm=comm, perm=perm, op_id=op_id)
+    return [], []
+
+
+# recv has no batched operands (only rank and group), so vmap never batches it.
+
+# ---- differentiation ---------------------------------------------------------------------------
+
+
+def _send_jvp(primals, tangents, *, comm, perm, op_id):
+    if type(tangents[2]) is not ad.Zero:
+        raise NotImplementedError(
+            "jaxring.send is not differentiable (the gradient would have to travel back from the "
+            "matching recv, a separate call); use jaxring.ppermute in differentiated code"
+        )
+    return send_p.bind(*primals, comm=comm, perm=perm, op_id=op_id), []
+
+
+# ---- registration ------------------------------------------------------------------------------
+
+send_p.def_effectful_abstract_eval(_send_abstract_eval)
+recv_p.def_effectful_abstract_eval(_recv_abstract_eval)
+common.register_lowering_rule(send_p, _send_lowering)
+common.register_lowering_rule(recv_p, _recv_lowering)
+batching.primitive_batchers[send_p] = _send_batching
+ad.primitive_jvps[send_p] = _send_jvp

@@ -1,0 +1,200 @@
+#include "transports/mailbox.h"
+
+#include <cstring>
+#include <map>
+#include <mutex>
+#include <sstream>
+#include <tuple>
+
+namespace jaxring {
+
+namespace {
+
+// Slots per mailbox: how many messages a sender may run ahead of its receiver.
+constexpr uint64_t kSlots = 8;
+// Payload stored inside the slot; larger eager messages go to a pooled buffer.
+constexpr size_t kInlineBytes = 4096;
+constexpr uint32_t kRoundMask = ~Flag::kAbandoned;
+
+// The flag value announcing round `round` of a slot. Rounds wrap around, so waiters compare for
+// equality; round -1 (nothing sent yet) is 0, the initial value.
+uint32_t RoundFlag(uint64_t round) { return static_cast<uint32_t>((round + 1) & kRoundMask); }
+
+}  // namespace
+
+struct alignas(64) Slot {
+  // Written by the sender: header and payload first, then `ready`, all in this slot.
+  Flag ready;
+  Header header;
+  bool in_place = false;
+  const void* pointer = nullptr;  // in-place: the sender's buffer; eager: inline or spill
+  ScratchLease spill;
+  alignas(64) unsigned char inline_data[kInlineBytes];
+  // Written by the receiver once it has copied the message out (its own cache line).
+  alignas(64) Flag read;
+};
+
+class Mailbox {
+ public:
+  Slot slots[kSlots];
+  alignas(64) uint64_t sent = 0;      // touched only by the source device
+  alignas(64) uint64_t received = 0;  // touched only by the destination device
+
+  void Reset() {
+    for (Slot& slot : slots) {
+      slot.ready.Store(0);
+      slot.read.Store(0);
+      slot.spill = ScratchLease();
+      slot.in_place = false;
+      slot.pointer = nullptr;
+    }
+    sent = received = 0;
+  }
+};
+
+namespace {
+
+using MailboxKey = std::tuple<uint64_t, int64_t, int, int>;  // comm, group, source, destination
+
+class MailboxRegistry {
+ public:
+  static MailboxRegistry& Get() {
+    static MailboxRegistry* registry = new MailboxRegistry();  // outlives device threads
+    return *registry;
+  }
+  Mailbox* Find(const CommunicatorId& comm, int source, int dest) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    auto& slot = mailboxes_[MailboxKey{comm.comm, comm.group, source, dest}];
+    if (!slot) slot = std::make_unique<Mailbox>();
+    return slot.get();
+  }
+  void ResetAll() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    for (auto& [key, mailbox] : mailboxes_) mailbox->Reset();
+  }
+
+ private:
+  std::mutex mutex_;
+  std::map<MailboxKey, std::unique_ptr<Mailbox>> mailboxes_;
+};
+
+bool SameMessage(const Header& a, const Header& b) {
+  // A send and its recv are different call sites, so only ppermute compares op ids.
+  return a.kind == b.kind && a.dtype == b.dtype && a.count == b.count &&
+         (a.kind != Collective::kPermute || a.op_id == b.op_id);
+}
+
+}  // namespace
+
+LocalPointToPoint::LocalPointToPoint(CommunicatorId comm, int rank, double timeout_seconds,
+                                     int64_t spin_iterations)
+    : comm_(std::move(comm)),
+      rank_(rank),
+      deadline_(timeout_seconds),
+      spin_iterations_(spin_iterations) {}
+
+void LocalPointToPoint::ResetAll() { MailboxRegistry::Get().ResetAll(); }
+
+std::string LocalPointToPoint::Where(const Header& header) const {
+  std::ostringstream s;
+  s << "jaxring " << Describe(header) << " on " << comm_.name << " (rank " << rank_ << " of "
+    << comm_.size << ")";
+  return s.str();
+}
+
+Status LocalPointToPoint::Post(int dest, const Header& header, const void* data, size_t bytes,
+                               bool in_place) {
+  Mailbox* mailbox = MailboxRegistry::Get().Find(comm_, rank_, dest);
+  const uint64_t sequence = mailbox->sent++;
+  const uint64_t round = sequence / kSlots;
+  Slot& slot = mailbox->slots[sequence % kSlots];
+  // The slot is free once the receiver has read what was sent into it one round earlier.
+  if (!slot.read.WaitUntilEqual(RoundFlag(round - 1), deadline_, spin_iterations_)) {
+    std::ostringstream s;
+    s << Where(header) << ": timed out after " << deadline_.seconds() << " s waiting for rank "
+      << dest << " to receive message " << sequence + 1 - kSlots << " (this rank is " << kSlots
+      << " messages ahead of it: does rank " << dest << " make the matching calls?)";
+    return Status::Error(s.str());
+  }
+  if (slot.read.Load() & Flag::kAbandoned)
+    return Status::Error(Where(header) + ": rank " + std::to_string(dest) +
+                         " gave up on this mailbox after an error; see its error");
+  slot.header = header;
+  slot.in_place = in_place;
+  if (in_place) {
+    slot.pointer = data;
+  } else if (bytes <= kInlineBytes) {
+    std::memcpy(slot.inline_data, data, bytes);
+    slot.pointer = slot.inline_data;
+  } else {
+    slot.spill = ScratchLease::Acquire(bytes);
+    std::memcpy(slot.spill.data(), data, bytes);
+    slot.pointer = slot.spill.data();
+  }
+  slot.ready.Store(RoundFlag(round));  // publishes everything above (release)
+  if (in_place) {
+    in_place_mailbox_ = mailbox;
+    in_place_sequence_ = sequence;
+  }
+  return Status();
+}
+
+Status LocalPointToPoint::SendCopy(int dest, const Header& header, const void* data,
+                                   size_t bytes) {
+  return Post(dest, header, data, bytes, /*in_place=*/false);
+}
+
+Status LocalPointToPoint::SendInPlace(int dest, const Header& header, const void* data,
+                                      size_t bytes) {
+  return Post(dest, header, data, bytes, /*in_place=*/true);
+}
+
+Status LocalPointToPoint::WaitSent(int dest) {
+  Slot& slot = in_place_mailbox_->slots[in_place_sequence_ % kSlots];
+  const uint32_t done = RoundFlag(in_place_sequence_ / kSlots);
+  if (!slot.read.WaitUntilEqual(done, deadline_, spin_iterations_)) {
+    std::ostringstream s;
+    s << Where(slot.header) << ": timed out after " << deadline_.seconds()
+      << " s waiting for rank [" << dest << "] to receive this rank's message";
+    slot.read.Abandon();  // a late receiver must not read a buffer XLA has reclaimed
+    return Status::Error(s.str());
+  }
+  if (slot.read.Load() & Flag::kAbandoned)
+    return Status::Error(Where(slot.header) + ": rank " + std::to_string(dest) +
+                         " failed while receiving this rank's message; see its error");
+  return Status();
+}
+
+Status LocalPointToPoint::Receive(int source, const Header& expected, void* out, size_t bytes) {
+  Mailbox* mailbox = MailboxRegistry::Get().Find(comm_, source, rank_);
+  const uint64_t sequence = mailbox->received++;
+  const uint64_t round = sequence / kSlots;
+  Slot& slot = mailbox->slots[sequence % kSlots];
+  if (!slot.ready.WaitUntilEqual(RoundFlag(round), deadline_, spin_iterations_)) {
+    slot.read.Abandon();  // a late sender fails instead of waiting for this rank
+    std::ostringstream s;
+    s << Where(expected) << ": timed out after " << deadline_.seconds()
+      << " s waiting for rank [" << source << "] to send (message " << sequence
+      << " from it). A peer that never makes the matching call (a rank-dependent branch, or a "
+         "crashed device) cannot be waited for; raise jaxring.config timeout_seconds if it is "
+         "just slow.";
+    return Status::Error(s.str());
+  }
+  if (slot.ready.Load() & Flag::kAbandoned)
+    return Status::Error(Where(expected) + ": rank " + std::to_string(source) +
+                         " gave up on this mailbox after an error; see its error");
+  if (!SameMessage(slot.header, expected)) {
+    std::ostringstream s;
+    s << Where(expected) << ": mismatched point-to-point calls: rank " << rank_ << " expected "
+      << Describe(expected) << " from rank " << source << ", but rank " << source << " sent "
+      << Describe(slot.header) << ". Every rank must make the same calls in the same order.";
+    slot.read.Abandon();
+    return Status::Error(s.str());
+  }
+  std::memcpy(out, slot.pointer, bytes);
+  slot.spill = ScratchLease();
+  slot.read.Store(RoundFlag(round));  // frees the slot, and releases an in-place sender
+  return Status();
+}
+
+}  // namespace jaxring

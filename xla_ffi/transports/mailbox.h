@@ -1,0 +1,50 @@
+// The in-process point-to-point transport: one mailbox per (communicator, group, source,
+// destination), a ring of slots written by the source device and read by the destination device.
+//
+// Low latency follows NCCL's LL protocol: the flag that says "round r is here" sits in the slot
+// beside the header and the payload and is written after them, so the receiver polls the slot
+// itself and the sender never waits for the receiver to arrive (no handshake, no barrier). Only a
+// sender that is a whole ring of slots ahead waits, for its oldest unread message.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "common/wait.h"
+#include "transports/local.h"
+#include "transports/point_to_point.h"
+
+namespace jaxring {
+
+class Mailbox;
+
+class LocalPointToPoint final : public PointToPoint {
+ public:
+  LocalPointToPoint(CommunicatorId comm, int rank, double timeout_seconds,
+                    int64_t spin_iterations);
+
+  int rank() const override { return rank_; }
+  int size() const override { return comm_.size; }
+  Status SendCopy(int dest, const Header& header, const void* data, size_t bytes) override;
+  Status SendInPlace(int dest, const Header& header, const void* data, size_t bytes) override;
+  Status WaitSent(int dest) override;
+  Status Receive(int source, const Header& expected, void* out, size_t bytes) override;
+  std::string Where(const Header& header) const override;
+
+  // Empties every mailbox (after an error, when no device is inside a jaxring call).
+  static void ResetAll();
+
+ private:
+  Status Post(int dest, const Header& header, const void* data, size_t bytes, bool in_place);
+
+  CommunicatorId comm_;
+  int rank_;
+  Deadline deadline_;
+  int64_t spin_iterations_;
+  // The slot of the last in-place send, per call (a ppermute sends at most one message).
+  Mailbox* in_place_mailbox_ = nullptr;
+  uint64_t in_place_sequence_ = 0;
+};
+
+}  // namespace jaxring
