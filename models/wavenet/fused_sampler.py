@@ -1,0 +1,121 @@
+"""(d) The fused sampler: many sample steps of every stream inside one C++ custom call
+(`jaxring_wavenet_sample`, xla_ffi/models/wavenet_cpu.cc), weights packed once into the layout
+that kernel streams through, per-layer ring-buffer queues passed in and out (aliased, so they stay
+in place), and the Gumbel noise of `sampler.gumbel_noise` passed in so that it draws the same
+samples as the JAX samplers.
+
+The loop is a `lax.scan` over chunks of `chunk_steps` steps: one custom call per chunk, with that
+chunk's noise generated just before it (the noise of a whole long sample would not fit in
+memory). With `weight_dtype=jnp.float16` the kernel streams half the bytes; compare it against the
+JAX samplers given `round_weights(weights, jnp.float16)`, the same numbers in float32.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from jaxring._src import native
+from models.wavenet import model, sampler
+from models.wavenet.configs.default import ModelConfig
+
+TARGET = "jaxring_wavenet_sample"
+
+
+def round_weights(weights, dtype):
+    """The weights rounded to `dtype` and back to float32."""
+    return jax.tree.map(lambda w: w.astype(dtype).astype(jnp.float32), weights)
+
+
+def pack_weights(weights, config: ModelConfig, dtype=jnp.float32):
+    """One flat array in the order the kernel reads it (the layout comment of wavenet_cpu.cc):
+    embedding; per layer the gate [current; past] x 2R, [residual | skip] with its bias and the
+    local-conditioning matrix; then the output layers. The gate bias is not here: it is
+    `gate_bias_per_stream`."""
+    layers = weights["layers"]
+    parts = [weights["embedding"]]
+    for index in range(config.num_layers):
+        layer = model.layer_weights(layers, index)
+        parts.append(jnp.concatenate([layer["gate_current"], layer["gate_past"]], axis=0))
+        parts.append(jnp.concatenate([layer["residual"], layer["skip"]], axis=1))
+        parts.append(jnp.concatenate([layer["residual_bias"], layer["skip_bias"]]))
+        if config.local_channels:
+            parts.append(layer["local"])
+    output = weights["output"]
+    parts += [output["hidden"], output["hidden_bias"], output["logits"], output["logits_bias"]]
+    return jnp.concatenate([p.reshape(-1) for p in parts]).astype(dtype)
+
+
+def gate_bias_per_stream(weights, batch: int, speaker=None):
+    """`[layers, batch, 2R]`: each layer's gate bias plus the stream's speaker embedding."""
+    layers = weights["layers"]
+    bias = jnp.broadcast_to(layers["gate_bias"][:, None, :],
+                            (layers["gate_bias"].shape[0], batch, layers["gate_bias"].shape[1]))
+    if speaker is not None and "speaker_embedding" in layers:
+        bias = bias + layers["speaker_embedding"][:, speaker, :]
+    return bias.astype(jnp.float32)
+
+
+def fused_steps(packed, config: ModelConfig, gate_bias, local, noise, token, queues, first_step,
+                return_logits: bool):
+    """`noise.shape[0]` steps in one custom call. Returns tokens `[steps, batch]`, the queues and
+    the logits `[steps, batch, levels]` (`[0, batch, levels]` unless `return_logits`)."""
+    native.register_targets()
+    steps, batch, levels = noise.shape
+    logits_steps = steps if return_logits else 0
+    call = jax.ffi.ffi_call(
+        TARGET,
+        (jax.ShapeDtypeStruct((steps, batch), jnp.int32),
+         jax.ShapeDtypeStruct(queues.shape, jnp.float32),
+         jax.ShapeDtypeStruct((logits_steps, batch, levels), jnp.float32)),
+        input_output_aliases={5: 1},
+    )
+    return call(packed, gate_bias, local, noise, token, queues, jnp.asarray(first_step, jnp.int32),
+                residual=np.int64(config.residual_channels), skip=np.int64(config.skip_channels),
+                hidden=np.int64(config.output_channels),
+                levels=np.int64(config.quantization_levels),
+                local_channels=np.int64(config.local_channels),
+                dilations=np.asarray(model.dilations(config), np.int64))
+
+
+@functools.partial(jax.jit, static_argnames=("config", "num_samples", "batch", "return_logits",
+                                             "weight_dtype", "chunk_steps"))
+def sample_fused(weights, config: ModelConfig, key, num_samples: int, batch: int = 1,
+                 speaker=None, local=None, return_logits: bool = False,
+                 weight_dtype=jnp.float32, chunk_steps: int = 1024):
+    """Samples `[batch, num_samples]` (and logits), like `sampler.sample_incremental`."""
+    packed = pack_weights(weights, config, weight_dtype)
+    gate_bias = gate_bias_per_stream(weights, batch, speaker)
+    channels = config.local_channels
+    local = jnp.zeros((batch, num_samples, channels), jnp.float32) if local is None else local
+    local = sampler.time_major(local.astype(jnp.float32))
+    levels = config.quantization_levels
+    queues = jnp.zeros((sum(model.dilations(config)), batch, config.residual_channels),
+                       jnp.float32)
+    token = jnp.full((batch,), model.start_token(config), jnp.int32)
+
+    def chunk(carry, first_step, length):
+        queues, token = carry
+        steps = first_step + jnp.arange(length, dtype=jnp.int32)
+        noise = jax.vmap(lambda t: sampler.gumbel_noise(key, t, batch, levels))(steps)
+        local_chunk = lax.dynamic_slice_in_dim(local, first_step, length, axis=0)
+        tokens, queues, logits = fused_steps(packed, config, gate_bias, local_chunk, noise, token,
+                                             queues, first_step, return_logits)
+        return (queues, tokens[-1]), (tokens, logits)
+
+    length = min(chunk_steps, num_samples)
+    full_chunks, remainder = divmod(num_samples, length)
+    starts = jnp.arange(full_chunks, dtype=jnp.int32) * length
+    carry, (tokens, logits) = lax.scan(lambda c, s: chunk(c, s, length), (queues, token), starts)
+    tokens = tokens.reshape(-1, batch)
+    logits = logits.reshape(-1, batch, levels)
+    if remainder:
+        _, (last_tokens, last_logits) = chunk(carry, jnp.int32(full_chunks * length), remainder)
+        tokens = jnp.concatenate([tokens, last_tokens])
+        logits = jnp.concatenate([logits, last_logits])
+    tokens = tokens.T
+    return (tokens, jnp.swapaxes(logits, 0, 1)) if return_logits else tokens

@@ -1,0 +1,155 @@
+"""Samplers. All of them draw the same samples for the same weights and key:
+
+- `sample_naive`: recompute the whole receptive field for every sample (the baseline);
+- `sample_incremental`: Fast WaveNet (Paine et al. 2016, arXiv:1611.09482): each layer keeps a
+  queue of its past inputs, so one sample costs one pass through the layers; the whole loop is
+  one `lax.scan`;
+- `sample_python_loop`: the same step, jitted once and called from a Python loop per sample;
+- `models.wavenet.pipeline_sampler`: layer groups on different devices (layer-sharded);
+- `models.wavenet.fused_sampler`: the whole loop inside one C++ custom call.
+
+Sampling rule: Gumbel-max (argmax of logits plus Gumbel noise is a draw from the softmax), with
+the noise of time step t drawn by `jax.random` from `fold_in(key, t)`, so that every sampler,
+whatever its loop structure, sees the same noise.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from models.wavenet import model
+from models.wavenet.configs.default import ModelConfig
+
+
+def gumbel_noise(key, step, batch: int, levels: int):
+    """The noise that picks time step `step`'s samples, `[batch, levels]`."""
+    return jax.random.gumbel(jax.random.fold_in(key, step), (batch, levels), jnp.float32)
+
+
+def sample_token(logits, noise):
+    return jnp.argmax(logits + noise, axis=-1).astype(jnp.int32)
+
+
+def time_major(local):
+    """Local conditioning `[batch, time, channels]` -> `[time, batch, channels]` (scan order)."""
+    return None if local is None else jnp.swapaxes(local, 0, 1)
+
+
+# ---------------------------------------------------------------------------------------------
+# (a) naive: the full network over the last receptive field, per sample.
+
+
+@functools.partial(jax.jit, static_argnames=("config", "num_samples", "batch", "return_logits"))
+def sample_naive(weights, config: ModelConfig, key, num_samples: int, batch: int = 1,
+                 speaker=None, local=None, return_logits: bool = False):
+    """Samples `[batch, num_samples]` (and logits `[batch, num_samples, levels]`)."""
+    window = model.receptive_field(config)
+    length = num_samples + window
+    inputs = jnp.full((batch, length), model.start_token(config), jnp.int32)
+    if local is not None:
+        local = jnp.pad(local, ((0, 0), (0, length - local.shape[1]), (0, 0)))
+
+    def step(inputs, t):
+        # Output t sees inputs t - window + 1 ... t only, so the window [start, start + window)
+        # gives exactly the full-sequence logits at t; before t = window - 1 it starts at 0.
+        start = jnp.maximum(0, t - window + 1)
+        window_inputs = lax.dynamic_slice_in_dim(inputs, start, window, axis=1)
+        window_local = None if local is None else lax.dynamic_slice_in_dim(
+            local, start, window, axis=1)
+        skip = model.skip_sum(weights, config, window_inputs, speaker, window_local)
+        skip_now = lax.dynamic_index_in_dim(skip, t - start, axis=1, keepdims=False)
+        logits = model.output_logits(weights["output"], skip_now)
+        token = sample_token(logits, gumbel_noise(key, t, batch, config.quantization_levels))
+        inputs = lax.dynamic_update_index_in_dim(inputs, token, t + 1, axis=1)
+        return inputs, (token, logits if return_logits else None)
+
+    _, (tokens, logits) = lax.scan(step, inputs, jnp.arange(num_samples, dtype=jnp.int32))
+    tokens = tokens.T
+    return (tokens, jnp.swapaxes(logits, 0, 1)) if return_logits else tokens
+
+
+# ---------------------------------------------------------------------------------------------
+# (b) incremental: per-layer ring buffers of past layer inputs.
+
+
+def init_queues(config: ModelConfig, batch: int, layer_dilations) -> list:
+    """One ring buffer `[dilation, batch, residual]` per layer: its inputs of the last `dilation`
+    steps, slot `t % dilation` holding step t's. Zeros are the convolution's causal padding."""
+    return [jnp.zeros((d, batch, config.residual_channels), jnp.float32) for d in layer_dilations]
+
+
+def layer_group_step(layers: dict, layer_dilations, queues: list, h, t, speaker=None,
+                     local_now=None):
+    """One time step through a group of consecutive layers (stacked weights `[group, ...]`).
+    Returns the group's output residual, the sum of its skip outputs and the updated queues.
+    A pipeline stage is exactly this function."""
+    skip_sum = 0.0
+    new_queues = []
+    for index, (dilation, queue) in enumerate(zip(layer_dilations, queues)):
+        layer = model.layer_weights(layers, index)
+        slot = t % dilation
+        h_past = lax.dynamic_index_in_dim(queue, slot, axis=0, keepdims=False)
+        new_queues.append(lax.dynamic_update_index_in_dim(queue, h, slot, axis=0))
+        conditioning = model.layer_conditioning(layer, speaker, local_now)
+        h, skip = model.gated_residual_layer(layer, h, h_past, conditioning)
+        skip_sum = skip_sum + skip
+    return h, skip_sum, new_queues
+
+
+def incremental_step(weights, config: ModelConfig, key, queues, token, t, speaker=None,
+                     local_now=None):
+    """One sample for every stream: the previous token in, the next token and its logits out."""
+    h = weights["embedding"][token]
+    _, skip_sum, queues = layer_group_step(
+        weights["layers"], model.dilations(config), queues, h, t, speaker, local_now)
+    logits = model.output_logits(weights["output"], skip_sum)
+    token = sample_token(logits, gumbel_noise(key, t, token.shape[0], config.quantization_levels))
+    return queues, token, logits
+
+
+@functools.partial(jax.jit, static_argnames=("config", "num_samples", "batch", "return_logits"))
+def sample_incremental(weights, config: ModelConfig, key, num_samples: int, batch: int = 1,
+                       speaker=None, local=None, return_logits: bool = False):
+    """Samples `[batch, num_samples]` (and logits), the whole loop one `lax.scan`."""
+    queues = init_queues(config, batch, model.dilations(config))
+    token = jnp.full((batch,), model.start_token(config), jnp.int32)
+
+    def step(carry, inputs):
+        t, local_now = inputs
+        queues, token = carry
+        queues, token, logits = incremental_step(weights, config, key, queues, token, t,
+                                                 speaker, local_now)
+        return (queues, token), (token, logits if return_logits else None)
+
+    steps = jnp.arange(num_samples, dtype=jnp.int32)
+    _, (tokens, logits) = lax.scan(step, (queues, token), (steps, time_major(local)))
+    tokens = tokens.T
+    return (tokens, jnp.swapaxes(logits, 0, 1)) if return_logits else tokens
+
+
+def sample_python_loop(weights, config: ModelConfig, key, num_samples: int, batch: int = 1,
+                       speaker=None, local=None):
+    """The per-step baseline: the incremental step jitted once, called once per sample."""
+    step = _jitted_step(config)
+    queues = init_queues(config, batch, model.dilations(config))
+    token = jnp.full((batch,), model.start_token(config), jnp.int32)
+    tokens = []
+    for t in range(num_samples):
+        local_now = None if local is None else local[:, t]
+        queues, token = step(weights, key, queues, token, jnp.int32(t), speaker, local_now)
+        tokens.append(token)
+    return jnp.stack(tokens, axis=1)
+
+
+@functools.cache
+def _jitted_step(config: ModelConfig):
+    def step(weights, key, queues, token, t, speaker, local_now):
+        queues, token, _ = incremental_step(weights, config, key, queues, token, t, speaker,
+                                            local_now)
+        return queues, token
+
+    return jax.jit(step, donate_argnums=(2,))
