@@ -70,8 +70,9 @@ def _recv_abstract_eval(rank, group, *, aval, comm, perm, op_id):
     # What arrives differs from device to device (like ppermute's result): it varies over the
     # communicator's axes and the group's, so take the device context from the rank operand.
     out = rank.update(shape=aval.shape, dtype=aval.dtype, weak_type=False)
-    varying = frozenset(comm.axes) | common.varying_axes(rank) | common.varying_axes(group)
-    out = common.with_varying_axes(out, varying)
+    if common.vma_checking():
+        varying = frozenset(comm.axes) | common.varying_axes(rank) | common.varying_axes(group)
+        out = common.with_varying_axes(out, varying)
     return out, {common.collective_effect}
 
 

@@ -1,0 +1,272 @@
+"""Point-to-point: ppermute, send and recv against lax.ppermute on random permutations (cycles,
+partial maps, self pairs), every dtype, both protocols (eager and in-place), under jit, scan,
+vmap and grad; and the errors: bad permutations, mismatched calls, a missing sender, a mailbox
+overrun."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+from jax.sharding import PartitionSpec as P
+
+import jaxring
+from helpers import AWKWARD_SIZES, DEVICE_COUNTS, DTYPES, mesh, random_array, shard, shmap
+
+
+def random_perm(rng: np.random.Generator, n: int, kind: str):
+    order = [int(i) for i in rng.permutation(n)]
+    if kind == "cycle":  # one cycle through every device (a ring in random order)
+        return [(order[i], order[(i + 1) % n]) for i in range(n)]
+    if kind == "partial":  # a random map of a random subset: some devices receive zeros
+        sources = order[: int(rng.integers(0, n + 1))]
+        dests = [int(d) for d in rng.permutation(n)[: len(sources)]]
+        return list(zip(sources, dests))
+    if kind == "shift":  # a pipeline hand-off: stage i to stage i + 1, the last one sends nothing
+        return [(i, i + 1) for i in range(n - 1)]
+    raise ValueError(kind)
+
+
+def assert_same_as_lax(n, perm, x):
+    m = mesh(n)
+    xs = shard(x, m)
+    ours = np.asarray(shmap(lambda v: jaxring.ppermute(v, "i", perm), m)(xs))
+    theirs = np.asarray(shmap(lambda v: lax.ppermute(v, "i", perm), m)(xs))
+    assert ours.dtype == theirs.dtype
+    np.testing.assert_array_equal(ours, theirs)  # a permutation moves bits: exact
+
+
+@pytest.mark.parametrize("kind", ["cycle", "partial", "shift"])
+@pytest.mark.parametrize("n", DEVICE_COUNTS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_ppermute_matches_lax_on_random_permutations(dtype, n, kind):
+    rng = np.random.default_rng([n, len(kind), dtype.num])
+    for size in AWKWARD_SIZES:
+        perm = random_perm(rng, n, kind)
+        assert_same_as_lax(n, perm, random_array(rng, (n * size, 3), dtype))
+
+
+@pytest.mark.parametrize("protocol", ["eager", "in_place"])
+@pytest.mark.parametrize("n", [2, 3, 8])
+def test_ppermute_large_messages_on_both_protocols(n, protocol):
+    rng = np.random.default_rng(n)
+    eager_bytes = 1 << 30 if protocol == "eager" else 0
+    with jaxring.config.override(p2p_eager_bytes=eager_bytes):
+        for kind in ("cycle", "partial"):
+            # 80 KiB per device: above the mailbox's inline payload and the default eager limit.
+            assert_same_as_lax(n, random_perm(rng, n, kind),
+                               random_array(rng, (n * 20_000,), np.float32))
+
+
+def test_ppermute_scalars_pytrees_and_self_pairs():
+    n = 4
+    m = mesh(n)
+    rng = np.random.default_rng(1)
+    a = shard(random_array(rng, (n,), np.float32), m)
+    b = shard(random_array(rng, (n, 2, 3), np.int64), m)
+    perm = [(0, 0), (1, 3), (3, 1)]  # device 0 keeps its value, 2 receives zeros
+    ours = shmap(lambda t: jaxring.ppermute(t, "i", perm), m, in_specs=((P("i"), P("i")),),
+                 out_specs=(P("i"), P("i")))((a, b))
+    theirs = shmap(lambda t: lax.ppermute(t, "i", perm), m, in_specs=((P("i"), P("i")),),
+                   out_specs=(P("i"), P("i")))((a, b))
+    for o, t in zip(ours, theirs):
+        np.testing.assert_array_equal(np.asarray(o), np.asarray(t))
+    scalar = shmap(lambda v: jaxring.ppermute(v[0], "i", perm)[None], m)(a)
+    np.testing.assert_array_equal(np.asarray(scalar), np.asarray(theirs[0]))
+
+
+def test_ring_pass_inside_scan_and_fori_loop():
+    """A value travels round the ring for many steps inside one compiled loop, as a pipeline
+    does; sends and receives of successive steps must never mix."""
+    n, steps = 4, 37
+    m = mesh(n)
+    ring = [(i, (i + 1) % n) for i in range(n)]
+    x = shard(np.random.default_rng(2).standard_normal((n, 5)).astype(np.float32), m)
+
+    def body(permute):
+        def step(carry, t):
+            carry = permute(carry, "i", ring) * 0.5 + t
+            return carry, carry[0]
+        return lambda v: lax.scan(step, v, jnp.arange(steps, dtype=v.dtype))
+
+    ours = shmap(body(jaxring.ppermute), m, out_specs=(P("i"), P("i")))(x)
+    theirs = shmap(body(lax.ppermute), m, out_specs=(P("i"), P("i")))(x)
+    for o, t in zip(ours, theirs):
+        np.testing.assert_array_equal(np.asarray(o), np.asarray(t))
+    loop = shmap(lambda v: lax.fori_loop(0, steps, lambda i, c: jaxring.ppermute(c, "i", ring)
+                                         + 1, v), m)(x)
+    expected = shmap(lambda v: lax.fori_loop(0, steps, lambda i, c: lax.ppermute(c, "i", ring)
+                                             + 1, v), m)(x)
+    np.testing.assert_array_equal(np.asarray(loop), np.asarray(expected))
+
+
+def test_ppermute_under_vmap():
+    n = 4
+    m = mesh(n)
+    perm = random_perm(np.random.default_rng(3), n, "partial")
+    x = shard(np.random.default_rng(3).standard_normal((n * 2, 3, 5)), m)
+    ours = shmap(jax.vmap(lambda v: jaxring.ppermute(v, "i", perm), in_axes=2, out_axes=2), m)(x)
+    theirs = shmap(lambda v: lax.ppermute(v, "i", perm), m)(x)
+    np.testing.assert_array_equal(np.asarray(ours), np.asarray(theirs))
+
+
+@pytest.mark.parametrize("check_vma", [True, False])
+def test_grad_through_ppermute_matches_lax(check_vma):
+    n = 4
+    m = mesh(n)
+    perm = random_perm(np.random.default_rng(4), n, "partial")
+    x = shard(np.random.default_rng(4).standard_normal((n * 3, 2)), m)
+    weights = np.random.default_rng(5).standard_normal((n * 3, 2))
+
+    def grad(permute):
+        def loss(v):
+            f = jax.shard_map(lambda u: jnp.sin(permute(jnp.cos(u) * 2.0, "i", perm)), mesh=m,
+                              in_specs=P("i"), out_specs=P("i"), check_vma=check_vma)
+            return jnp.sum(f(v) * weights)
+        with jax.set_mesh(m):
+            return np.asarray(jax.jit(jax.grad(loss))(x))
+
+    np.testing.assert_allclose(grad(jaxring.ppermute), grad(lax.ppermute), rtol=1e-12)
+
+
+# ---- send and recv -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("n", [2, 3, 8])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_send_compute_recv_equals_ppermute(dtype, n):
+    """Each device sends, computes, then receives: a cycle that would deadlock if a send waited
+    for its receiver. Several messages in flight per pair are matched in order."""
+    rng = np.random.default_rng([n, dtype.num])
+    m = mesh(n)
+    perms = [random_perm(rng, n, kind) for kind in ("cycle", "partial", "cycle")]
+    x = shard(random_array(rng, (n * 1001,), dtype), m)
+
+    def ours(v):
+        for k, perm in enumerate(perms):
+            jaxring.send(v + k if k else v, "i", perm)
+        busy = v * 3
+        received = [jaxring.recv(v, "i", perm) for perm in perms]
+        return jnp.stack(received + [busy])
+
+    def theirs(v):
+        received = [lax.ppermute(v + k if k else v, "i", perm) for k, perm in enumerate(perms)]
+        return jnp.stack(received + [v * 3])
+
+    out_specs = P(None, "i")
+    np.testing.assert_array_equal(np.asarray(shmap(ours, m, out_specs=out_specs)(x)),
+                                  np.asarray(shmap(theirs, m, out_specs=out_specs)(x)))
+
+
+def test_send_recv_large_message_and_in_scan():
+    n = 3
+    m = mesh(n)
+    ring = [(i, (i + 1) % n) for i in range(n)]
+    x = shard(np.random.default_rng(6).standard_normal((n * 50_000,)).astype(np.float32), m)
+
+    def step(carry, _):
+        jaxring.send(carry, "i", ring)
+        return jaxring.recv(carry, "i", ring) * 0.5, None
+
+    ours = shmap(lambda v: lax.scan(step, v, length=5)[0], m)(x)
+    theirs = shmap(lambda v: lax.scan(lambda c, _: (lax.ppermute(c, "i", ring) * 0.5, None), v,
+                                      length=5)[0], m)(x)
+    np.testing.assert_array_equal(np.asarray(ours), np.asarray(theirs))
+
+
+def test_send_is_not_differentiable():
+    m = mesh(2)
+    x = shard(np.ones(2), m)
+
+    def loss(v):
+        def f(u):
+            jaxring.send(u, "i", [(0, 1)])
+            return jaxring.recv(u, "i", [(0, 1)]) + u
+        return jnp.sum(jax.shard_map(f, mesh=m, in_specs=P("i"), out_specs=P("i"))(v))
+
+    with jax.set_mesh(m), pytest.raises(NotImplementedError, match="use jaxring.ppermute"):
+        jax.grad(loss)(x)
+
+
+# ---- errors ------------------------------------------------------------------------------------
+
+
+def test_bad_permutations_are_refused_at_trace_time():
+    m = mesh(4)
+    x = shard(np.ones(4, np.float32), m)
+    cases = [
+        ([(0, 1), (0, 2)], ValueError, "repeats a source or a destination"),
+        ([(0, 1), (2, 1)], ValueError, "repeats a source or a destination"),
+        ([(0, 4)], ValueError, r"pair \(0, 4\) of perm is outside \[0, 4\)"),
+        ([(0,)], TypeError, "pairs"),
+    ]
+    for perm, error, message in cases:
+        with pytest.raises(error, match=message):
+            shmap(lambda v: jaxring.ppermute(v, "i", perm), m)(x)
+        with pytest.raises(error, match=message):
+            shmap(lambda v: (jaxring.send(v, "i", perm), v)[1], m)(x)
+    with pytest.raises(TypeError, match="unsupported dtype uint8"):
+        shmap(lambda v: jaxring.ppermute(v.astype(jnp.uint8), "i", [(0, 1)]), m)(x)
+    with pytest.raises(TypeError, match="unsupported dtype bool"):
+        shmap(lambda v: jaxring.recv(jax.ShapeDtypeStruct((2,), jnp.bool_), "i", [(0, 1)]), m)(x)
+
+
+def _rank_dependent(m, on_rank0, on_others):
+    def f(v):
+        return lax.cond(lax.axis_index("i") == 0, on_rank0, on_others, v)
+    return jax.jit(jax.shard_map(f, mesh=m, in_specs=P("i"), out_specs=P("i"), check_vma=False))
+
+
+def _check_recovery(m, x):
+    """After reset_after_error, mailboxes are empty and the next program runs normally."""
+    jaxring.reset_after_error()
+    ring = [(i, (i + 1) % 4) for i in range(4)]
+    out = shmap(lambda v: jaxring.ppermute(v, "i", ring), m)(x)
+    np.testing.assert_array_equal(np.asarray(out), np.roll(np.asarray(x), 2, axis=0))
+
+
+def test_mismatched_ppermutes_name_both_sides():
+    m = mesh(4)
+    x = shard(np.arange(8, dtype=np.float32), m)
+    perm = [(0, 1)]
+    short = lambda v: jnp.concatenate([jaxring.ppermute(v[:1], "i", perm), v[1:]])  # noqa: E731
+    f = _rank_dependent(m, short, lambda v: jaxring.ppermute(v, "i", perm))
+    with jaxring.config.override(timeout_seconds=30.0):
+        with pytest.raises(Exception, match=r"mismatched point-to-point calls: rank 1 expected "
+                                            r"ppermute op \d+ float32\[2\] from rank 0, but rank 0 "
+                                            r"sent ppermute op \d+ float32\[1\]"):
+            np.asarray(f(x))
+    _check_recovery(m, x)
+
+
+def test_missing_sender_times_out_naming_it():
+    m = mesh(4)
+    x = shard(np.arange(8, dtype=np.float32), m)
+    perm = [(0, 1)]
+
+    def others(v):
+        jaxring.send(v, "i", perm)
+        return jaxring.recv(v, "i", perm)
+
+    f = _rank_dependent(m, lambda v: v, others)  # device 0 never sends
+    with jaxring.config.override(timeout_seconds=1.0):
+        with pytest.raises(Exception, match=r"timed out after 1 s waiting for rank \[0\] to send"):
+            np.asarray(f(x))
+    _check_recovery(m, x)
+
+
+def test_mailbox_overrun_times_out_instead_of_hanging():
+    """Nine sends to a device that never receives: the first eight wait in its mailbox, the ninth
+    must wait for room and gives up, naming the receiver."""
+    m = mesh(4)
+    x = shard(np.arange(8, dtype=np.float32), m)
+
+    def f(v):
+        for _ in range(9):
+            jaxring.send(v, "i", [(0, 1)])
+        return v
+
+    with jaxring.config.override(timeout_seconds=1.0):
+        with pytest.raises(Exception, match=r"waiting for rank 1 to receive message \d+ "):
+            np.asarray(shmap(f, m)(x))
+    _check_recovery(m, x)
