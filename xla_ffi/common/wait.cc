@@ -4,6 +4,8 @@
 #include <climits>
 #include <thread>
 
+#include <sched.h>
+
 #if defined(__linux__)
 #include <linux/futex.h>
 #include <sys/syscall.h>
@@ -25,6 +27,11 @@ namespace {
 
 // Longest single sleep: a sleeper re-checks its deadline at least this often.
 constexpr std::chrono::milliseconds kMaxSleep{50};
+// After spinning, a waiter yields its core for up to this long before it sleeps. A yield costs
+// well under a microsecond when nothing else wants the core, and hands the core to a peer device
+// (often the very one being waited for) when devices outnumber cores; a futex sleep and wake-up
+// costs 5-20 us. Measured in benchmarks/p2p.py.
+constexpr std::chrono::microseconds kYieldPhase{100};
 
 void SleepWhileEqual(const std::atomic<uint32_t>& word, uint32_t expected,
                      std::chrono::nanoseconds timeout) {
@@ -96,6 +103,13 @@ bool Flag::Wait(Done done, const Deadline& deadline, int64_t spin_iterations) co
     if (done(value_.load(std::memory_order_acquire))) return true;
     JAXRING_CPU_RELAX();
   }
+  const auto stop_yielding = std::chrono::steady_clock::now() + kYieldPhase;
+  do {
+    for (int i = 0; i < 8; ++i) {
+      if (done(value_.load(std::memory_order_acquire))) return true;
+      sched_yield();
+    }
+  } while (std::chrono::steady_clock::now() < stop_yielding);
   while (true) {
     uint32_t seen = value_.load(std::memory_order_acquire);
     if (done(seen)) return true;
