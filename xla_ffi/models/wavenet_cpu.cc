@@ -230,8 +230,8 @@ struct PackedWeights {
 template <typename W>
 class Sampler {
  public:
-  Sampler(const PackedWeights<W>& weights, const Sizes& sizes)
-      : w_(weights), s_(sizes), avx2_(CpuHasAvx2Fma() && Multiple8()) {
+  Sampler(const PackedWeights<W>& weights, const Sizes& sizes, bool allow_simd)
+      : w_(weights), s_(sizes), avx2_(allow_simd && CpuHasAvx2Fma() && Multiple8()) {
     const int64_t b = s_.batch, r = s_.residual;
     h_.resize(b * r);
     x_.resize(b * 2 * r);
@@ -356,7 +356,8 @@ class Sampler {
 };
 
 template <typename W>
-ffi::Error Run(const W* weights, int64_t weight_count, const Sizes& sizes, int64_t steps,
+ffi::Error Run(const W* weights, int64_t weight_count, const Sizes& sizes, bool allow_simd,
+               int64_t steps,
                int64_t first_step, const float* gate_bias, const float* local, const float* noise,
                const int32_t* token, float* queues, int32_t* tokens_out, float* logits_out) {
   const PackedWeights<W> packed(weights, sizes);
@@ -372,7 +373,7 @@ ffi::Error Run(const W* weights, int64_t weight_count, const Sizes& sizes, int64
                                          ", outside [0, " + std::to_string(sizes.levels) + ")");
     }
   }
-  Sampler<W> sampler(packed, sizes);
+  Sampler<W> sampler(packed, sizes, allow_simd);
   std::vector<int32_t> current(token, token + sizes.batch);
   const int64_t b = sizes.batch;
   for (int64_t step = 0; step < steps; ++step) {
@@ -392,7 +393,7 @@ ffi::Error WaveNetSampleImpl(ffi::AnyBuffer weights, ffi::Buffer<ffi::F32> gate_
                              ffi::ResultBuffer<ffi::F32> queues_out,
                              ffi::ResultBuffer<ffi::F32> logits, int64_t residual, int64_t skip,
                              int64_t hidden, int64_t levels, int64_t local_channels,
-                             ffi::Span<const int64_t> dilations) {
+                             ffi::Span<const int64_t> dilations, bool portable) {
   Sizes sizes{residual, skip, hidden, levels, local_channels, token.element_count(),
               std::vector<int64_t>(dilations.begin(), dilations.end())};
   const auto noise_dims = noise.dimensions();
@@ -420,11 +421,11 @@ ffi::Error WaveNetSampleImpl(ffi::AnyBuffer weights, ffi::Buffer<ffi::F32> gate_
   switch (weights.element_type()) {
     case ffi::DataType::F32:
       return Run(static_cast<const float*>(weights.untyped_data()), weights.element_count(),
-                 sizes, steps, start, gate_bias.typed_data(), local.typed_data(),
+                 sizes, !portable, steps, start, gate_bias.typed_data(), local.typed_data(),
                  noise.typed_data(), token.typed_data(), state, tokens->typed_data(), logits_out);
     case ffi::DataType::F16:
       return Run(static_cast<const uint16_t*>(weights.untyped_data()), weights.element_count(),
-                 sizes, steps, start, gate_bias.typed_data(), local.typed_data(),
+                 sizes, !portable, steps, start, gate_bias.typed_data(), local.typed_data(),
                  noise.typed_data(), token.typed_data(), state, tokens->typed_data(), logits_out);
     default:
       return ffi::Error::InvalidArgument(
@@ -452,4 +453,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxringWaveNetSampleCpu, jaxring::models::WaveNetS
                                   .Attr<int64_t>("hidden")
                                   .Attr<int64_t>("levels")
                                   .Attr<int64_t>("local_channels")
-                                  .Attr<xla::ffi::Span<const int64_t>>("dilations"));
+                                  .Attr<xla::ffi::Span<const int64_t>>("dilations")
+                                  // Tests set it to run the portable kernels on AVX2 machines.
+                                  .Attr<bool>("portable"));

@@ -1,0 +1,90 @@
+"""Command line: train, or sample from a trained checkpoint.
+
+    python -m models.wavenet.main train --config small --workdir workdir/wavenet-small
+    python -m models.wavenet.main sample --config small --workdir workdir/wavenet-small \
+        --seconds 2 --sampler fused
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import dataclasses
+import time
+from pathlib import Path
+
+SAMPLERS = ("naive", "incremental", "python_loop", "fused", "fused_f16")
+
+
+def parse_overrides(pairs: list[str]) -> dict:
+    overrides = {}
+    for pair in pairs:
+        key, _, value = pair.partition("=")
+        try:
+            overrides[key] = ast.literal_eval(value)
+        except (ValueError, SyntaxError):
+            overrides[key] = value
+    return overrides
+
+
+def sample_command(config, args) -> None:
+    import jax
+    import jax.numpy as jnp
+
+    from models.wavenet import audio, fused_sampler, sampler, train
+
+    weights = train.load_weights(args.workdir, config)
+    num_samples = int(args.seconds * config.sample_rate)
+    key = jax.random.key(args.seed)
+    run = {
+        "naive": lambda: sampler.sample_naive(weights, config.model, key, num_samples,
+                                              args.streams),
+        "incremental": lambda: sampler.sample_incremental(weights, config.model, key,
+                                                          num_samples, args.streams),
+        "python_loop": lambda: sampler.sample_python_loop(weights, config.model, key,
+                                                          num_samples, args.streams),
+        "fused": lambda: fused_sampler.sample_fused(weights, config.model, key, num_samples,
+                                                    args.streams),
+        "fused_f16": lambda: fused_sampler.sample_fused(weights, config.model, key, num_samples,
+                                                        args.streams, weight_dtype=jnp.float16),
+    }[args.sampler]
+    start = time.perf_counter()
+    tokens = jax.block_until_ready(run())
+    seconds = time.perf_counter() - start
+    print(f"{args.sampler}: {num_samples * args.streams} samples in {seconds:.2f} s "
+          f"(including compilation), {num_samples * args.streams / seconds:.0f} samples/s")
+    out = Path(args.out or Path(args.workdir) / "samples")
+    for stream, codes in enumerate(tokens):
+        waveform = audio.mu_law_decode(codes, config.model.quantization_levels)
+        wav = audio.write_wav(out / f"{args.sampler}-{stream}.wav", waveform, config.sample_rate)
+        audio.plot_spectrogram(wav.with_suffix(".png"), waveform, config.sample_rate,
+                               f"WaveNet sample ({args.sampler}, stream {stream})")
+        print(f"wrote {wav} and {wav.with_suffix('.png')}")
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("command", choices=("train", "sample"))
+    parser.add_argument("--config", default="small", help="a module of models/wavenet/configs")
+    parser.add_argument("--workdir", default="workdir/wavenet")
+    parser.add_argument("--set", nargs="*", default=[], metavar="FIELD=VALUE",
+                        help="override top-level config fields, e.g. num_epochs=3")
+    parser.add_argument("--seconds", type=float, default=1.0)
+    parser.add_argument("--streams", type=int, default=1)
+    parser.add_argument("--sampler", choices=SAMPLERS, default="fused")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", default=None, help="folder for WAV + PNG (default workdir)")
+    args = parser.parse_args(argv)
+
+    from models.wavenet import configs, train
+
+    config = dataclasses.replace(configs.get_config(args.config), **parse_overrides(args.set))
+    if args.command == "train":
+        train.train_and_evaluate(config, args.workdir)
+    else:
+        sample_command(config, args)
+
+
+if __name__ == "__main__":
+    main()

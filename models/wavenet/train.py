@@ -1,0 +1,144 @@
+"""Training loop (Flax NNX + optax + orbax), laid out like Flax's examples:
+`train_and_evaluate(config, workdir)` trains, evaluates the held-out NLL every epoch, saves a
+checkpoint each `checkpoint_every_epochs` (resuming from the newest one it finds), and draws the
+learning curve."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import orbax.checkpoint as ocp
+from flax import nnx
+from tqdm import tqdm
+
+from models.wavenet import input_pipeline, model
+from models.wavenet.configs.default import Config
+
+
+def nll(logits, targets):
+    """Mean negative log-likelihood in nats per sample."""
+    return optax.softmax_cross_entropy_with_integer_labels(
+        logits.astype(jnp.float32), targets).mean()
+
+
+@nnx.jit
+def train_step(net: model.WaveNet, optimizer: nnx.Optimizer, crops):
+    def loss_fn(net):
+        return nll(net(crops[:, :-1]), crops[:, 1:])
+
+    loss, grads = nnx.value_and_grad(loss_fn)(net)
+    optimizer.update(net, grads)
+    return loss
+
+
+@nnx.jit
+def eval_step(net: model.WaveNet, crops):
+    return nll(net(crops[:, :-1]), crops[:, 1:])
+
+
+def create_model(config: Config):
+    net = model.WaveNet(config.model, rngs=nnx.Rngs(config.seed))
+    optimizer = nnx.Optimizer(net, optax.adam(config.learning_rate), wrt=nnx.Param)
+    return net, optimizer
+
+
+def training_state(net, optimizer) -> nnx.State:
+    """What a checkpoint holds: the weights and the optimizer's moments and step count."""
+    return nnx.State({"model": nnx.state(net), "optimizer": nnx.state(optimizer)})
+
+
+def checkpoint_manager(workdir) -> ocp.CheckpointManager:
+    return ocp.CheckpointManager(
+        Path(workdir).resolve() / "checkpoints",
+        options=ocp.CheckpointManagerOptions(max_to_keep=2, create=True))
+
+
+def restore(manager: ocp.CheckpointManager, net, optimizer) -> int:
+    """Loads the newest checkpoint into `net` and `optimizer`; returns the epochs it had done."""
+    epoch = manager.latest_step()
+    if epoch is None:
+        return 0
+    state = training_state(net, optimizer)
+    pure = nnx.to_pure_dict(state)
+    abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, pure)
+    restored = manager.restore(epoch, args=ocp.args.StandardRestore(abstract))
+    nnx.replace_by_pure_dict(state, restored)
+    nnx.update(net, state["model"])
+    nnx.update(optimizer, state["optimizer"])
+    return epoch
+
+
+def load_weights(workdir, config: Config) -> dict:
+    """The newest checkpoint's weights as the samplers' plain dictionary."""
+    net, optimizer = create_model(config)
+    if restore(checkpoint_manager(workdir), net, optimizer) == 0:
+        raise FileNotFoundError(f"no checkpoint under {Path(workdir) / 'checkpoints'}")
+    return net.weights()
+
+
+def plot_learning_curve(path, history: list[dict]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    epochs = [h["epoch"] for h in history]
+    figure, axis = plt.subplots(figsize=(6, 4))
+    axis.plot(epochs, [h["train_nll"] for h in history], "o-", label="train")
+    axis.plot(epochs, [h["test_nll"] for h in history], "s-", label="held-out voice")
+    axis.set_xlabel("epoch")
+    axis.set_ylabel("NLL (nats / sample)")
+    axis.set_title("WaveNet learning curve")
+    axis.grid(alpha=0.3)
+    axis.legend()
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+
+
+def train_and_evaluate(config: Config, workdir) -> list[dict]:
+    """Trains `config.num_epochs` epochs (continuing from a checkpoint in `workdir` if there is
+    one). Returns the per-epoch history, also written to `workdir/metrics.json`."""
+    workdir = Path(workdir)
+    workdir.mkdir(parents=True, exist_ok=True)
+    data = input_pipeline.load_dataset(config, workdir / "data")
+    eval_crops = jnp.asarray(input_pipeline.evaluation_crops(
+        data["test"], config.eval_crops, config.crop_length))
+    net, optimizer = create_model(config)
+    manager = checkpoint_manager(workdir)
+    first_epoch = restore(manager, net, optimizer)
+    metrics_path = workdir / "metrics.json"
+    history = json.loads(metrics_path.read_text())[:first_epoch] if first_epoch else []
+    if first_epoch:
+        print(f"resumed from the checkpoint of epoch {first_epoch}")
+    print(f"receptive field {model.receptive_field(config.model)} samples; "
+          f"{len(data['train'])} training samples at {config.sample_rate} Hz")
+    for epoch in range(first_epoch + 1, config.num_epochs + 1):
+        # One generator per epoch: a resumed run sees the same crops as an uninterrupted one.
+        rng = np.random.default_rng([config.seed, epoch])
+        losses = []
+        bar = tqdm(range(config.steps_per_epoch), desc=f"epoch {epoch}/{config.num_epochs}",
+                   leave=False)
+        for _ in bar:
+            crops = input_pipeline.random_crops(data["train"], config.batch_size,
+                                                config.crop_length, rng)
+            losses.append(float(train_step(net, optimizer, jnp.asarray(crops))))
+            bar.set_postfix(nll=f"{losses[-1]:.3f}")
+        test_nll = float(np.mean([eval_step(net, eval_crops[i: i + config.batch_size])
+                                  for i in range(0, len(eval_crops), config.batch_size)]))
+        history.append({"epoch": epoch, "train_nll": float(np.mean(losses)),
+                        "test_nll": test_nll, "step_losses": losses})
+        print(f"epoch {epoch}: train NLL {history[-1]['train_nll']:.4f}, "
+              f"held-out NLL {test_nll:.4f} nats/sample")
+        if epoch % config.checkpoint_every_epochs == 0 or epoch == config.num_epochs:
+            manager.save(epoch, args=ocp.args.StandardSave(
+                nnx.to_pure_dict(training_state(net, optimizer))))
+            manager.wait_until_finished()
+        metrics_path.write_text(json.dumps(history))
+        plot_learning_curve(workdir / "learning_curve.png", history)
+    return history
