@@ -45,7 +45,10 @@ def _bind(x, comm: common.AxisCommunicator, root: int):
 
 
 def _abstract_eval(rank, group, x, *, comm, root, op_id):
-    return x, {common.collective_effect}
+    # Every device ends with the same value: like psum's, the result no longer varies over the
+    # communicator's axes (so shard_map can return it with out_specs=P()).
+    out = common.with_varying_axes(x, common.varying_axes(x) - frozenset(comm.axes))
+    return out, {common.collective_effect}
 
 
 # ---- lowering ----------------------------------------------------------------------------------
@@ -82,8 +85,11 @@ def _transpose(cotangent, rank, group, x, *, comm, root, op_id):
 
     if type(cotangent) is ad.Zero:
         return None, None, ad.Zero(x.aval)
-    total = all_reduce._bind(cotangent, comm, "sum")
-    total = common.make_varying(total, comm.axes)
+    if common.vma_checking() and set(comm.axes) <= common.varying_axes(x.aval):
+        # The result is one (invariant) value, so its cotangent is already the total.
+        total = common.make_varying(cotangent, comm.axes)
+    else:
+        total = common.make_varying(all_reduce._bind(cotangent, comm, "sum"), comm.axes)
     return None, None, jnp.where(rank == root, total, jnp.zeros_like(total))
 
 
