@@ -82,18 +82,20 @@ def init_queues(config: ModelConfig, batch: int, layer_dilations) -> list:
     return [jnp.zeros((d, batch, config.residual_channels), jnp.float32) for d in layer_dilations]
 
 
-def layer_group_step(layers: dict, layer_dilations, queues: list, h, t, speaker=None,
-                     local_now=None):
+def layer_group_step(layers: dict, queues: list, rows, h, speaker=None, local_now=None,
+                     write=True):
     """One time step through a group of consecutive layers (stacked weights `[group, ...]`).
-    Returns the group's output residual, the sum of its skip outputs and the updated queues.
-    A pipeline stage is exactly this function."""
+    `rows[i]` is layer i's queue row for this step: it holds the layer's input `dilation` steps
+    ago and receives its input now (unless `write` is false). Returns the group's output
+    residual, the sum of its skip outputs and the updated queues. A pipeline stage is exactly
+    this function."""
     skip_sum = 0.0
     new_queues = []
-    for index, (dilation, queue) in enumerate(zip(layer_dilations, queues)):
+    for index, (row, queue) in enumerate(zip(rows, queues)):
         layer = model.layer_weights(layers, index)
-        slot = t % dilation
-        h_past = lax.dynamic_index_in_dim(queue, slot, axis=0, keepdims=False)
-        new_queues.append(lax.dynamic_update_index_in_dim(queue, h, slot, axis=0))
+        h_past = lax.dynamic_index_in_dim(queue, row, axis=0, keepdims=False)
+        stored = h if write is True else jnp.where(write, h, h_past)
+        new_queues.append(lax.dynamic_update_index_in_dim(queue, stored, row, axis=0))
         conditioning = model.layer_conditioning(layer, speaker, local_now)
         h, skip = model.gated_residual_layer(layer, h, h_past, conditioning)
         skip_sum = skip_sum + skip
@@ -104,8 +106,8 @@ def incremental_step(weights, config: ModelConfig, key, queues, token, t, speake
                      local_now=None):
     """One sample for every stream: the previous token in, the next token and its logits out."""
     h = weights["embedding"][token]
-    _, skip_sum, queues = layer_group_step(
-        weights["layers"], model.dilations(config), queues, h, t, speaker, local_now)
+    rows = [t % dilation for dilation in model.dilations(config)]
+    _, skip_sum, queues = layer_group_step(weights["layers"], queues, rows, h, speaker, local_now)
     logits = model.output_logits(weights["output"], skip_sum)
     token = sample_token(logits, gumbel_noise(key, t, token.shape[0], config.quantization_levels))
     return queues, token, logits
