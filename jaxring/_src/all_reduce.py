@@ -92,7 +92,7 @@ def _transpose(cotangent, rank, group, x, *, comm, op, op_id):
         raise NotImplementedError(f"jaxring.all_reduce: op={op!r} is not linear")
     if type(cotangent) is ad.Zero:
         return None, None, ad.Zero(x.aval)
-    if common.vma_checking() and set(comm.axes) <= common.varying_axes(x.aval):
+    if common.reduced_invariant(comm, x.aval):
         # As psum under shard_map's type checker: an invariant cotangent is cast back to varying.
         ct = common.make_varying(cotangent, comm.axes)
     else:

@@ -85,7 +85,7 @@ def _transpose(cotangent, rank, group, x, *, comm, root, op_id):
 
     if type(cotangent) is ad.Zero:
         return None, None, ad.Zero(x.aval)
-    if common.vma_checking() and set(comm.axes) <= common.varying_axes(x.aval):
+    if common.reduced_invariant(comm, x.aval):
         # The result is one (invariant) value, so its cotangent is already the total.
         total = common.make_varying(cotangent, comm.axes)
     else:

@@ -129,15 +129,21 @@ def next_op_id() -> int:
 @dataclasses.dataclass(frozen=True)
 class AxisCommunicator:
     """The devices along `axes` of the current shard_map/pmap mesh. Devices that differ in the
-    other mesh axes form separate groups of this communicator; `key` is the same in every group."""
+    other mesh axes form separate groups of this communicator; `key` is the same in every group.
+
+    A process communicator (``jaxring.mpi``) has no axes: its rank is the process's
+    (`process_rank`) and `key` names the shared segment the native side has mapped."""
 
     axes: tuple[Any, ...]
     size: int
     key: int
     name: str
+    process_rank: int | None = None
 
     def rank_and_group(self):
         """The (rank, group) int32 operands every jaxring custom call takes."""
+        if self.process_rank is not None:
+            return jnp.int32(self.process_rank), jnp.int32(0)
         rank = lax.axis_index(self.axes) if self.axes else jnp.int32(0)
         others = _other_mesh_axes(self.axes)
         group = lax.axis_index(others) if others else jnp.int32(0)
@@ -156,7 +162,10 @@ def _other_mesh_axes(axes: tuple[Any, ...]) -> tuple[Any, ...]:
 
 
 def communicator(name: str, axis_name) -> AxisCommunicator:
-    """Resolves `axis_name` (a mesh axis name or a tuple of them) inside shard_map or pmap."""
+    """Resolves `axis_name`: a mesh axis name or a tuple of them (inside shard_map or pmap), or
+    a process communicator from ``jaxring.mpi``."""
+    if hasattr(axis_name, "axis_communicator"):
+        return axis_name.axis_communicator()
     axes = tuple(axis_name) if isinstance(axis_name, (tuple, list)) else (axis_name,)
     env = core.get_axis_env()
     mesh_axes = _mesh_axes()
@@ -214,6 +223,13 @@ def with_varying_axes(aval, varying: frozenset):
     if hasattr(aval, "vma"):
         return aval.update(vma=frozenset(varying))
     return aval
+
+
+def reduced_invariant(comm: AxisCommunicator, aval) -> bool:
+    """Whether a cotangent arriving for this collective's invariant result is already the total
+    (shard_map's vma typing); otherwise it is one device's share, to be summed (pmap and process
+    communicators, where every process differentiates its own copy, as mpi4jax does)."""
+    return bool(comm.axes) and vma_checking() and set(comm.axes) <= varying_axes(aval)
 
 
 def make_varying(x, axes: tuple[Any, ...]):

@@ -39,7 +39,7 @@ void SleepWhileEqual(const std::atomic<uint32_t>& word, uint32_t expected,
   timespec ts;
   ts.tv_sec = static_cast<time_t>(timeout.count() / 1000000000);
   ts.tv_nsec = static_cast<long>(timeout.count() % 1000000000);
-  syscall(SYS_futex, reinterpret_cast<const uint32_t*>(&word), FUTEX_WAIT_PRIVATE, expected, &ts,
+  syscall(SYS_futex, reinterpret_cast<const uint32_t*>(&word), FUTEX_WAIT, expected, &ts,
           nullptr, 0);
 #else
   (void)expected;
@@ -65,7 +65,7 @@ std::chrono::nanoseconds Deadline::Remaining(std::chrono::nanoseconds cap) const
 void Flag::WakeAll() {
   if (sleepers_.load(std::memory_order_seq_cst) == 0) return;
 #if defined(__linux__)
-  syscall(SYS_futex, reinterpret_cast<uint32_t*>(&value_), FUTEX_WAKE_PRIVATE, INT_MAX, nullptr,
+  syscall(SYS_futex, reinterpret_cast<uint32_t*>(&value_), FUTEX_WAKE, INT_MAX, nullptr,
           nullptr, 0);
 #endif
 }
@@ -125,6 +125,11 @@ bool Flag::Wait(Done done, const Deadline& deadline, int64_t spin_iterations) co
 
 bool Flag::WaitAtLeast(uint32_t target, const Deadline& deadline, int64_t spin_iterations) const {
   return Wait([target](uint32_t seen) { return seen >= target; }, deadline, spin_iterations);
+}
+
+bool Flag::WaitReached(uint32_t target, const Deadline& deadline, int64_t spin_iterations) const {
+  return Wait([target](uint32_t seen) { return Reached(seen, target) || (seen & kAbandoned); },
+              deadline, spin_iterations);
 }
 
 bool Flag::WaitUntilEqual(uint32_t target, const Deadline& deadline,

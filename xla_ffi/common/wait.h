@@ -1,6 +1,7 @@
 // Waiting without starving peers. jaxring runs one thread per device, often more threads than
 // cores (8 CPU devices on 2 cores), so a waiter polls briefly and then sleeps in the kernel
-// (futex on Linux) until the writer wakes it. Every wait has a deadline.
+// (futex on Linux) until the writer wakes it. Every wait has a deadline. Futexes are the shared
+// kind (not FUTEX_PRIVATE), because flags also live in segments that several processes map.
 #pragma once
 
 #include <atomic>
@@ -39,6 +40,13 @@ class Flag {
   // Waits until Load() == target or the flag is abandoned. For round numbers that wrap around
   // (point-to-point slots), where "at least" has no meaning. False when the deadline passed first.
   bool WaitUntilEqual(uint32_t target, const Deadline& deadline, int64_t spin_iterations) const;
+  // Waits until Load() has reached `target` in serial-number order (31-bit counters that wrap
+  // around; a value up to 2^30 past the target counts as reached) or the flag is abandoned. For
+  // progress counters shared between processes, which may run for billions of steps.
+  bool WaitReached(uint32_t target, const Deadline& deadline, int64_t spin_iterations) const;
+  static bool Reached(uint32_t value, uint32_t target) {
+    return ((value - target) & ~kAbandoned) < (1u << 30);
+  }
   // Waits until Load() >= target (counters only grow; an abandoned counter satisfies any wait). False when the deadline passed first.
   bool WaitAtLeast(uint32_t target, const Deadline& deadline, int64_t spin_iterations) const;
 

@@ -9,7 +9,9 @@
 #include "common/types.h"
 #include "p2p/protocol.h"
 #include "ring/algorithms.h"
+#include "ring/staged.h"
 #include "transports/local.h"
+#include "transports/shm.h"
 #include "transports/mailbox.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -54,6 +56,13 @@ ffi::Error Run(Collective kind, ReduceOp op, int64_t root, ffi::RunId run_id,
   header.root = root;
 
   const Config config = CurrentConfig();
+  if (ShmCommunicator* processes = ShmCommunicator::Find(static_cast<uint64_t>(attrs.comm))) {
+    if (processes->rank() != rank || processes->size() != size)
+      return ffi::Error::Internal(processes->Where(header) + ": compiled for rank " +
+                                  std::to_string(rank) + " of " + std::to_string(size));
+    return ToFfi(RunStaged(*processes, header, CollectiveBuffers{input, output, output_count},
+                           config));
+  }
   const Algorithm algorithm = ChooseAlgorithm(header, size, config);
   ScratchLease scratch = ScratchLease::Acquire(ScratchBytes(header, size, algorithm));
   CommunicatorId comm{static_cast<uint64_t>(attrs.comm), group, size, std::string(attrs.comm_name)};

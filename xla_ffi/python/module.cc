@@ -1,11 +1,14 @@
 // The Python extension: hands XLA the FFI handlers (as capsules) and exposes the configuration.
 #include <nanobind/nanobind.h>
+
+#include <stdexcept>
 #include <nanobind/stl/string.h>
 
 #include "common/config.h"
 #include "kernels/reduce_cpu.h"
 #include "models/targets.h"
 #include "transports/mailbox.h"
+#include "transports/shm.h"
 #include "xla/ffi/api/c_api.h"
 
 namespace nb = nanobind;
@@ -89,6 +92,20 @@ NB_MODULE(_jaxring, m) {
     d["p2p_eager_bytes"] = config.p2p_eager_bytes;
     return d;
   });
+
+  m.def(
+      "shm_attach",
+      [](uint64_t key, const std::string& path, bool create, int rank, int size,
+         int64_t slot_bytes, const std::string& name) {
+        jaxring::Status status =
+            jaxring::ShmCommunicator::Attach(key, path, create, rank, size, slot_bytes, name);
+        if (!status.ok()) throw std::runtime_error(status.message());
+      },
+      nb::arg("key"), nb::arg("path"), nb::arg("create"), nb::arg("rank"), nb::arg("size"),
+      nb::arg("slot_bytes"), nb::arg("name"),
+      "Maps the shared-memory segment of a process communicator (rank 0 creates it).");
+  m.def("shm_detach", &jaxring::ShmCommunicator::Detach, nb::arg("key"));
+  m.def("shm_unlink", &jaxring::ShmCommunicator::Unlink, nb::arg("path"));
 
   m.def("reset_point_to_point", &jaxring::LocalPointToPoint::ResetAll,
         "Empties every point-to-point mailbox (after an error).");

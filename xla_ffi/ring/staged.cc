@@ -1,0 +1,150 @@
+#include "ring/staged.h"
+
+#include <algorithm>
+#include <cstring>
+#include <vector>
+
+#include "kernels/reduce_cpu.h"
+#include "ring/schedule.h"
+
+namespace jaxring {
+namespace {
+
+char* At(void* base, int64_t elements, size_t width) {
+  return static_cast<char*>(base) + elements * static_cast<int64_t>(width);
+}
+const char* At(const void* base, int64_t elements, size_t width) {
+  return static_cast<const char*>(base) + elements * static_cast<int64_t>(width);
+}
+
+// Runs `steps` steps of `body(step_index)`, each framed by BeginStep and the header exchange.
+// The first step also checks every rank's header. On error the communicator is abandoned, so
+// that peers fail at once instead of waiting for the timeout.
+template <typename Stage, typename Finish>
+Status Steps(ShmCommunicator& comm, const Header& header, const Config& config, int64_t steps,
+             Stage stage, Finish finish) {
+  const Deadline deadline(config.timeout_seconds);
+  const int64_t spin = config.spin_iterations;
+  for (int64_t step = 0; step < steps; ++step) {
+    Status status = comm.BeginStep(header, deadline, spin);
+    if (status.ok()) {
+      stage(step);
+      comm.PostHeader(header);
+      comm.Publish(Phase::kStaged);
+      status = comm.WaitAll(Phase::kStaged, header, deadline, spin);
+    }
+    if (status.ok() && step == 0) status = comm.CheckHeaders(header);
+    if (status.ok()) status = finish(step, deadline, spin);
+    if (!status.ok()) {
+      comm.Abandon();
+      return status;
+    }
+    comm.Publish(Phase::kCopied);
+  }
+  return Status();
+}
+
+int64_t StepCount(int64_t elements, int64_t per_step) {
+  return std::max<int64_t>(1, (elements + per_step - 1) / per_step);
+}
+
+}  // namespace
+
+Status RunStaged(ShmCommunicator& comm, const Header& h, const CollectiveBuffers& b,
+                 const Config& config) {
+  const int n = comm.size();
+  const int me = comm.rank();
+  const size_t width = ByteWidth(h.dtype);
+  const int64_t slot_elements = comm.slot_bytes() / static_cast<int64_t>(width);
+  auto none = [](int64_t) {};
+  switch (h.kind) {
+    case Collective::kAllReduce: {
+      const int64_t chunk = slot_elements;
+      auto span = [&](int64_t step) { return std::min(chunk, h.count - step * chunk); };
+      return Steps(
+          comm, h, config, StepCount(h.count, chunk),
+          [&](int64_t step) {
+            if (h.count) std::memcpy(comm.Slot(me), At(b.input, step * chunk, width),
+                                     span(step) * width);
+          },
+          [&](int64_t step, const Deadline& deadline, int64_t spin) {
+            const int64_t len = h.count ? span(step) : 0;
+            const Partition share{len, n, std::max<int64_t>(1, 64 / static_cast<int64_t>(width))};
+            std::vector<Operand> srcs(n);
+            for (int peer = 0; peer < n; ++peer)
+              srcs[peer] = Operand{At(comm.Slot(peer), share.Begin(me), width)};
+            const Target dst{At(comm.Result(), share.Begin(me), width)};
+            Reduce(h.dtype, h.op, srcs.data(), n, &dst, 1, share.Size(me), n);
+            comm.Publish(Phase::kReduced);
+            Status status = comm.WaitAll(Phase::kReduced, h, deadline, spin);
+            if (status.ok() && len)
+              std::memcpy(At(b.output, step * chunk, width), comm.Result(), len * width);
+            return status;
+          });
+    }
+    case Collective::kReduceScatter: {
+      // Each slot holds n pieces of `chunk` elements, one per destination block.
+      const int64_t block = b.output_count;
+      const int64_t chunk = std::max<int64_t>(1, slot_elements / n);
+      auto span = [&](int64_t step) { return std::min(chunk, block - step * chunk); };
+      return Steps(
+          comm, h, config, StepCount(block, chunk),
+          [&](int64_t step) {
+            if (!block) return;
+            for (int dest = 0; dest < n; ++dest)
+              std::memcpy(At(comm.Slot(me), dest * chunk, width),
+                          At(b.input, dest * block + step * chunk, width), span(step) * width);
+          },
+          [&](int64_t step, const Deadline&, int64_t) {
+            if (!block) return Status();
+            std::vector<Operand> srcs(n);
+            for (int peer = 0; peer < n; ++peer)
+              srcs[peer] = Operand{At(comm.Slot(peer), me * chunk, width)};
+            const Target dst{At(b.output, step * chunk, width)};
+            Reduce(h.dtype, h.op, srcs.data(), n, &dst, 1, span(step), n);
+            return Status();
+          });
+    }
+    case Collective::kAllGather: {
+      const int64_t block = h.count;
+      const int64_t chunk = slot_elements;
+      auto span = [&](int64_t step) { return std::min(chunk, block - step * chunk); };
+      return Steps(
+          comm, h, config, StepCount(block, chunk),
+          [&](int64_t step) {
+            if (block) std::memcpy(comm.Slot(me), At(b.input, step * chunk, width),
+                                   span(step) * width);
+          },
+          [&](int64_t step, const Deadline&, int64_t) {
+            if (!block) return Status();
+            for (int peer = 0; peer < n; ++peer)
+              std::memcpy(At(b.output, peer * block + step * chunk, width), comm.Slot(peer),
+                          span(step) * width);
+            return Status();
+          });
+    }
+    case Collective::kBroadcast: {
+      const int root = static_cast<int>(h.root);
+      const int64_t chunk = slot_elements;
+      auto span = [&](int64_t step) { return std::min(chunk, h.count - step * chunk); };
+      return Steps(
+          comm, h, config, StepCount(h.count, chunk),
+          [&](int64_t step) {
+            if (me == root && h.count)
+              std::memcpy(comm.Slot(root), At(b.input, step * chunk, width), span(step) * width);
+          },
+          [&](int64_t step, const Deadline&, int64_t) {
+            if (h.count) std::memcpy(At(b.output, step * chunk, width), comm.Slot(root),
+                                     span(step) * width);
+            return Status();
+          });
+    }
+    case Collective::kBarrier:
+      return Steps(comm, h, config, 1, none,
+                   [](int64_t, const Deadline&, int64_t) { return Status(); });
+    default:
+      return Status::Error(comm.Where(h) + ": not available on a process communicator yet");
+  }
+}
+
+}  // namespace jaxring

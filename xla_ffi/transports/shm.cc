@@ -1,0 +1,222 @@
+#include "transports/shm.h"
+
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <new>
+#include <sstream>
+
+namespace jaxring {
+
+namespace {
+constexpr uint32_t kMagic = 0x4a58524e;  // "JXRN"
+constexpr size_t kPageBytes = 4096;
+constexpr uint32_t kSerialMask = ~Flag::kAbandoned;
+
+size_t RoundUp(size_t n, size_t to) { return (n + to - 1) / to * to; }
+}  // namespace
+
+struct alignas(64) RankControl {
+  Flag progress;  // 3 * step + phase, in serial-number order
+  alignas(64) Header headers[2];  // by step parity
+};
+
+struct ShmSegment {
+  uint32_t magic;
+  int32_t size;
+  int64_t slot_bytes;
+  alignas(64) RankControl ranks[1];  // `size` of them; the data area follows at DataOffset()
+
+  static size_t DataOffset(int size) {
+    return RoundUp(offsetof(ShmSegment, ranks) + size * sizeof(RankControl), kPageBytes);
+  }
+  static size_t Bytes(int size, int64_t slot_bytes) {
+    return DataOffset(size) + 2 * (size + 1) * static_cast<size_t>(slot_bytes);
+  }
+  char* Data(int parity) {
+    return reinterpret_cast<char*>(this) + DataOffset(size) +
+           static_cast<size_t>(parity) * (size + 1) * slot_bytes;
+  }
+};
+
+namespace {
+std::mutex registry_mutex;
+std::map<uint64_t, std::unique_ptr<ShmCommunicator>>& Registry() {
+  static auto* registry = new std::map<uint64_t, std::unique_ptr<ShmCommunicator>>();
+  return *registry;
+}
+}  // namespace
+
+ShmCommunicator::ShmCommunicator(ShmSegment* segment, size_t mapped_bytes, int rank, int size,
+                                 int64_t slot_bytes, std::string name)
+    : segment_(segment),
+      mapped_bytes_(mapped_bytes),
+      rank_(rank),
+      size_(size),
+      slot_bytes_(slot_bytes),
+      name_(std::move(name)) {}
+
+Status ShmCommunicator::Attach(uint64_t key, const std::string& path, bool create, int rank,
+                               int size, int64_t slot_bytes, const std::string& name) {
+  const size_t bytes = ShmSegment::Bytes(size, slot_bytes);
+  int fd = shm_open(path.c_str(), O_RDWR | (create ? O_CREAT | O_EXCL : 0), 0600);
+  if (fd < 0)
+    return Status::Error("jaxring: cannot open shared memory segment " + path + ": " +
+                         std::strerror(errno));
+  if (create && ftruncate(fd, static_cast<off_t>(bytes)) != 0) {
+    const int error = errno;
+    close(fd);
+    return Status::Error("jaxring: cannot size shared memory segment " + path + " to " +
+                         std::to_string(bytes) + " bytes: " + std::strerror(error) +
+                         " (is /dev/shm large enough?)");
+  }
+  void* mapped = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  close(fd);
+  if (mapped == MAP_FAILED)
+    return Status::Error("jaxring: cannot map shared memory segment " + path + ": " +
+                         std::strerror(errno));
+  auto* segment = static_cast<ShmSegment*>(mapped);
+  if (create) {
+    // A fresh segment is zero-filled: every flag and counter starts at 0.
+    segment->size = size;
+    segment->slot_bytes = slot_bytes;
+    std::atomic_thread_fence(std::memory_order_release);
+    segment->magic = kMagic;
+  } else if (segment->magic != kMagic || segment->size != size ||
+             segment->slot_bytes != slot_bytes) {
+    munmap(mapped, bytes);
+    return Status::Error("jaxring: shared memory segment " + path +
+                         " does not match this communicator (size or slot bytes differ)");
+  }
+  std::lock_guard<std::mutex> lock(registry_mutex);
+  Registry()[key].reset(new ShmCommunicator(segment, bytes, rank, size, slot_bytes, name));
+  return Status();
+}
+
+void ShmCommunicator::Detach(uint64_t key) {
+  std::lock_guard<std::mutex> lock(registry_mutex);
+  auto it = Registry().find(key);
+  if (it == Registry().end()) return;
+  munmap(it->second->segment_, it->second->mapped_bytes_);
+  Registry().erase(it);
+}
+
+void ShmCommunicator::Unlink(const std::string& path) { shm_unlink(path.c_str()); }
+
+ShmCommunicator* ShmCommunicator::Find(uint64_t key) {
+  std::lock_guard<std::mutex> lock(registry_mutex);
+  auto it = Registry().find(key);
+  return it == Registry().end() ? nullptr : it->second.get();
+}
+
+std::string ShmCommunicator::Where(const Header& header) const {
+  std::ostringstream s;
+  s << "jaxring " << Describe(header) << " on " << name_ << " (rank " << rank_ << " of " << size_
+    << ")";
+  return s.str();
+}
+
+uint32_t ShmCommunicator::Target(uint64_t step, Phase phase) const {
+  return static_cast<uint32_t>(3 * step + static_cast<uint32_t>(phase)) & kSerialMask;
+}
+
+void* ShmCommunicator::Slot(int peer) const {
+  return segment_->Data(static_cast<int>((step_ - 1) & 1)) + peer * slot_bytes_;
+}
+
+void* ShmCommunicator::Result() const { return Slot(size_); }
+
+Status ShmCommunicator::BeginStep(const Header& header, const Deadline& deadline, int64_t spin) {
+  if (broken_)
+    return Status::Error(Where(header) + ": this communicator failed earlier (see the first "
+                                         "error); create a new one to continue");
+  ++step_;
+  if (step_ <= 2) return Status();
+  // This parity's buffers were last used two steps ago; every peer must be done with them.
+  const uint64_t previous = step_ - 3;
+  for (int peer = 0; peer < size_; ++peer) {
+    Status status = WaitFor(peer, Phase::kCopied, header, deadline, spin, previous);
+    if (!status.ok()) return status;
+  }
+  return Status();
+}
+
+void ShmCommunicator::PostHeader(const Header& header) {
+  segment_->ranks[rank_].headers[(step_ - 1) & 1] = header;
+}
+
+Status ShmCommunicator::CheckHeaders(const Header& mine) const {
+  const int parity = static_cast<int>((step_ - 1) & 1);
+  const Header& reference = segment_->ranks[0].headers[parity];
+  for (int peer = 1; peer < size_; ++peer) {
+    const Header& other = segment_->ranks[peer].headers[parity];
+    if (!(other == reference)) {
+      std::ostringstream s;
+      s << Where(mine) << ": mismatched collectives: rank 0 called " << Describe(reference)
+        << " but rank " << peer << " called " << Describe(other)
+        << ". Every rank must make the same collective calls in the same order.";
+      return Status::Error(s.str());
+    }
+  }
+  return Status();
+}
+
+void ShmCommunicator::Publish(Phase phase) {
+  segment_->ranks[rank_].progress.Store(Target(step_ - 1, phase));
+}
+
+void ShmCommunicator::Abandon() {
+  broken_ = true;
+  segment_->ranks[rank_].progress.Abandon();
+}
+
+Status ShmCommunicator::WaitFor(int peer, Phase phase, const Header& header,
+                                const Deadline& deadline, int64_t spin, uint64_t step) {
+  const uint32_t target = Target(step, phase);
+  const Flag& flag = segment_->ranks[peer].progress;
+  const bool arrived = flag.WaitReached(target, deadline, spin);
+  const uint32_t seen = flag.Load();
+  if (arrived && !(seen & Flag::kAbandoned)) return Status();
+  if (seen & Flag::kAbandoned) {
+    Abandon();
+    return Status::Error(Where(header) + ": rank " + std::to_string(peer) +
+                         " failed in an earlier or this collective and left the communicator; "
+                         "see its error");
+  }
+  std::ostringstream s;
+  s << Where(header) << ": timed out after " << deadline.seconds() << " s waiting for rank(s) [";
+  bool first = true;
+  for (int other = 0; other < size_; ++other) {
+    if (Flag::Reached(segment_->ranks[other].progress.Load(), target)) continue;
+    s << (first ? "" : ", ") << other;
+    first = false;
+  }
+  s << "]. A rank that never makes this call (a rank-dependent branch, or a crashed or killed "
+       "process) cannot be waited for; raise jaxring.config timeout_seconds if it is just slow.";
+  Abandon();
+  return Status::Error(s.str());
+}
+
+Status ShmCommunicator::WaitFor(int peer, Phase phase, const Header& header,
+                                const Deadline& deadline, int64_t spin) {
+  return WaitFor(peer, phase, header, deadline, spin, step_ - 1);
+}
+
+Status ShmCommunicator::WaitAll(Phase phase, const Header& header, const Deadline& deadline,
+                                int64_t spin) {
+  for (int peer = 0; peer < size_; ++peer) {
+    if (peer == rank_) continue;
+    Status status = WaitFor(peer, phase, header, deadline, spin);
+    if (!status.ok()) return status;
+  }
+  return Status();
+}
+
+}  // namespace jaxring

@@ -1,0 +1,73 @@
+// The shared-memory transport: processes on one node (one JAX device each, launched by mpiexec)
+// meet in a segment that every rank of a communicator maps at set-up. Each rank stages its data
+// in its own slot; peers reduce or copy from the slots; results are copied out. Unlike MPI's
+// shared-memory path there is no sender-to-receiver double copy per peer: every byte is staged
+// once and read once per reader.
+//
+// Work proceeds in steps (one chunk of one collective call). Each rank owns one progress counter
+// in the segment, advanced through three phases per step: staged, reduced, copied. Buffers
+// alternate between two sets by step parity, so a rank only waits for peers to have finished
+// the step before last before it reuses a slot.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include "common/status.h"
+#include "common/types.h"
+#include "common/wait.h"
+
+namespace jaxring {
+
+struct ShmSegment;
+
+enum class Phase : uint32_t { kStaged = 1, kReduced = 2, kCopied = 3 };
+
+class ShmCommunicator {
+ public:
+  // Maps the segment `path` (created by rank 0 with `create`) for communicator `key`.
+  static Status Attach(uint64_t key, const std::string& path, bool create, int rank, int size,
+                       int64_t slot_bytes, const std::string& name);
+  static void Detach(uint64_t key);
+  static void Unlink(const std::string& path);
+  // The communicator registered under `key`, or null (then `key` names mesh axes).
+  static ShmCommunicator* Find(uint64_t key);
+
+  int rank() const { return rank_; }
+  int size() const { return size_; }
+  int64_t slot_bytes() const { return slot_bytes_; }
+  const std::string& name() const { return name_; }
+
+  // ---- one step ---------------------------------------------------------------------------
+  // Starts the next step: waits until every peer has copied out of this parity's buffers.
+  Status BeginStep(const Header& header, const Deadline& deadline, int64_t spin);
+  void* Slot(int peer) const;  // this step's staging slot of `peer`
+  void* Result() const;        // this step's shared result area (slot_bytes)
+  void PostHeader(const Header& header);  // before Publish(kStaged) on a call's first step
+  Status CheckHeaders(const Header& mine) const;  // after WaitAll(kStaged) on the first step
+  void Publish(Phase phase);
+  Status WaitAll(Phase phase, const Header& header, const Deadline& deadline, int64_t spin);
+  Status WaitFor(int peer, Phase phase, const Header& header, const Deadline& deadline,
+                 int64_t spin);
+  // Marks this rank as gone after an error, so that peers fail at once instead of timing out.
+  void Abandon();
+  std::string Where(const Header& header) const;
+
+ private:
+  ShmCommunicator(ShmSegment* segment, size_t mapped_bytes, int rank, int size,
+                  int64_t slot_bytes, std::string name);
+  uint32_t Target(uint64_t step, Phase phase) const;
+  Status WaitFor(int peer, Phase phase, const Header& header, const Deadline& deadline,
+                 int64_t spin, uint64_t step);
+
+  ShmSegment* segment_;
+  size_t mapped_bytes_;
+  int rank_;
+  int size_;
+  int64_t slot_bytes_;
+  std::string name_;
+  uint64_t step_ = 0;  // steps this rank has begun (the same on every rank)
+  bool broken_ = false;
+};
+
+}  // namespace jaxring
