@@ -12,10 +12,12 @@ short to long, later epochs shuffle batches of similar length.
 
 from __future__ import annotations
 
+import concurrent.futures
 import ctypes
 import dataclasses
 import hashlib
 import json
+import multiprocessing
 import threading
 from pathlib import Path
 
@@ -121,9 +123,13 @@ class Espeak:
             self._chunks.append(np.ctypeslib.as_array(samples, (count,)).copy())
         return 0
 
-    def synthesize(self, text: str, voice: str, rate: int, pitch: int, pitch_range: int):
+    def synthesize(self, text: str, voice: str, rate: int, pitch: int, pitch_range: int,
+                   seed: int = 0):
         """int16 samples at `self.sample_rate` of `text` spoken by `voice` ("accent+variant")."""
         with self._lock:
+            # Voices with flutter, roughness or breath draw random numbers: seed them for every
+            # utterance, or the same utterance sounds different from run to run.
+            self._lib.espeak_ng_SetRandSeed(ctypes.c_long(seed))
             if self._lib.espeak_SetVoiceByName(voice.encode()) != 0:
                 raise ValueError(f"espeak-ng has no voice {voice!r}")
             self._lib.espeak_SetParameter(self._RATE, rate, 0)
@@ -186,7 +192,8 @@ def render(utterance: Utterance, sample_rate: int, rng: np.random.Generator) -> 
     random leading and trailing silence."""
     espeak = Espeak.get()
     speech = espeak.synthesize(utterance.transcript, utterance.voice, utterance.rate,
-                               utterance.pitch, utterance.pitch_range).astype(np.float32) / 32768
+                               utterance.pitch, utterance.pitch_range,
+                               seed=int(rng.integers(2**31))).astype(np.float32) / 32768
     ratio = np.gcd(sample_rate, espeak.sample_rate)
     speech = scipy.signal.resample_poly(speech, sample_rate // ratio, espeak.sample_rate // ratio)
     lead, trail = rng.integers(0, sample_rate // 10, size=2)
@@ -212,22 +219,49 @@ class Dataset:
         return len(self.features)
 
 
-_CACHE_VERSION = 1  # bump when generation changes, so old caches are not reused
+_CACHE_VERSION = 2  # bump when generation changes, so old caches are not reused
 
 
-def generate(num_utterances: int, variants, seed: int, sample_rate: int,
-             description: str = "synthesising") -> Dataset:
-    """Deterministic for (num_utterances, variants, seed, sample_rate): each utterance draws from
-    its own generator seeded by (seed, index)."""
-    dataset = Dataset([], [], [], [])
-    for index in tqdm(range(num_utterances), desc=description, unit="utt", leave=False):
+CHUNK_UTTERANCES = 200
+
+
+def _generate_chunk(start: int, stop: int, variants, seed: int, sample_rate: int) -> Dataset:
+    chunk = Dataset([], [], [], [])
+    for index in range(start, stop):
         rng = np.random.default_rng([seed, index])
         utterance = random_utterance(rng, variants)
         audio = render(utterance, sample_rate, rng)
-        dataset.features.append(log_spectrogram(audio, sample_rate))
-        dataset.labels.append(text_to_labels(utterance.transcript))
-        dataset.transcripts.append(utterance.transcript)
-        dataset.voices.append(utterance.voice)
+        chunk.features.append(log_spectrogram(audio, sample_rate))
+        chunk.labels.append(text_to_labels(utterance.transcript))
+        chunk.transcripts.append(utterance.transcript)
+        chunk.voices.append(utterance.voice)
+    return chunk
+
+
+def generate(num_utterances: int, variants, seed: int, sample_rate: int,
+             description: str = "synthesising", workers: int = 2) -> Dataset:
+    """Deterministic for (num_utterances, variants, seed, sample_rate): each utterance draws from
+    its own generator seeded by (seed, index).
+
+    espeak-ng keeps synthesis state from one utterance to the next (e.g. the phase of its pitch
+    flutter), so the same utterance can come out slightly differently depending on what was
+    said before it in the process. Each chunk of CHUNK_UTTERANCES is therefore synthesised in a
+    fresh process, which makes the result independent of history and of the worker count.
+    """
+    dataset = Dataset([], [], [], [])
+    starts = range(0, num_utterances, CHUNK_UTTERANCES)
+    context = multiprocessing.get_context("spawn")
+    with concurrent.futures.ProcessPoolExecutor(workers, mp_context=context,
+                                                max_tasks_per_child=1) as pool:
+        chunks = [pool.submit(_generate_chunk, start, min(start + CHUNK_UTTERANCES,
+                                                          num_utterances),
+                              tuple(variants), seed, sample_rate) for start in starts]
+        with tqdm(total=num_utterances, desc=description, unit="utt", leave=False) as bar:
+            for future in chunks:
+                chunk = future.result()
+                for field in dataclasses.fields(Dataset):
+                    getattr(dataset, field.name).extend(getattr(chunk, field.name))
+                bar.update(len(chunk))
     return dataset
 
 

@@ -43,11 +43,11 @@ class SequenceBatchNorm(nnx.Module):
         if train:
             mean, var = data_parallel.masked_moments(x, mask, axis_name)
             momentum = self.momentum
-            self.mean.value = momentum * self.mean.value + (1 - momentum) * mean
-            self.var.value = momentum * self.var.value + (1 - momentum) * var
+            self.mean[...] = momentum * self.mean[...] + (1 - momentum) * mean
+            self.var[...] = momentum * self.var[...] + (1 - momentum) * var
         else:
-            mean, var = self.mean.value, self.var.value
-        y = (x - mean) * jax.lax.rsqrt(var + self.epsilon) * self.scale.value + self.bias.value
+            mean, var = self.mean[...], self.var[...]
+        y = (x - mean) * jax.lax.rsqrt(var + self.epsilon) * self.scale[...] + self.bias[...]
         return y * mask
 
 
@@ -80,7 +80,7 @@ class BidirectionalGRU(nnx.Module):
         forward, backward = projected[:, :, 0], projected[:, ::-1, 1]
         inputs = jnp.stack([forward, backward], axis=1).transpose(2, 1, 0, 3)  # (T, 2, B, 3H)
         masks = jnp.stack([mask, mask[:, ::-1]], axis=0).transpose(2, 0, 1)[..., None]
-        recurrent, bias = self.recurrent.value, self.recurrent_bias.value[:, None, :]
+        recurrent, bias = self.recurrent[...], self.recurrent_bias[...][:, None, :]
 
         def step(state, inputs_t):
             x_t, mask_t = inputs_t  # (2, B, 3H), (2, B, 1)

@@ -1,0 +1,202 @@
+"""Deep Speech 2: data, shapes, masking, CTC against a brute-force reference, decoding, metrics."""
+
+import itertools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from models.deepspeech import configs, data, decoding
+from models.deepspeech import train as training
+from models.deepspeech.model import DeepSpeech2, ctc_loss_per_utterance
+
+TINY_MODEL = dict(conv_channels=(4,), conv_kernels=((5, 7),), conv_strides=((2, 2),),
+                  rnn_layers=2, rnn_hidden=12, dense=16)
+
+
+@nnx.jit(static_argnames="train")
+def apply(model, features, mask, train):
+    return model(features, mask, train=train)
+
+
+def tiny_model(seed=0, feature_size=17, num_classes=data.NUM_CLASSES):
+    return DeepSpeech2(feature_size=feature_size, num_classes=num_classes, rngs=nnx.Rngs(seed),
+                       **TINY_MODEL)
+
+
+# ---- data --------------------------------------------------------------------------------------
+
+
+def test_labels_round_trip():
+    text = "turn on the light's"
+    assert data.labels_to_text(data.text_to_labels(text)) == text
+    assert data.BLANK not in data.text_to_labels(text)
+
+
+def test_generation_is_deterministic_and_voices_are_held_out(tmp_path):
+    first = data.load("train", 6, seed=3, sample_rate=8000, cache_dir=tmp_path)
+    again = data.generate(6, data.TRAIN_VARIANTS, seed=3 * 2, sample_rate=8000)
+    cached = data.load("train", 6, seed=3, sample_rate=8000, cache_dir=tmp_path)
+    for a, b, c in zip(first.features, again.features, cached.features):
+        np.testing.assert_allclose(a, b, atol=2e-3)  # the cache stores float16
+        np.testing.assert_array_equal(a, c)
+    assert first.transcripts == again.transcripts == cached.transcripts
+    test = data.load("test", 6, seed=3, sample_rate=8000, cache_dir=None)
+    train_variants = {v.split("+")[1] for v in first.voices}
+    test_variants = {v.split("+")[1] for v in test.voices}
+    assert train_variants <= set(data.TRAIN_VARIANTS)
+    assert test_variants <= set(data.TEST_VARIANTS)
+    assert not set(data.TRAIN_VARIANTS) & set(data.TEST_VARIANTS)
+    for features, labels in zip(first.features, first.labels):
+        assert features.shape[1] == data.feature_size(8000)
+        assert len(features) > len(labels)  # CTC needs at least one frame per label
+
+
+def random_dataset(rng, count=10, feature_dim=5):
+    lengths = rng.integers(3, 40, size=count)
+    return data.Dataset(
+        [rng.standard_normal((n, feature_dim)).astype(np.float32) for n in lengths],
+        [rng.integers(1, data.NUM_CLASSES, size=rng.integers(1, 6)).astype(np.int32)
+         for _ in lengths],
+        [f"utt{i}" for i in range(count)], ["v"] * count)
+
+
+def test_batches_sortagrad_then_shuffled_with_masks():
+    rng = np.random.default_rng(0)
+    dataset = random_dataset(rng, count=23)
+    first = list(data.train_batches(dataset, 4, epoch=0, seed=0, frame_multiple=8,
+                                    max_label_length=6))
+    assert len(first) == 23 // 4
+    widths = [batch.features.shape[1] for batch in first]
+    assert widths == sorted(widths)  # SortaGrad: short to long in the first epoch
+    later = [b.transcripts for b in data.train_batches(dataset, 4, 1, 0, 8, 6)]
+    assert sorted(map(tuple, later)) == sorted(tuple(b.transcripts) for b in first)
+    for batch in first + list(data.eval_batches(dataset, 4, 8, 6)):
+        assert batch.features.shape[1] % 8 == 0
+        for row, name in enumerate(batch.transcripts):
+            if not name:  # padding row of the last eval batch
+                assert batch.feature_mask[row].sum() == 0
+                continue
+            index = int(name[3:])
+            n, m = len(dataset.features[index]), len(dataset.labels[index])
+            np.testing.assert_array_equal(batch.features[row, :n], dataset.features[index])
+            assert batch.feature_mask[row].sum() == n and batch.feature_mask[row, :n].all()
+            assert not batch.features[row, n:].any()
+            np.testing.assert_array_equal(batch.labels[row, :m], dataset.labels[index])
+            assert batch.label_mask[row].sum() == m
+    seen = sorted(t for b in data.eval_batches(dataset, 4, 8, 6) for t in b.transcripts if t)
+    assert seen == sorted(dataset.transcripts)
+
+
+# ---- model -------------------------------------------------------------------------------------
+
+
+def test_shapes_and_output_mask():
+    model = tiny_model()
+    rng = np.random.default_rng(1)
+    features = jnp.asarray(rng.standard_normal((3, 21, 17)), jnp.float32)
+    mask = jnp.asarray(np.arange(21)[None, :] < np.array([[21], [10], [1]]), jnp.float32)
+    for train in (True, False):
+        logits, out_mask = apply(model, features, mask, train)
+        assert logits.shape == (3, 11, data.NUM_CLASSES) and logits.dtype == jnp.float32
+        np.testing.assert_array_equal(out_mask.sum(1), [11, 5, 1])  # ceil(n / 2)
+
+
+def test_padding_does_not_change_real_frames():
+    """Appending padded frames (any values) to an utterance changes neither its logits nor the
+    batch-norm statistics; this covers the backward GRU, which meets the padding first."""
+    rng = np.random.default_rng(2)
+    features = rng.standard_normal((2, 14, 17)).astype(np.float32)
+    mask = np.ones((2, 14), np.float32)
+    padded = np.concatenate([features, 100 * rng.standard_normal((2, 10, 17))], 1)
+    padded_mask = np.concatenate([mask, np.zeros((2, 10))], 1).astype(np.float32)
+    for train in (True, False):
+        short, _ = apply(tiny_model(), jnp.asarray(features), jnp.asarray(mask), train)
+        long, out_mask = apply(tiny_model(), jnp.asarray(padded, jnp.float32),
+                               jnp.asarray(padded_mask), train)
+        np.testing.assert_allclose(long[:, :7], short, rtol=1e-4, atol=1e-5)
+        assert not np.asarray(out_mask)[:, 7:].any()
+
+
+def ctc_brute_force(log_probs, labels):
+    """-log P(labels | frames) by summing every frame path that collapses to `labels` (merge
+    repeats, drop blanks): the definition of CTC, in float64."""
+    num_frames, num_classes = log_probs.shape
+    total = 0.0
+    for path in itertools.product(range(num_classes), repeat=num_frames):
+        collapsed = [c for i, c in enumerate(path) if c != 0 and (i == 0 or c != path[i - 1])]
+        if collapsed == list(labels):
+            total += math.exp(sum(log_probs[t, c] for t, c in enumerate(path)))
+    return -math.log(total)
+
+
+def test_ctc_loss_matches_brute_force_sum_over_alignments():
+    rng = np.random.default_rng(3)
+    num_classes, frames = 4, 6
+    cases = [(6, [1, 2]), (6, [1, 1]), (4, [3]), (5, [2, 3, 2]), (6, [1, 2, 1, 1])]
+    logits = rng.standard_normal((len(cases), frames, num_classes)).astype(np.float32)
+    logit_mask = np.array([[t < n for t in range(frames)] for n, _ in cases], np.float32)
+    labels = np.zeros((len(cases), 4), np.int32)
+    label_mask = np.zeros((len(cases), 4), np.float32)
+    for i, (_, label) in enumerate(cases):
+        labels[i, :len(label)] = label
+        label_mask[i, :len(label)] = 1
+    losses = ctc_loss_per_utterance(jnp.asarray(logits), jnp.asarray(logit_mask),
+                                    jnp.asarray(labels), jnp.asarray(label_mask))
+    log_probs = jax.nn.log_softmax(logits.astype(np.float64))
+    expected = [ctc_brute_force(np.asarray(log_probs[i, :n]), label)
+                for i, (n, label) in enumerate(cases)]
+    np.testing.assert_allclose(np.asarray(losses), expected, rtol=1e-5)
+
+
+# ---- decoding and metrics ----------------------------------------------------------------------
+
+
+def test_greedy_decode_merges_repeats_drops_blanks_and_padding():
+    a, b = data.text_to_labels("ab")
+    path = [a, a, 0, a, b, b, 0, b]
+    log_probs = np.log(np.full((1, len(path) + 2, data.NUM_CLASSES), 1e-3))
+    for t, c in enumerate(path + [a, a]):
+        log_probs[0, t, c] = 0
+    mask = np.array([[1] * len(path) + [0, 0]], np.float32)
+    assert decoding.greedy_decode(log_probs, mask) == ["aabb"]
+
+
+def test_beam_search_finds_the_most_probable_labelling():
+    """Prefix beam search with a wide beam returns the labelling whose summed path probability
+    (brute force) is largest, which can differ from the best single path."""
+    rng = np.random.default_rng(4)
+    for _ in range(5):
+        log_probs = np.asarray(jax.nn.log_softmax(2 * rng.standard_normal((5, 3))), np.float64)
+        probabilities = {}
+        for path in itertools.product(range(3), repeat=5):
+            collapsed = tuple(c for i, c in enumerate(path)
+                              if c != 0 and (i == 0 or c != path[i - 1]))
+            probabilities[collapsed] = probabilities.get(collapsed, 0) + math.exp(
+                sum(log_probs[t, c] for t, c in enumerate(path)))
+        best = max(probabilities, key=probabilities.get)
+        assert decoding.beam_decode_one(log_probs, beam_width=64) == data.labels_to_text(best)
+
+
+def test_error_rates():
+    rates = decoding.ErrorRates()
+    rates.update(["one two three", "go"], ["one too three", ""])
+    assert rates.chars == 15 and rates.char_edits == 1 + 2
+    assert rates.words == 4 and rates.word_edits == 1 + 1
+    assert math.isclose(rates.cer, 3 / 15) and math.isclose(rates.wer, 2 / 4)
+    assert decoding.edit_distance("kitten", "sitting") == 3
+
+
+def test_configs_from_tiny_to_paper():
+    for name in ("tiny", "small", "paper"):
+        config = configs.get_config(name)
+        model = jax.eval_shape(lambda c=config: nnx.state(
+            training.create_model(c, 0), nnx.Param))
+        count = sum(math.prod(x.shape) for x in jax.tree.leaves(model))
+        assert count > 0
+    assert configs.get_config("tiny", rnn_layers="3", conv_kernels="[[3, 5]]").rnn_layers == 3
+    with pytest.raises(ValueError, match="unknown config key"):
+        configs.get_config("tiny", nonsense=1)
