@@ -172,12 +172,12 @@ def test_fused_equals_naive(case, portable, chunk_steps):
     config, batch, weights, key, speaker, local, naive = case
     fused = fused_sampler.sample_fused(weights, config, key, NUM_SAMPLES, batch, speaker, local,
                                        return_logits=True, chunk_steps=chunk_steps,
-                                       portable=portable)
+                                       portable=portable, threads=1 if portable else 2)
     assert_same_samples(fused, naive)
 
 
-@pytest.mark.parametrize("batch", [5])
-def test_fused_float16_weights_equal_naive_on_rounded_weights(batch):
+@pytest.mark.parametrize("batch,threads", [(5, 2)])
+def test_fused_float16_weights_equal_naive_on_rounded_weights(batch, threads):
     config = CONDITIONED
     weights = fused_sampler.round_weights(random_weights(config, seed=8), jnp.float16)
     key = jax.random.key(9)
@@ -185,7 +185,8 @@ def test_fused_float16_weights_equal_naive_on_rounded_weights(batch):
     naive = sampler.sample_naive(weights, config, key, NUM_SAMPLES, batch, speaker, local,
                                  return_logits=True)
     fused = fused_sampler.sample_fused(weights, config, key, NUM_SAMPLES, batch, speaker, local,
-                                       return_logits=True, weight_dtype=jnp.float16)
+                                       return_logits=True, weight_dtype=jnp.float16,
+                                       threads=threads)
     assert_same_samples(fused, naive)
 
 

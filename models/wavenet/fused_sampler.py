@@ -61,10 +61,11 @@ def gate_bias_per_stream(weights, batch: int, speaker=None):
 
 
 def fused_steps(packed, config: ModelConfig, gate_bias, local, noise, token, queues, first_step,
-                return_logits: bool, portable: bool = False):
+                return_logits: bool, portable: bool = False, threads: int = 1):
     """`noise.shape[0]` steps in one custom call. Returns tokens `[steps, batch]`, the queues and
     the logits `[steps, batch, levels]` (`[0, batch, levels]` unless `return_logits`).
-    `portable` runs the plain C++ loops instead of the AVX2/FMA kernels."""
+    `portable` runs the plain C++ loops instead of the AVX2/FMA kernels; `threads` splits the
+    streams over that many threads (no effect on a single stream)."""
     native.register_targets()
     steps, batch, levels = noise.shape
     logits_steps = steps if return_logits else 0
@@ -80,14 +81,17 @@ def fused_steps(packed, config: ModelConfig, gate_bias, local, noise, token, que
                 hidden=np.int64(config.output_channels),
                 levels=np.int64(config.quantization_levels),
                 local_channels=np.int64(config.local_channels),
-                dilations=np.asarray(model.dilations(config), np.int64), portable=portable)
+                dilations=np.asarray(model.dilations(config), np.int64), portable=portable,
+                threads=np.int64(threads))
 
 
 @functools.partial(jax.jit, static_argnames=("config", "num_samples", "batch", "return_logits",
-                                             "weight_dtype", "chunk_steps", "portable"))
+                                             "weight_dtype", "chunk_steps", "portable",
+                                             "threads"))
 def sample_fused(weights, config: ModelConfig, key, num_samples: int, batch: int = 1,
                  speaker=None, local=None, return_logits: bool = False,
-                 weight_dtype=jnp.float32, chunk_steps: int = 1024, portable: bool = False):
+                 weight_dtype=jnp.float32, chunk_steps: int = 1024, portable: bool = False,
+                 threads: int = 1):
     """Samples `[batch, num_samples]` (and logits), like `sampler.sample_incremental`."""
     packed = pack_weights(weights, config, weight_dtype)
     gate_bias = gate_bias_per_stream(weights, batch, speaker)
@@ -105,7 +109,8 @@ def sample_fused(weights, config: ModelConfig, key, num_samples: int, batch: int
         noise = jax.vmap(lambda t: sampler.gumbel_noise(key, t, batch, levels))(steps)
         local_chunk = lax.dynamic_slice_in_dim(local, first_step, length, axis=0)
         tokens, queues, logits = fused_steps(packed, config, gate_bias, local_chunk, noise, token,
-                                             queues, first_step, return_logits, portable)
+                                             queues, first_step, return_logits, portable,
+                                             threads)
         return (queues, tokens[-1]), (tokens, logits)
 
     length = min(chunk_steps, num_samples)

@@ -24,7 +24,9 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <algorithm>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "kernels/reduce_cpu.h"
@@ -183,6 +185,11 @@ struct Sizes {
   std::vector<int64_t> dilations;
 };
 
+// The streams [first, first + count) of a batch of `total` that one thread samples.
+struct Streams {
+  int64_t first, count, total;
+};
+
 template <typename W>
 struct PackedWeights {
   struct Layer {
@@ -230,9 +237,19 @@ struct PackedWeights {
 template <typename W>
 class Sampler {
  public:
-  Sampler(const PackedWeights<W>& weights, const Sizes& sizes, bool allow_simd)
-      : w_(weights), s_(sizes), avx2_(allow_simd && CpuHasAvx2Fma() && Multiple8()) {
-    const int64_t b = s_.batch, r = s_.residual;
+  Sampler(const PackedWeights<W>& weights, const Sizes& sizes, Streams streams, bool allow_simd)
+      : w_(weights),
+        s_(sizes),
+        streams_(streams),
+        avx2_(allow_simd && CpuHasAvx2Fma() && Multiple8()) {
+    const int64_t b = streams_.count, r = s_.residual;
+    // The few vectors read element by element are kept in float32 (converted once per call).
+    embedding_ = ToFloats(w_.embedding, s_.levels * r);
+    for (const auto& layer : w_.layers) {
+      layer_biases_.push_back(ToFloats(layer.residual_skip_bias, r + s_.skip));
+    }
+    hidden_bias_ = ToFloats(w_.hidden_bias, s_.hidden);
+    logits_bias_ = ToFloats(w_.logits_bias, s_.levels);
     h_.resize(b * r);
     x_.resize(b * 2 * r);
     z_.resize(b * 2 * r);
@@ -248,25 +265,30 @@ class Sampler {
     }
   }
 
-  // One step for every stream: tokens[b] (the previous samples) in, tokens[b] out.
+  // One step for this sampler's streams: tokens[b] (the previous samples) in, tokens[b] out.
+  // The other pointers are the whole batch's (this step's local, noise and logits rows).
   void Step(int64_t t, const float* gate_bias, const float* local, const float* noise,
             int32_t* tokens, float* queues, float* logits_out) {
-    const int64_t b_count = s_.batch, r = s_.residual, skip = s_.skip;
+    const int64_t b_count = streams_.count, r = s_.residual, skip = s_.skip;
+    const int64_t first = streams_.first, total = streams_.total;
+    local += first * s_.local_channels;
+    noise += first * s_.levels;
     for (int64_t b = 0; b < b_count; ++b) {
-      const W* row = w_.embedding + static_cast<int64_t>(tokens[b]) * r;
-      for (int64_t c = 0; c < r; ++c) h_[b * r + c] = ToFloat(row[c]);
+      std::memcpy(&h_[b * r], &embedding_[static_cast<int64_t>(tokens[b]) * r],
+                  r * sizeof(float));
     }
     std::fill(skip_sum_.begin(), skip_sum_.end(), 0.0f);
     const int64_t layers = static_cast<int64_t>(s_.dilations.size());
     for (int64_t i = 0; i < layers; ++i) {
       const auto& layer = w_.layers[i];
-      float* slot = queues + (queue_offsets_[i] + t % s_.dilations[i]) * b_count * r;
+      float* slot = queues + ((queue_offsets_[i] + t % s_.dilations[i]) * total + first) * r;
       for (int64_t b = 0; b < b_count; ++b) {
         std::memcpy(&x_[b * 2 * r], &h_[b * r], r * sizeof(float));
         std::memcpy(&x_[b * 2 * r + r], slot + b * r, r * sizeof(float));
         std::memcpy(slot + b * r, &h_[b * r], r * sizeof(float));
       }
-      std::memcpy(z_.data(), gate_bias + i * b_count * 2 * r, b_count * 2 * r * sizeof(float));
+      std::memcpy(z_.data(), gate_bias + (i * total + first) * 2 * r,
+                  b_count * 2 * r * sizeof(float));
       Gemv(layer.gate, 2 * r, 2 * r, 2 * r, x_.data(), 2 * r, z_.data(), 2 * r, true);
       if (s_.local_channels > 0) {
         Gemv(layer.local, 2 * r, s_.local_channels, 2 * r, local, s_.local_channels, z_.data(),
@@ -277,9 +299,8 @@ class Sampler {
       const bool last = i + 1 == layers;
       const int64_t first_col = last ? r : 0, cols = r + skip - first_col;
       for (int64_t b = 0; b < b_count; ++b) {
-        for (int64_t c = 0; c < cols; ++c) {
-          y_[b * (r + skip) + first_col + c] = ToFloat(layer.residual_skip_bias[first_col + c]);
-        }
+        std::memcpy(&y_[b * (r + skip) + first_col], &layer_biases_[i][first_col],
+                    cols * sizeof(float));
       }
       Gemv(layer.residual_skip + first_col, r + skip, r, cols, a_.data(), r,
            y_.data() + first_col, r + skip, true);
@@ -293,11 +314,11 @@ class Sampler {
     }
     // Output layers: relu -> dense -> relu -> dense, then Gumbel-max.
     for (float& v : skip_sum_) v = v > 0.0f ? v : 0.0f;
-    SetBias(hidden_.data(), w_.hidden_bias, s_.hidden);
+    SetBias(hidden_.data(), hidden_bias_, s_.hidden);
     Gemv(w_.hidden, s_.hidden, skip, s_.hidden, skip_sum_.data(), skip, hidden_.data(), s_.hidden,
          true);
     for (float& v : hidden_) v = v > 0.0f ? v : 0.0f;
-    SetBias(logits_.data(), w_.logits_bias, s_.levels);
+    SetBias(logits_.data(), logits_bias_, s_.levels);
     Gemv(w_.logits, s_.levels, s_.hidden, s_.levels, hidden_.data(), s_.hidden, logits_.data(),
          s_.levels, true);
     for (int64_t b = 0; b < b_count; ++b) {
@@ -315,7 +336,7 @@ class Sampler {
       tokens[b] = best;
     }
     if (logits_out != nullptr) {
-      std::memcpy(logits_out, logits_.data(), logits_.size() * sizeof(float));
+      std::memcpy(logits_out + first * s_.levels, logits_.data(), logits_.size() * sizeof(float));
     }
   }
 
@@ -325,18 +346,24 @@ class Sampler {
            s_.levels % 8 == 0 && s_.local_channels % 8 == 0;
   }
 
-  void SetBias(float* y, const W* bias, int64_t n) {
-    for (int64_t b = 0; b < s_.batch; ++b) {
-      for (int64_t c = 0; c < n; ++c) y[b * n + c] = ToFloat(bias[c]);
+  void SetBias(float* y, const std::vector<float>& bias, int64_t n) {
+    for (int64_t b = 0; b < streams_.count; ++b) {
+      std::memcpy(y + b * n, bias.data(), n * sizeof(float));
     }
+  }
+
+  static std::vector<float> ToFloats(const W* w, int64_t n) {
+    std::vector<float> out(n);
+    for (int64_t i = 0; i < n; ++i) out[i] = ToFloat(w[i]);
+    return out;
   }
 
   void Gemv(const W* w, int64_t ld, int64_t rows, int64_t cols, const float* x, int64_t x_stride,
             float* y, int64_t y_stride, bool accumulate) {
     if (avx2_) {
-      GemvAvx2(w, ld, rows, cols, x, x_stride, s_.batch, y, y_stride, accumulate);
+      GemvAvx2(w, ld, rows, cols, x, x_stride, streams_.count, y, y_stride, accumulate);
     } else {
-      GemvPortable(w, ld, rows, cols, x, x_stride, s_.batch, y, y_stride, accumulate);
+      GemvPortable(w, ld, rows, cols, x, x_stride, streams_.count, y, y_stride, accumulate);
     }
   }
 
@@ -350,14 +377,17 @@ class Sampler {
 
   const PackedWeights<W>& w_;
   const Sizes& s_;
+  const Streams streams_;
   const bool avx2_;
+  std::vector<float> embedding_, hidden_bias_, logits_bias_;
+  std::vector<std::vector<float>> layer_biases_;
   std::vector<int64_t> queue_offsets_;
   std::vector<float> h_, x_, z_, a_, y_, skip_sum_, hidden_, logits_;
 };
 
 template <typename W>
 ffi::Error Run(const W* weights, int64_t weight_count, const Sizes& sizes, bool allow_simd,
-               int64_t steps,
+               int64_t threads, int64_t steps,
                int64_t first_step, const float* gate_bias, const float* local, const float* noise,
                const int32_t* token, float* queues, int32_t* tokens_out, float* logits_out) {
   const PackedWeights<W> packed(weights, sizes);
@@ -373,15 +403,26 @@ ffi::Error Run(const W* weights, int64_t weight_count, const Sizes& sizes, bool 
                                          ", outside [0, " + std::to_string(sizes.levels) + ")");
     }
   }
-  Sampler<W> sampler(packed, sizes, allow_simd);
-  std::vector<int32_t> current(token, token + sizes.batch);
+  // Streams are independent: each thread samples its share of them for every step, with no
+  // synchronisation; all threads read the same packed weights.
   const int64_t b = sizes.batch;
-  for (int64_t step = 0; step < steps; ++step) {
-    sampler.Step(first_step + step, gate_bias, local + step * b * sizes.local_channels,
-                 noise + step * b * sizes.levels, current.data(), queues,
-                 logits_out == nullptr ? nullptr : logits_out + step * b * sizes.levels);
-    std::memcpy(tokens_out + step * b, current.data(), b * sizeof(int32_t));
-  }
+  const int64_t thread_count = std::max<int64_t>(1, std::min<int64_t>(threads, b));
+  auto sample_streams = [&](int64_t index) {
+    const int64_t first = b * index / thread_count, last = b * (index + 1) / thread_count;
+    Sampler<W> sampler(packed, sizes, Streams{first, last - first, b}, allow_simd);
+    std::vector<int32_t> current(token + first, token + last);
+    for (int64_t step = 0; step < steps; ++step) {
+      sampler.Step(first_step + step, gate_bias, local + step * b * sizes.local_channels,
+                   noise + step * b * sizes.levels, current.data(), queues,
+                   logits_out == nullptr ? nullptr : logits_out + step * b * sizes.levels);
+      std::memcpy(tokens_out + step * b + first, current.data(),
+                  (last - first) * sizeof(int32_t));
+    }
+  };
+  std::vector<std::thread> workers;
+  for (int64_t index = 1; index < thread_count; ++index) workers.emplace_back(sample_streams, index);
+  sample_streams(0);
+  for (std::thread& worker : workers) worker.join();
   return ffi::Error::Success();
 }
 
@@ -393,7 +434,8 @@ ffi::Error WaveNetSampleImpl(ffi::AnyBuffer weights, ffi::Buffer<ffi::F32> gate_
                              ffi::ResultBuffer<ffi::F32> queues_out,
                              ffi::ResultBuffer<ffi::F32> logits, int64_t residual, int64_t skip,
                              int64_t hidden, int64_t levels, int64_t local_channels,
-                             ffi::Span<const int64_t> dilations, bool portable) {
+                             ffi::Span<const int64_t> dilations, bool portable,
+                             int64_t threads) {
   Sizes sizes{residual, skip, hidden, levels, local_channels, token.element_count(),
               std::vector<int64_t>(dilations.begin(), dilations.end())};
   const auto noise_dims = noise.dimensions();
@@ -421,11 +463,11 @@ ffi::Error WaveNetSampleImpl(ffi::AnyBuffer weights, ffi::Buffer<ffi::F32> gate_
   switch (weights.element_type()) {
     case ffi::DataType::F32:
       return Run(static_cast<const float*>(weights.untyped_data()), weights.element_count(),
-                 sizes, !portable, steps, start, gate_bias.typed_data(), local.typed_data(),
+                 sizes, !portable, threads, steps, start, gate_bias.typed_data(), local.typed_data(),
                  noise.typed_data(), token.typed_data(), state, tokens->typed_data(), logits_out);
     case ffi::DataType::F16:
       return Run(static_cast<const uint16_t*>(weights.untyped_data()), weights.element_count(),
-                 sizes, !portable, steps, start, gate_bias.typed_data(), local.typed_data(),
+                 sizes, !portable, threads, steps, start, gate_bias.typed_data(), local.typed_data(),
                  noise.typed_data(), token.typed_data(), state, tokens->typed_data(), logits_out);
     default:
       return ffi::Error::InvalidArgument(
@@ -455,4 +497,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxringWaveNetSampleCpu, jaxring::models::WaveNetS
                                   .Attr<int64_t>("local_channels")
                                   .Attr<xla::ffi::Span<const int64_t>>("dilations")
                                   // Tests set it to run the portable kernels on AVX2 machines.
-                                  .Attr<bool>("portable"));
+                                  .Attr<bool>("portable")
+                                  .Attr<int64_t>("threads"));

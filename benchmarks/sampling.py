@@ -1,0 +1,201 @@
+"""WaveNet sampling speed: samples/s per stream and in total, and the real-time factor at 16 kHz,
+for every sampler measured side by side in one run.
+
+Variants: (a) naive (the whole receptive field recomputed per sample), the per-step Python loop,
+(b) the plain incremental sampler (`lax.scan` + ring buffers: what a competent JAX user writes,
+the rival), (c) layer-sharded over 2 devices with jaxring.ppermute (and with lax.ppermute, and on
+1 device for the scaling ratio), (d) the fused C++ step with float32 and with float16 weights.
+Weights are random: speed does not depend on their values.
+
+    python benchmarks/sampling.py            # full run (about 10-20 minutes on 2 cores)
+    python benchmarks/sampling.py --quick    # one config, fewer samples
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ["XLA_FLAGS"] = (
+    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=2").strip()
+
+import argparse  # noqa: E402
+import statistics  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks import common  # noqa: E402
+from models.wavenet import fused_sampler, model, pipeline_sampler, sampler  # noqa: E402
+from models.wavenet.configs.default import ModelConfig  # noqa: E402
+
+REAL_TIME_RATE = 16000  # samples/s of one real-time 16 kHz stream
+CONFIGS = {  # residual / skip / layers
+    "32/128/20": ModelConfig(residual_channels=32, skip_channels=128, num_layers=20),
+    "64/256/20": ModelConfig(residual_channels=64, skip_channels=256, num_layers=20),
+    "128/256/20": ModelConfig(residual_channels=128, skip_channels=256, num_layers=20),
+}
+RIVAL = "incremental"
+
+
+def seconds_per_run(fn, repeats: int) -> float:
+    """Median wall time of fn() after one warm-up call (compilation)."""
+    jax.block_until_ready(fn())
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        jax.block_until_ready(fn())
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def variants(weights, config, key, batch, steps, mesh1, mesh2):
+    """name -> (function, samples per stream it draws)."""
+    s = steps
+    out = {
+        "naive": (lambda: sampler.sample_naive(weights, config, key, s["naive"], batch),
+                  s["naive"]),
+        "python_loop": (lambda: sampler.sample_python_loop(weights, config, key, s["loop"], batch),
+                        s["loop"]),
+        "incremental": (lambda: sampler.sample_incremental(weights, config, key, s["scan"],
+                                                           batch), s["scan"]),
+        "fused_f32": (lambda: fused_sampler.sample_fused(weights, config, key, s["fused"], batch),
+                      s["fused"]),
+        "fused_f16": (lambda: fused_sampler.sample_fused(weights, config, key, s["fused"], batch,
+                                                         weight_dtype=jnp.float16), s["fused"]),
+    }
+    for name, mesh, permute in (("sharded_1dev", mesh1, "jaxring"),
+                                ("sharded_2dev", mesh2, "jaxring"),
+                                ("sharded_2dev_lax", mesh2, "lax")):
+        out[name] = (lambda mesh=mesh, permute=permute: pipeline_sampler.sample_layer_sharded(
+            weights, config, key, s["scan"], batch, mesh, "stage", permute=permute), s["scan"])
+    return out
+
+
+def plot(path, rows, names):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    configs = sorted({r["config"] for r in rows}, key=list(CONFIGS).index)
+    figure, axes = plt.subplots(1, len(configs), figsize=(5 * len(configs), 4), squeeze=False)
+    for axis, config in zip(axes[0], configs):
+        for name in names:
+            points = [(r["batch"], r["total_samples_per_s"]) for r in rows
+                      if r["config"] == config and r["variant"] == name]
+            if points:
+                axis.plot(*zip(*points), "o-", label=name)
+        axis.axhline(REAL_TIME_RATE, color="grey", linestyle="--", label="1 stream real time")
+        axis.set_xscale("log", base=2)
+        axis.set_yscale("log")
+        axis.set_xlabel("streams (batch)")
+        axis.set_ylabel("samples/s, all streams")
+        axis.set_title(f"WaveNet {config}")
+        axis.grid(alpha=0.3)
+    axes[0][0].legend(fontsize=7)
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--configs", nargs="*", default=None, choices=list(CONFIGS))
+    parser.add_argument("--batches", nargs="*", type=int, default=None)
+    parser.add_argument("--variants", nargs="*", default=None)
+    parser.add_argument("--name", default="sampling-cpu")
+    args = parser.parse_args()
+    configs = args.configs or (["64/256/20"] if args.quick else list(CONFIGS))
+    batches = args.batches or ([1, 4] if args.quick else [1, 4, 16])
+    steps = ({"naive": 2, "loop": 100, "scan": 1000, "fused": 2000} if args.quick else
+             {"naive": 3, "loop": 300, "scan": 4000, "fused": 16000})
+    repeats = 1 if args.quick else 3
+    devices = jax.devices()
+    mesh1 = jax.make_mesh((1,), ("stage",), devices=devices[:1])
+    mesh2 = jax.make_mesh((2,), ("stage",), devices=devices[:2])
+    key = jax.random.key(0)
+
+    rows = []
+    names = None
+    for config_name in configs:
+        config = CONFIGS[config_name]
+        weights = model.init_weights(config)
+        for batch in batches:
+            table = variants(weights, config, key, batch, steps, mesh1, mesh2)
+            names = names or list(table)
+            for name, (fn, samples) in table.items():
+                if args.variants and name not in args.variants:
+                    continue
+                seconds = seconds_per_run(fn, 1 if name == "naive" else repeats)
+                per_stream = samples / seconds
+                rows.append({"config": config_name, "batch": batch, "variant": name,
+                             "samples_per_stream": samples, "seconds": seconds,
+                             "samples_per_s_per_stream": per_stream,
+                             "total_samples_per_s": per_stream * batch,
+                             "real_time_factor": per_stream / REAL_TIME_RATE})
+                print(f"{config_name:>10} B={batch:<3} {name:<17} {per_stream:10.0f} samples/s "
+                      f"per stream, {per_stream * batch:10.0f} total, "
+                      f"{per_stream / REAL_TIME_RATE:6.3f}x real time", flush=True)
+
+    def find(config, batch, variant):
+        for r in rows:
+            if (r["config"], r["batch"], r["variant"]) == (config, batch, variant):
+                return r["total_samples_per_s"]
+        return None
+
+    for r in rows:
+        rival = find(r["config"], r["batch"], RIVAL)
+        r["vs_incremental"] = r["total_samples_per_s"] / rival if rival else None
+
+    lines = [
+        "# WaveNet sampling (benchmarks/sampling.py)",
+        "",
+        f"{common.environment()}",
+        "",
+        "Samples/s per stream and in total; real-time factor = samples/s per stream / 16,000. "
+        f"`vs (b)` is the ratio to the plain incremental sampler ({RIVAL}: one `lax.scan` with "
+        "ring buffers) measured in the same run. Random weights (speed does not depend on them).",
+        "",
+        "| config | streams | variant | samples/s per stream | samples/s total "
+        "| real-time factor (16 kHz) | vs (b) |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        ratio = f"{r['vs_incremental']:.2f}x" if r["vs_incremental"] else "-"
+        lines.append(f"| {r['config']} | {r['batch']} | {r['variant']} | "
+                     f"{r['samples_per_s_per_stream']:,.0f} | {r['total_samples_per_s']:,.0f} | "
+                     f"{r['real_time_factor']:.3f} | {ratio} |")
+    lines += ["", "Ratios within this run:", ""]
+    for config_name in configs:
+        for batch in batches:
+            incremental, naive = find(config_name, batch, RIVAL), find(config_name, batch, "naive")
+            one, two = find(config_name, batch, "sharded_1dev"), find(config_name, batch,
+                                                                        "sharded_2dev")
+            fastest = max((r for r in rows if r["config"] == config_name and r["batch"] == batch),
+                          key=lambda r: r["total_samples_per_s"], default=None)
+            parts = []
+            if incremental and naive:
+                parts.append(f"incremental / naive {incremental / naive:.0f}x "
+                             f"(receptive field {model.receptive_field(CONFIGS[config_name])})")
+            if one and two:
+                parts.append(f"layer-sharded 2 devices / 1 device {two / one:.2f}x")
+            if fastest and incremental:
+                parts.append(f"fastest ({fastest['variant']}) / incremental "
+                             f"{fastest['total_samples_per_s'] / incremental:.2f}x")
+            if parts:
+                lines.append(f"- {config_name}, {batch} streams: " + "; ".join(parts))
+    markdown = "\n".join(lines) + "\n"
+    print(markdown)
+    payload = {"environment": common.environment(), "steps": steps, "rows": rows}
+    path = common.write_results(args.name, payload, markdown)
+    plot(path.with_suffix(".png"), rows, names or [])
+    print(f"wrote {path}, .md and .png")
+
+
+if __name__ == "__main__":
+    main()
