@@ -1,0 +1,188 @@
+"""jaxring.parallel.data: fused buckets against per-leaf lax reductions, parameter broadcast,
+cross-replica batch-norm moments, the distributed optimizer, and one data-parallel Deep Speech 2
+step against one single-device step on the same global batch."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+from jax import lax
+from jax.sharding import PartitionSpec as P
+
+from jaxring.parallel import data as data_parallel
+from models.deepspeech import configs
+from models.deepspeech import train as training
+from tests.helpers import assert_close, mesh, random_array, shard
+
+
+def random_tree(rng, n):
+    """Per-device gradients (leading axis n) of mixed dtypes and awkward sizes."""
+    shapes = {"w": (5, 3), "b": (7,), "scalar": (), "empty": (0, 4), "big": (1001,)}
+    tree = {name: random_array(rng, (n,) + shape, np.float32) for name, shape in shapes.items()}
+    tree["f64"] = [random_array(rng, (n, 3, 3), np.float64), random_array(rng, (n, 2), np.float64)]
+    tree["count"] = random_array(rng, (n, 4), np.int32)
+    return tree
+
+
+@pytest.mark.parametrize("n", [1, 3, 8])
+@pytest.mark.parametrize("bucket_bytes", [400, 1 << 20])
+def test_fused_buckets_equal_per_leaf_psum(n, bucket_bytes):
+    rng = np.random.default_rng(n * 1000 + bucket_bytes)
+    tree = random_tree(rng, n)
+    m = mesh(n)
+
+    def both(local):
+        local = jax.tree.map(lambda x: x[0], local)
+        fused = data_parallel.all_reduce_gradients(local, "i", "sum", bucket_bytes)
+        reference = jax.tree.map(lambda x: lax.psum(x, "i"), local)
+        return jax.tree.map(lambda x: x[None], (fused, reference))
+
+    fused, reference = jax.device_get(jax.jit(jax.shard_map(
+        both, mesh=m, in_specs=P("i"), out_specs=P("i")))(shard(tree, m)))
+    for got, want, leaf in zip(jax.tree.leaves(fused), jax.tree.leaves(reference),
+                               jax.tree.leaves(tree)):
+        assert got.dtype == leaf.dtype and got.shape == leaf.shape
+        expected = np.broadcast_to(np.asarray(leaf, np.float64).sum(0), leaf.shape[1:])
+        for replica in range(n):
+            assert_close(got[replica], expected, leaf.dtype, count=n)
+        np.testing.assert_allclose(np.asarray(got, np.float64), np.asarray(want, np.float64),
+                                   rtol=1e-5 if leaf.dtype == np.float32 else 1e-12)
+
+
+def count_all_reduces(fn, *args):
+    jaxpr = str(jax.make_jaxpr(fn)(*args))
+    return jaxpr.count("jaxring_all_reduce")
+
+
+def test_one_all_reduce_per_bucket():
+    """The point of fusion: the number of collective calls is the number of buckets."""
+    tree = {"a": jnp.ones((300,), jnp.float32), "b": jnp.ones((50, 2), jnp.float32),
+            "c": jnp.ones((10,), jnp.float64)}
+    m = mesh(2)
+    for bucket_bytes, expected_calls in [(1 << 20, 2), (400, 4 + 1), (40, 40 + 2)]:
+        plan = data_parallel.fusion_plan(tree, bucket_bytes)
+        assert sum(len(sizes) for _, _, sizes in plan.groups) == expected_calls
+        f = jax.shard_map(
+            lambda t, bb=bucket_bytes: data_parallel.all_reduce_gradients(t, "i", "sum", bb),
+            mesh=m, in_specs=P(), out_specs=P(), check_vma=False)
+        assert count_all_reduces(f, tree) == expected_calls
+        restored = data_parallel.unfuse(data_parallel.fuse(tree, plan), plan)
+        for got, want in zip(jax.tree.leaves(restored), jax.tree.leaves(tree)):
+            assert got.dtype == want.dtype and got.shape == want.shape
+            np.testing.assert_array_equal(got, want)
+
+
+def test_broadcast_parameters_from_root():
+    n, root = 4, 2
+    rng = np.random.default_rng(7)
+    tree = random_tree(rng, n)
+    m = mesh(n)
+    f = jax.jit(jax.shard_map(
+        lambda t: jax.tree.map(lambda x: x[None], data_parallel.broadcast_parameters(
+            jax.tree.map(lambda x: x[0], t), "i", root, bucket_bytes=64)),
+        mesh=m, in_specs=P("i"), out_specs=P("i")))
+    for got, leaf in zip(jax.tree.leaves(jax.device_get(f(shard(tree, m)))),
+                         jax.tree.leaves(tree)):
+        for replica in range(n):
+            np.testing.assert_array_equal(got[replica], leaf[root])
+
+
+def test_masked_moments_across_replicas_equal_global_batch():
+    n = 4
+    rng = np.random.default_rng(8)
+    x = rng.standard_normal((n * 3, 5, 6)).astype(np.float32) * 3 + 1
+    mask = (rng.random((n * 3, 5, 1)) < 0.6).astype(np.float32)
+    m = mesh(n)
+    moments = jax.device_get(jax.jit(jax.shard_map(
+        lambda x, mask: data_parallel.masked_moments(x, mask, "i"), mesh=m,
+        in_specs=(P("i"), P("i")), out_specs=P()))(shard(x, m), shard(mask, m)))
+    selected = np.asarray(x, np.float64).reshape(-1, 6)[mask.reshape(-1) > 0]
+    np.testing.assert_allclose(moments[0], selected.mean(0), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(moments[1], selected.var(0), rtol=1e-4, atol=1e-6)
+    local = data_parallel.masked_moments(jnp.asarray(x), jnp.asarray(mask))
+    np.testing.assert_allclose(local[0], moments[0], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("make_optimizer", [
+    lambda: optax.chain(optax.clip_by_global_norm(0.5), optax.sgd(0.1, 0.9, nesterov=True)),
+    lambda: optax.adam(1e-2)], ids=["nesterov+clip", "adam"])
+def test_distributed_optimizer_sees_the_global_gradient(make_optimizer):
+    """Two updates through the wrapper on per-replica gradients equal two updates of the plain
+    optimizer on the replica mean, and every replica gets the same result."""
+    n = 4
+    rng = np.random.default_rng(9)
+    params = {"w": rng.standard_normal((3, 4)).astype(np.float32),
+              "b": rng.standard_normal((4,)).astype(np.float32)}
+    grads = [{k: rng.standard_normal((n,) + v.shape).astype(np.float32) for k, v in params.items()}
+             for _ in range(2)]
+    optimizer = make_optimizer()
+    distributed = data_parallel.distributed(optimizer, "i", bucket_bytes=40)
+    m = mesh(n)
+
+    def local(params, grads_0, grads_1):
+        state = distributed.init(params)
+        for g in (grads_0, grads_1):
+            updates, state = distributed.update(jax.tree.map(lambda x: x[0], g), state, params)
+            params = optax.apply_updates(params, updates)
+        return jax.tree.map(lambda x: x[None], params)
+
+    got = jax.device_get(jax.jit(jax.shard_map(
+        local, mesh=m, in_specs=(P(), P("i"), P("i")), out_specs=P("i"), check_vma=False))(
+        params, shard(grads[0], m), shard(grads[1], m)))
+    expected, state = params, optimizer.init(params)
+    for g in grads:
+        updates, state = optimizer.update(jax.tree.map(lambda x: x.mean(0), g), state, expected)
+        expected = optax.apply_updates(expected, updates)
+    for name in params:
+        for replica in range(n):
+            np.testing.assert_allclose(got[name][replica], expected[name], rtol=1e-5, atol=1e-6)
+
+
+# ---- one Deep Speech 2 step: N replicas against one device --------------------------------------
+
+
+def train_step_result(config, n, batch, seed=0):
+    m = jax.make_mesh((n,), (training.AXIS,), devices=jax.devices()[:n])
+    graphdef, params, batch_stats = nnx.split(training.create_model(config, seed), nnx.Param,
+                                              nnx.BatchStat)
+    optimizer = data_parallel.distributed(training.create_optimizer(config, 10), training.AXIS,
+                                          bucket_bytes=config.bucket_bytes)
+    opt_state = optimizer.init(params)
+    step = training.make_train_step(graphdef, optimizer, m)
+    batch = {k: shard(v, m, P(training.AXIS)) for k, v in batch.items()}
+    for _ in range(2):  # the second step also checks optimizer state and running statistics
+        params, batch_stats, opt_state, loss = step(params, batch_stats, opt_state, batch)
+    return jax.device_get((params, batch_stats, loss))
+
+
+def random_batch(rng, batch, frames, feature_dim, label_length):
+    lengths = rng.integers(frames // 2, frames + 1, size=batch)
+    label_lengths = rng.integers(1, label_length + 1, size=batch)
+    return {
+        "features": rng.standard_normal((batch, frames, feature_dim)).astype(np.float32),
+        "feature_mask": (np.arange(frames) < lengths[:, None]).astype(np.float32),
+        "labels": rng.integers(1, 29, size=(batch, label_length)).astype(np.int32),
+        "label_mask": (np.arange(label_length) < label_lengths[:, None]).astype(np.float32),
+    }
+
+
+def test_data_parallel_step_equals_single_device_step():
+    config = configs.get_config(
+        "tiny", sample_rate=1600, conv_channels=(3,), conv_kernels=((3, 5),),
+        rnn_layers=2, rnn_hidden=8, dense=8, optimizer="nesterov", learning_rate=0.05,
+        grad_clip_norm=1.0, bucket_bytes=1000)
+    rng = np.random.default_rng(10)
+    batch = random_batch(rng, 8, 12, 17, 4)
+    single = train_step_result(config, 1, batch)
+    for n in (4,):
+        parallel = train_step_result(config, n, batch)
+        np.testing.assert_allclose(parallel[2], single[2], rtol=1e-5)
+        for got, want in zip(jax.tree.leaves(parallel[:2]), jax.tree.leaves(single[:2])):
+            np.testing.assert_allclose(got, want, rtol=1e-4, atol=2e-6)
+    # The step must have moved the parameters, or the comparison proves nothing.
+    initial = nnx.state(training.create_model(config, 0), nnx.Param)
+    moved = [np.abs(a - b).max() for a, b in zip(jax.tree.leaves(single[0]),
+                                                jax.tree.leaves(initial))]
+    assert min(moved) > 1e-4
