@@ -71,8 +71,10 @@ def _as_tuples(value):
 
 
 CONFIGS = {
-    # Trains to a low character error rate on held-out voices in minutes on 2 CPU cores.
-    "tiny": Config(),
+    # Trains to a low character error rate on held-out voices in minutes on 2 CPU cores: two
+    # data-parallel replicas (one per core) and Adam, which needs fewer steps than Nesterov
+    # momentum to get there.
+    "tiny": Config(optimizer="adam", learning_rate=2e-3, num_devices=2, epochs=3),
     # The same task with room to spare: 3 convolutions as the paper, wider GRUs.
     "small": Config(
         train_utterances=20000, conv_channels=(32, 32), conv_kernels=((11, 41), (11, 21)),
