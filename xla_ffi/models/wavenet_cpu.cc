@@ -10,10 +10,13 @@
 // Packed weights (float32 or float16), in this order:
 //   embedding   [levels, residual]
 //   per layer:  gate [2 * residual (current rows, then past rows), 2 * residual]
-//               residual_skip [residual, residual + skip] (residual columns, then skip columns)
+//               residual [residual, residual], skip [residual, skip]
 //               residual_skip_bias [residual + skip]
 //               local [local_channels, 2 * residual]            (only when local_channels > 0)
 //   hidden [skip, hidden], hidden_bias [hidden], logits [hidden, levels], logits_bias [levels]
+// Every matrix [rows, cols] is stored as column panels of `panel_width` columns (the last one
+// narrower), each panel row-major [rows, width]: a tile of the product then reads one contiguous
+// block, which the hardware prefetchers stream, instead of short pieces of many long rows.
 // The gate bias is an operand of its own, [layers, batch, 2 * residual]: the layer's bias plus
 // the stream's speaker embedding (global conditioning is a per-stream constant).
 //
@@ -25,6 +28,8 @@
 #include <cstdint>
 #include <cstring>
 #include <algorithm>
+#include <atomic>
+#include <utility>
 #include <string>
 #include <thread>
 #include <vector>
@@ -177,11 +182,35 @@ bool CpuHasAvx2Fma() {
   return has;
 }
 
+
+// y[b, 0 : col_end - col_begin] += x[b, row_begin : row_end] @ w[row_begin : row_end,
+// col_begin : col_end] for `batch` streams, w [rows, cols] stored in column panels of
+// `panel_width`: the piece of a product that one thread of a team owns.
+template <typename W>
+void GemvBlock(const W* w, int64_t rows, int64_t cols, int64_t panel_width, int64_t row_begin,
+               int64_t row_end, int64_t col_begin, int64_t col_end, const float* x,
+               int64_t x_stride, int64_t batch, float* y, int64_t y_stride, bool simd) {
+  for (int64_t col = col_begin; col < col_end;) {
+    const int64_t panel_start = col / panel_width * panel_width;
+    const int64_t width = std::min(panel_width, cols - panel_start);
+    const int64_t segment_end = std::min(col_end, panel_start + width);
+    const W* block = w + rows * panel_start + row_begin * width + (col - panel_start);
+    if (simd) {
+      GemvAvx2(block, width, row_end - row_begin, segment_end - col, x + row_begin, x_stride,
+               batch, y + (col - col_begin), y_stride, true);
+    } else {
+      GemvPortable(block, width, row_end - row_begin, segment_end - col, x + row_begin, x_stride,
+                   batch, y + (col - col_begin), y_stride, true);
+    }
+    col = segment_end;
+  }
+}
+
 // ------------------------------------------------------------------------------------------------
 // The sampler.
 
 struct Sizes {
-  int64_t residual, skip, hidden, levels, local_channels, batch;
+  int64_t residual, skip, hidden, levels, local_channels, panel_width, batch;
   std::vector<int64_t> dilations;
 };
 
@@ -194,7 +223,8 @@ template <typename W>
 struct PackedWeights {
   struct Layer {
     const W* gate;
-    const W* residual_skip;
+    const W* residual;
+    const W* skip;
     const W* residual_skip_bias;
     const W* local;
   };
@@ -214,8 +244,10 @@ struct PackedWeights {
       Layer layer;
       layer.gate = p;
       p += 4 * s.residual * s.residual;
-      layer.residual_skip = p;
-      p += s.residual * (s.residual + s.skip);
+      layer.residual = p;
+      p += s.residual * s.residual;
+      layer.skip = p;
+      p += s.residual * s.skip;
       layer.residual_skip_bias = p;
       p += s.residual + s.skip;
       layer.local = p;
@@ -289,10 +321,9 @@ class Sampler {
       }
       std::memcpy(z_.data(), gate_bias + (i * total + first) * 2 * r,
                   b_count * 2 * r * sizeof(float));
-      Gemv(layer.gate, 2 * r, 2 * r, 2 * r, x_.data(), 2 * r, z_.data(), 2 * r, true);
+      Gemv(layer.gate, 2 * r, 2 * r, x_.data(), 2 * r, z_.data(), 2 * r);
       if (s_.local_channels > 0) {
-        Gemv(layer.local, 2 * r, s_.local_channels, 2 * r, local, s_.local_channels, z_.data(),
-             2 * r, true);
+        Gemv(layer.local, s_.local_channels, 2 * r, local, s_.local_channels, z_.data(), 2 * r);
       }
       for (int64_t b = 0; b < b_count; ++b) Gate(&z_[b * 2 * r], r, &a_[b * r]);
       // The last layer's residual output is never read: compute its skip columns only.
@@ -302,8 +333,8 @@ class Sampler {
         std::memcpy(&y_[b * (r + skip) + first_col], &layer_biases_[i][first_col],
                     cols * sizeof(float));
       }
-      Gemv(layer.residual_skip + first_col, r + skip, r, cols, a_.data(), r,
-           y_.data() + first_col, r + skip, true);
+      if (!last) Gemv(layer.residual, r, r, a_.data(), r, y_.data(), r + skip);
+      Gemv(layer.skip, r, skip, a_.data(), r, y_.data() + r, r + skip);
       for (int64_t b = 0; b < b_count; ++b) {
         const float* y = &y_[b * (r + skip)];
         if (!last) {
@@ -315,12 +346,10 @@ class Sampler {
     // Output layers: relu -> dense -> relu -> dense, then Gumbel-max.
     for (float& v : skip_sum_) v = v > 0.0f ? v : 0.0f;
     SetBias(hidden_.data(), hidden_bias_, s_.hidden);
-    Gemv(w_.hidden, s_.hidden, skip, s_.hidden, skip_sum_.data(), skip, hidden_.data(), s_.hidden,
-         true);
+    Gemv(w_.hidden, skip, s_.hidden, skip_sum_.data(), skip, hidden_.data(), s_.hidden);
     for (float& v : hidden_) v = v > 0.0f ? v : 0.0f;
     SetBias(logits_.data(), logits_bias_, s_.levels);
-    Gemv(w_.logits, s_.levels, s_.hidden, s_.levels, hidden_.data(), s_.hidden, logits_.data(),
-         s_.levels, true);
+    Gemv(w_.logits, s_.hidden, s_.levels, hidden_.data(), s_.hidden, logits_.data(), s_.levels);
     for (int64_t b = 0; b < b_count; ++b) {
       const float* logits = &logits_[b * s_.levels];
       const float* gumbel = noise + b * s_.levels;
@@ -358,12 +387,18 @@ class Sampler {
     return out;
   }
 
-  void Gemv(const W* w, int64_t ld, int64_t rows, int64_t cols, const float* x, int64_t x_stride,
-            float* y, int64_t y_stride, bool accumulate) {
-    if (avx2_) {
-      GemvAvx2(w, ld, rows, cols, x, x_stride, streams_.count, y, y_stride, accumulate);
-    } else {
-      GemvPortable(w, ld, rows, cols, x, x_stride, streams_.count, y, y_stride, accumulate);
+  // y[b, :cols] += x[b, :rows] @ w for this sampler's streams, w in column panels.
+  void Gemv(const W* w, int64_t rows, int64_t cols, const float* x, int64_t x_stride, float* y,
+            int64_t y_stride) {
+    for (int64_t col = 0; col < cols; col += s_.panel_width) {
+      const int64_t width = std::min(s_.panel_width, cols - col);
+      const W* panel = w + rows * col;
+      if (avx2_) {
+        GemvAvx2(panel, width, rows, width, x, x_stride, streams_.count, y + col, y_stride, true);
+      } else {
+        GemvPortable(panel, width, rows, width, x, x_stride, streams_.count, y + col, y_stride,
+                     true);
+      }
     }
   }
 
@@ -385,6 +420,245 @@ class Sampler {
   std::vector<float> h_, x_, z_, a_, y_, skip_sum_, hidden_, logits_;
 };
 
+
+// ------------------------------------------------------------------------------------------------
+// One stream on several cores (nv-wavenet's layout on a CPU): thread p of a team owns a slice of
+// the residual channels, of the hidden units and of the levels. Per layer it computes the gate
+// for its channels (its gate columns), their activations, and the residual and skip products of
+// those activations (its rows of the residual and skip matrices: partial sums over all output
+// columns). So each thread reads only its own part of every weight matrix, which stays in its
+// core's cache, and the team meets once per layer, to add up the residual partial sums; the skip
+// partial sums are added once, after the last layer. Then two more meetings: the hidden units
+// and the logits, each gathered from the threads' slices.
+
+struct alignas(64) Flag {
+  std::atomic<int64_t> value{0};
+};
+
+// Thread p announces that it reached meeting g and waits for the others to reach it. Spinning
+// is cheap while every thread has a core; past a few thousand spins it yields, so that an
+// oversubscribed machine still progresses.
+class Team {
+ public:
+  Team(int64_t size, int64_t exchange_floats)
+      : size_(size), flags_(size), stride_((exchange_floats + 15) / 16 * 16),
+        exchange_(2 * size * stride_) {}
+
+  void Meet(int64_t self, int64_t meeting) {
+    flags_[self].value.store(meeting, std::memory_order_release);
+    for (int64_t other = 0; other < size_; ++other) {
+      int64_t spins = 0;
+      while (flags_[other].value.load(std::memory_order_acquire) < meeting) {
+        if (++spins < 4096) {
+          _mm_pause();
+        } else {
+          std::this_thread::yield();
+        }
+      }
+    }
+  }
+
+  // What thread p hands to the others at meeting g. Two buffers by parity: a thread writes for
+  // meeting g + 2 only after meeting g + 1, when everyone has read meeting g's.
+  float* Exchange(int64_t meeting, int64_t thread) {
+    return exchange_.data() + ((meeting % 2) * size_ + thread) * stride_;
+  }
+
+  int64_t size() const { return size_; }
+
+ private:
+  const int64_t size_;
+  std::vector<Flag> flags_;
+  const int64_t stride_;
+  std::vector<float> exchange_;
+};
+
+// [begin, end) of `n` for part p of `parts`, in whole AVX2 vectors where n allows it.
+inline std::pair<int64_t, int64_t> Slice(int64_t n, int64_t part, int64_t parts) {
+  const int64_t unit = n % 8 == 0 ? 8 : 1;
+  return {n / unit * part / parts * unit, n / unit * (part + 1) / parts * unit};
+}
+
+template <typename W>
+class TeamSampler {
+ public:
+  TeamSampler(const PackedWeights<W>& weights, const Sizes& sizes, Team& team, int64_t part,
+              bool allow_simd)
+      : w_(weights),
+        s_(sizes),
+        team_(team),
+        part_(part),
+        simd_(allow_simd && CpuHasAvx2Fma() && sizes.residual % 8 == 0 && sizes.skip % 8 == 0 &&
+              sizes.hidden % 8 == 0 && sizes.levels % 8 == 0 && sizes.local_channels % 8 == 0) {
+    const int64_t b = s_.batch, r = s_.residual;
+    channels_ = Slice(r, part, team.size());
+    hidden_units_ = Slice(s_.hidden, part, team.size());
+    levels_ = Slice(s_.levels, part, team.size());
+    const int64_t own = channels_.second - channels_.first;
+    embedding_.resize(s_.levels * r);
+    for (int64_t i = 0; i < s_.levels * r; ++i) embedding_[i] = ToFloat(w_.embedding[i]);
+    skip_bias_.assign(s_.skip, 0.0f);
+    for (const auto& layer : w_.layers) {
+      std::vector<float> bias(r);
+      for (int64_t c = 0; c < r; ++c) bias[c] = ToFloat(layer.residual_skip_bias[c]);
+      residual_biases_.push_back(bias);
+      for (int64_t c = 0; c < s_.skip; ++c) skip_bias_[c] += ToFloat(layer.residual_skip_bias[r + c]);
+    }
+    for (int64_t c = 0; c < s_.hidden; ++c) hidden_bias_.push_back(ToFloat(w_.hidden_bias[c]));
+    for (int64_t c = 0; c < s_.levels; ++c) logits_bias_.push_back(ToFloat(w_.logits_bias[c]));
+    h_.resize(b * r);
+    x_.resize(b * 2 * r);
+    z_.resize(b * 2 * std::max<int64_t>(own, 1));
+    a_.resize(b * std::max<int64_t>(own, 1));
+    skip_partial_.resize(b * s_.skip);
+    relu_skip_.resize(b * s_.skip);
+    hidden_.resize(b * s_.hidden);
+    logits_.resize(b * s_.levels);
+    int64_t offset = 0;
+    for (int64_t d : s_.dilations) {
+      queue_offsets_.push_back(offset);
+      offset += d;
+    }
+  }
+
+  void Step(int64_t t, const float* gate_bias, const float* local, const float* noise,
+            int32_t* tokens, float* queues, float* logits_out) {
+    const int64_t b_count = s_.batch, r = s_.residual, skip = s_.skip, c_local = s_.local_channels;
+    const auto [c0, c1] = channels_;
+    const int64_t own = c1 - c0, p = part_, team = team_.size();
+    for (int64_t b = 0; b < b_count; ++b) {
+      std::memcpy(&h_[b * r], &embedding_[static_cast<int64_t>(tokens[b]) * r], r * sizeof(float));
+    }
+    std::fill(skip_partial_.begin(), skip_partial_.end(), 0.0f);
+    const int64_t layers = static_cast<int64_t>(s_.dilations.size());
+    for (int64_t i = 0; i < layers; ++i) {
+      const auto& layer = w_.layers[i];
+      float* slot = queues + (queue_offsets_[i] + t % s_.dilations[i]) * b_count * r;
+      for (int64_t b = 0; b < b_count; ++b) {
+        std::memcpy(&x_[b * 2 * r], &h_[b * r], r * sizeof(float));
+        std::memcpy(&x_[b * 2 * r + r], slot + b * r, r * sizeof(float));
+        // z_[b] = [tanh half of my channels, sigmoid half of my channels], from the gate bias.
+        const float* bias = gate_bias + (i * b_count + b) * 2 * r;
+        std::memcpy(&z_[b * 2 * own], bias + c0, own * sizeof(float));
+        std::memcpy(&z_[b * 2 * own + own], bias + r + c0, own * sizeof(float));
+      }
+      for (int64_t half = 0; half < 2; ++half) {
+        GemvBlock(layer.gate, 2 * r, 2 * r, s_.panel_width, 0, 2 * r, half * r + c0,
+                  half * r + c1, x_.data(), 2 * r, b_count, &z_[half * own], 2 * own, simd_);
+        if (c_local > 0) {
+          GemvBlock(layer.local, c_local, 2 * r, s_.panel_width, 0, c_local, half * r + c0,
+                    half * r + c1, local, c_local, b_count, &z_[half * own], 2 * own, simd_);
+        }
+      }
+      for (int64_t b = 0; b < b_count; ++b) {
+        if (simd_) {
+          GateAvx2(&z_[b * 2 * own], own, &a_[b * own]);
+        } else {
+          GatePortable(&z_[b * 2 * own], own, &a_[b * own]);
+        }
+      }
+      // My rows of the skip matrix: partial sums of every skip column.
+      GemvBlock(layer.skip, r, skip, s_.panel_width, c0, c1, 0, skip, a_.data() - c0, own,
+                b_count, skip_partial_.data(), skip, simd_);
+      const int64_t meeting = ++meetings_;
+      const bool last = i + 1 == layers;
+      float* mine = team_.Exchange(meeting, p);
+      if (!last) {
+        std::fill(mine, mine + b_count * r, 0.0f);
+        GemvBlock(layer.residual, r, r, s_.panel_width, c0, c1, 0, r, a_.data() - c0, own,
+                  b_count, mine, r, simd_);
+      } else {
+        std::memcpy(mine, skip_partial_.data(), b_count * skip * sizeof(float));
+      }
+      team_.Meet(p, meeting);
+      // Everyone has read this layer's queue slot: store my channels of the layer input.
+      for (int64_t b = 0; b < b_count; ++b) {
+        std::memcpy(slot + b * r + c0, &h_[b * r + c0], own * sizeof(float));
+      }
+      if (!last) {
+        for (int64_t b = 0; b < b_count; ++b) {
+          for (int64_t c = 0; c < r; ++c) {
+            float sum = residual_biases_[i][c];
+            for (int64_t q = 0; q < team; ++q) sum += team_.Exchange(meeting, q)[b * r + c];
+            h_[b * r + c] += sum;
+          }
+        }
+      } else {
+        for (int64_t b = 0; b < b_count; ++b) {
+          for (int64_t c = 0; c < skip; ++c) {
+            float sum = skip_bias_[c];
+            for (int64_t q = 0; q < team; ++q) sum += team_.Exchange(meeting, q)[b * skip + c];
+            relu_skip_[b * skip + c] = sum > 0.0f ? sum : 0.0f;
+          }
+        }
+      }
+    }
+    // Output layers: my hidden units, gathered; my levels' logits, gathered; Gumbel-max.
+    Gathered(relu_skip_.data(), skip, w_.hidden, hidden_bias_, s_.hidden, hidden_units_, true,
+             hidden_.data());
+    Gathered(hidden_.data(), s_.hidden, w_.logits, logits_bias_, s_.levels, levels_, false,
+             logits_.data());
+    for (int64_t b = 0; b < b_count; ++b) {
+      const float* logits = &logits_[b * s_.levels];
+      const float* gumbel = noise + b * s_.levels;
+      int32_t best = 0;
+      float best_value = logits[0] + gumbel[0];
+      for (int64_t q = 1; q < s_.levels; ++q) {
+        const float value = logits[q] + gumbel[q];
+        if (value > best_value) {
+          best_value = value;
+          best = static_cast<int32_t>(q);
+        }
+      }
+      tokens[b] = best;
+    }
+    if (logits_out != nullptr && p == 0) {
+      std::memcpy(logits_out, logits_.data(), logits_.size() * sizeof(float));
+    }
+  }
+
+ private:
+  // out[b, :] = (relu)(bias + x[b] @ w), each thread computing its slice of the columns and
+  // reading the others' slices after a meeting.
+  void Gathered(const float* x, int64_t rows, const W* w, const std::vector<float>& bias,
+                int64_t cols, std::pair<int64_t, int64_t> slice, bool relu, float* out) {
+    const int64_t b_count = s_.batch, meeting = ++meetings_;
+    const auto [begin, end] = slice;
+    float* mine = team_.Exchange(meeting, part_);
+    for (int64_t b = 0; b < b_count; ++b) {
+      std::memcpy(mine + b * cols + begin, bias.data() + begin, (end - begin) * sizeof(float));
+    }
+    GemvBlock(w, rows, cols, s_.panel_width, 0, rows, begin, end, x, rows, b_count, mine + begin,
+              cols, simd_);
+    if (relu) {
+      for (int64_t b = 0; b < b_count; ++b) {
+        for (int64_t c = begin; c < end; ++c) mine[b * cols + c] = std::max(mine[b * cols + c], 0.0f);
+      }
+    }
+    team_.Meet(part_, meeting);
+    for (int64_t q = 0; q < team_.size(); ++q) {
+      const auto [q_begin, q_end] = Slice(cols, q, team_.size());
+      const float* theirs = team_.Exchange(meeting, q);
+      for (int64_t b = 0; b < b_count; ++b) {
+        std::memcpy(out + b * cols + q_begin, theirs + b * cols + q_begin,
+                    (q_end - q_begin) * sizeof(float));
+      }
+    }
+  }
+
+  const PackedWeights<W>& w_;
+  const Sizes& s_;
+  Team& team_;
+  const int64_t part_;
+  const bool simd_;
+  int64_t meetings_ = 0;
+  std::pair<int64_t, int64_t> channels_, hidden_units_, levels_;
+  std::vector<int64_t> queue_offsets_;
+  std::vector<float> embedding_, skip_bias_, hidden_bias_, logits_bias_;
+  std::vector<std::vector<float>> residual_biases_;
+  std::vector<float> h_, x_, z_, a_, skip_partial_, relu_skip_, hidden_, logits_;
+};
+
 template <typename W>
 ffi::Error Run(const W* weights, int64_t weight_count, const Sizes& sizes, bool allow_simd,
                int64_t threads, int64_t steps,
@@ -403,9 +677,28 @@ ffi::Error Run(const W* weights, int64_t weight_count, const Sizes& sizes, bool 
                                          ", outside [0, " + std::to_string(sizes.levels) + ")");
     }
   }
+  const int64_t b = sizes.batch;
+  if (threads > b) {
+    // Fewer streams than threads: a team shares each step (TeamSampler).
+    Team team(threads, b * std::max({sizes.residual, sizes.skip, sizes.hidden, sizes.levels}));
+    auto run_part = [&](int64_t part) {
+      TeamSampler<W> sampler(packed, sizes, team, part, allow_simd);
+      std::vector<int32_t> current(token, token + b);
+      for (int64_t step = 0; step < steps; ++step) {
+        sampler.Step(first_step + step, gate_bias, local + step * b * sizes.local_channels,
+                     noise + step * b * sizes.levels, current.data(), queues,
+                     logits_out == nullptr ? nullptr : logits_out + step * b * sizes.levels);
+        if (part == 0) std::memcpy(tokens_out + step * b, current.data(), b * sizeof(int32_t));
+      }
+    };
+    std::vector<std::thread> workers;
+    for (int64_t part = 1; part < threads; ++part) workers.emplace_back(run_part, part);
+    run_part(0);
+    for (std::thread& worker : workers) worker.join();
+    return ffi::Error::Success();
+  }
   // Streams are independent: each thread samples its share of them for every step, with no
   // synchronisation; all threads read the same packed weights.
-  const int64_t b = sizes.batch;
   const int64_t thread_count = std::max<int64_t>(1, std::min<int64_t>(threads, b));
   auto sample_streams = [&](int64_t index) {
     const int64_t first = b * index / thread_count, last = b * (index + 1) / thread_count;
@@ -434,9 +727,15 @@ ffi::Error WaveNetSampleImpl(ffi::AnyBuffer weights, ffi::Buffer<ffi::F32> gate_
                              ffi::ResultBuffer<ffi::F32> queues_out,
                              ffi::ResultBuffer<ffi::F32> logits, int64_t residual, int64_t skip,
                              int64_t hidden, int64_t levels, int64_t local_channels,
+                             int64_t panel_width,
                              ffi::Span<const int64_t> dilations, bool portable,
                              int64_t threads) {
-  Sizes sizes{residual, skip, hidden, levels, local_channels, token.element_count(),
+  if (panel_width <= 0 || panel_width % 8) {
+    return ffi::Error::InvalidArgument("jaxring_wavenet_sample: panel_width must be a positive "
+                                       "multiple of 8, got " + std::to_string(panel_width));
+  }
+  Sizes sizes{residual,       skip,        hidden, levels, local_channels,
+              panel_width,    token.element_count(),
               std::vector<int64_t>(dilations.begin(), dilations.end())};
   const auto noise_dims = noise.dimensions();
   if (noise_dims.size() != 3 || noise_dims[1] != sizes.batch || noise_dims[2] != levels) {
@@ -495,6 +794,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxringWaveNetSampleCpu, jaxring::models::WaveNetS
                                   .Attr<int64_t>("hidden")
                                   .Attr<int64_t>("levels")
                                   .Attr<int64_t>("local_channels")
+                                  .Attr<int64_t>("panel_width")
                                   .Attr<xla::ffi::Span<const int64_t>>("dilations")
                                   // Tests set it to run the portable kernels on AVX2 machines.
                                   .Attr<bool>("portable")

@@ -181,9 +181,11 @@ Status ShmCommunicator::WaitFor(int peer, Phase phase, const Header& header,
                                 const Deadline& deadline, int64_t spin, uint64_t step) {
   const uint32_t target = Target(step, phase);
   const Flag& flag = segment_->ranks[peer].progress;
-  const bool arrived = flag.WaitReached(target, deadline, spin);
+  flag.WaitReached(target, deadline, spin);
   const uint32_t seen = flag.Load();
-  if (arrived && !(seen & Flag::kAbandoned)) return Status();
+  // A peer that got this far and then failed (say, on the header check) still counts as
+  // arrived, so that every rank reaches the check and reports the mismatch itself.
+  if (Flag::Reached(seen, target)) return Status();
   if (seen & Flag::kAbandoned) {
     Abandon();
     return Status::Error(Where(header) + ": rank " + std::to_string(peer) +

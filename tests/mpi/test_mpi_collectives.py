@@ -1,0 +1,148 @@
+"""Collectives across processes (run under mpiexec; tests/test_mpi.py launches this file with 2,
+3 and 4 ranks; under plain pytest it runs as one rank). Results are compared against float64
+numpy on the gathered inputs of every rank, and against each other across ranks."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxring
+import jaxring.mpi
+from helpers import DTYPES, RTOL, assert_close, random_array
+
+COMM = jaxring.mpi.world()
+MPI_COMM = COMM.mpi_comm
+# Per-rank sizes: empty, one, prime, and larger than a staging slot (several chunks).
+SIZES = [0, 1, 7, 1001, 300_001]
+
+
+def gathered(x):
+    return np.stack(MPI_COMM.allgather(np.asarray(x)))
+
+
+def same_on_every_rank(y):
+    mine = np.ascontiguousarray(np.asarray(y)).tobytes()
+    assert all(other == mine for other in MPI_COMM.allgather(mine)), "ranks disagree"
+
+
+REFERENCE = {
+    "sum": lambda a: a.sum(0), "mean": lambda a: a.mean(0),
+    "max": lambda a: a.max(0), "min": lambda a: a.min(0),
+}
+
+
+@pytest.mark.parametrize("op", list(jaxring.REDUCE_OPS))
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_all_reduce_against_float64_on_gathered_inputs(dtype, op):
+    rng = np.random.default_rng([COMM.rank, dtype.num])
+    f = jax.jit(lambda v: jaxring.all_reduce(v, COMM, op))
+    for size in SIZES:
+        x = random_array(rng, (size,), dtype)
+        y = f(x)
+        expected = REFERENCE[op](gathered(x).astype(np.float64))
+        if op == "mean" and np.issubdtype(dtype, np.integer):  # true division, as lax.pmean
+            assert_close(y, expected, np.asarray(y).dtype)
+        else:
+            assert np.asarray(y).dtype == dtype
+            assert_close(y, expected, dtype, count=COMM.size)
+        same_on_every_rank(y)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_reduce_scatter_all_gather_broadcast(dtype):
+    n = COMM.size
+    rng = np.random.default_rng([COMM.rank, dtype.num, 1])
+    for block in (0, 1, 7, 200_003):
+        x = random_array(rng, (n * block,), dtype)
+        inputs = gathered(x).astype(np.float64)
+        scattered = jax.jit(lambda v: jaxring.reduce_scatter(v, COMM))(x)
+        assert_close(scattered, inputs.sum(0)[COMM.rank * block:(COMM.rank + 1) * block], dtype,
+                     count=n)
+        piece = x[:block]
+        together = jax.jit(lambda v: jaxring.all_gather(v, COMM))(piece)
+        np.testing.assert_array_equal(np.asarray(together), gathered(piece).reshape(-1))
+        for root in {0, n - 1}:
+            got = jax.jit(lambda v, root=root: jaxring.broadcast(v, COMM, root=root))(piece)
+            np.testing.assert_array_equal(np.asarray(got), gathered(piece)[root])
+
+
+def test_scalars_pytrees_vmap_and_barrier():
+    rng = np.random.default_rng(COMM.rank)
+    tree = {"a": np.float32(rng.standard_normal()), "b": rng.standard_normal((3, 4))}
+    out = jax.jit(lambda t: jaxring.all_reduce(t, COMM))(tree)
+    for key in tree:
+        np.testing.assert_allclose(np.asarray(out[key]), gathered(tree[key]).sum(0), rtol=1e-6)
+    batched = rng.standard_normal((5, 6))
+    vmapped = jax.jit(jax.vmap(lambda v: jaxring.all_reduce(v, COMM, "max"), in_axes=1))(batched)
+    np.testing.assert_array_equal(np.asarray(vmapped), gathered(batched).max(0).T)
+    jax.jit(lambda: jaxring.barrier(COMM))()
+
+
+def test_grad_sums_cotangents_over_processes():
+    """Each process differentiates its own copy of the result (mpi4jax's convention): the
+    gradient of sum over ranks of loss(all_reduce(x)) w.r.t. x is the all-reduced cotangent."""
+    rng = np.random.default_rng(COMM.rank + 10)
+    x = rng.standard_normal(9)
+    w = rng.standard_normal(9)
+    grad = jax.jit(jax.grad(lambda v: jnp.sum(jnp.sin(jaxring.all_reduce(v, COMM)) * w)))(x)
+    total = gathered(x).sum(0)
+    expected = (np.cos(total) * gathered(w)).sum(0)
+    np.testing.assert_allclose(np.asarray(grad), expected, rtol=1e-12)
+
+
+def test_split_communicators_never_mix():
+    color = COMM.rank % 2
+    sub = COMM.split(color, key=COMM.rank)
+    x = np.full(4, COMM.rank + 1.0)
+    got = jax.jit(lambda v: jaxring.all_reduce(v, sub))(x)
+    members = [r for r in range(COMM.size) if r % 2 == color]
+    np.testing.assert_array_equal(np.asarray(got), np.full(4, sum(r + 1.0 for r in members)))
+
+
+def test_deterministic_across_runs():
+    rng = np.random.default_rng(COMM.rank + 20)
+    x = rng.standard_normal(100_000).astype(np.float32)
+    f = jax.jit(lambda v: jaxring.all_reduce(v, COMM))
+    first = np.asarray(f(x))
+    for _ in range(3):
+        np.testing.assert_array_equal(np.asarray(f(x)), first)
+    same_on_every_rank(first)
+
+
+# ---- errors ------------------------------------------------------------------------------------
+
+
+def test_bad_arguments_are_refused_at_trace_time():
+    with pytest.raises(TypeError, match="unsupported dtype uint8"):
+        jax.jit(lambda v: jaxring.all_reduce(v, COMM))(np.ones(3, np.uint8))
+    with pytest.raises(ValueError, match="unsupported op 'prod'"):
+        jax.jit(lambda v: jaxring.all_reduce(v, COMM, "prod"))(np.ones(3))
+
+
+@pytest.mark.skipif(COMM.size < 2, reason="needs two ranks")
+def test_mismatched_shapes_raise_on_every_rank_naming_both_sides():
+    sub = COMM.split(0, key=COMM.rank)  # a fresh communicator: an error leaves it unusable
+    x = np.ones(3 if COMM.rank == 0 else 5, np.float32)
+    with jaxring.config.override(timeout_seconds=30.0):
+        with pytest.raises(Exception, match=r"mismatched collectives: rank 0 called "
+                                            r"all_reduce\(sum\) op \d+ float32\[3\] but rank 1 "
+                                            r"called all_reduce\(sum\) op \d+ float32\[5\]"):
+            np.asarray(jax.jit(lambda v: jaxring.all_reduce(v, sub))(x))
+    jaxring.reset_after_error()
+    with pytest.raises(Exception, match="failed earlier"):
+        np.asarray(jax.jit(lambda v: jaxring.all_reduce(v, sub))(np.ones(3, np.float32)))
+    jaxring.reset_after_error()
+
+
+@pytest.mark.skipif(COMM.size < 2, reason="needs two ranks")
+def test_missing_rank_times_out_naming_it():
+    sub = COMM.split(0, key=COMM.rank)
+    last = COMM.size - 1
+    if COMM.rank != last:  # the last rank never calls
+        with jaxring.config.override(timeout_seconds=2.0):
+            with pytest.raises(Exception, match=rf"timed out after 2 s waiting for rank\(s\) "
+                                                rf"\[{last}\]"):
+                np.asarray(jax.jit(lambda v: jaxring.all_reduce(v, sub))(np.ones(4)))
+        jaxring.reset_after_error()
+    MPI_COMM.Barrier()

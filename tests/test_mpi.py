@@ -1,0 +1,72 @@
+"""Runs tests/mpi under mpiexec with 2, 3 and 4 processes (oversubscribed on small machines), and
+checks what only whole jobs can show: a rank that exits right after dispatching still takes part,
+and a rank that dies is named by the others instead of hanging them."""
+
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+HERE = Path(__file__).resolve().parent
+MPIEXEC = shutil.which("mpiexec") or str(Path(sys.executable).parent / "mpiexec")
+pytestmark = pytest.mark.skipif(not Path(MPIEXEC).exists(), reason="no mpiexec (pip install mpich)")
+
+
+def mpiexec(n: int, *args: str, timeout: float = 300, launcher=()) -> subprocess.CompletedProcess:
+    env = dict(os.environ, XLA_FLAGS="", JAXRING_TIMEOUT_SECONDS="60",
+               PYTHONPATH=os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]))
+    return subprocess.run([MPIEXEC, *launcher, "-n", str(n), sys.executable, *args],
+                          capture_output=True,
+                          text=True, timeout=timeout, env=env, cwd=HERE.parent)
+
+
+@pytest.mark.parametrize("n", [2, 3, 4])
+def test_collectives_under_mpiexec(n):
+    result = mpiexec(n, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", str(HERE / "mpi"))
+    assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]
+
+
+def run_script(n, source, timeout=120, launcher=()):
+    script = HERE.parent / ".pytest-mpi-script.py"
+    script.write_text(textwrap.dedent(source))
+    try:
+        return mpiexec(n, str(script), timeout=timeout, launcher=launcher)
+    finally:
+        script.unlink()
+
+
+def test_a_rank_that_exits_right_after_dispatch_still_takes_part():
+    result = run_script(2, """
+        import jax, numpy as np, jaxring, jaxring.mpi
+        comm = jaxring.mpi.world()
+        y = jax.jit(lambda v: jaxring.all_reduce(v, comm))(np.full(1 << 16, comm.rank + 1.0))
+        if comm.rank == 1:
+            np.testing.assert_array_equal(np.asarray(y), 3.0)
+            print("rank 1 got the sum")
+        # rank 0 exits without waiting for its result
+    """)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "rank 1 got the sum" in result.stdout
+
+
+def test_a_killed_rank_is_named_instead_of_hanging():
+    # By default MPICH's launcher kills the whole job when one rank dies, which also ends any
+    # wait; with auto-cleanup off the survivors run on, and must fail on their own, in time.
+    result = run_script(2, """
+        import os, jax, numpy as np, jaxring, jaxring.mpi
+        comm = jaxring.mpi.world()
+        if comm.rank == 1:
+            os.kill(os.getpid(), 9)
+        jaxring.config.update(timeout_seconds=3)
+        try:
+            np.asarray(jax.jit(lambda v: jaxring.all_reduce(v, comm))(np.ones(4)))
+        except Exception as error:
+            print("rank 0 error:", error, flush=True)
+            os._exit(0)
+    """, launcher=("-disable-auto-cleanup",))
+    assert "timed out after 3 s waiting for rank(s) [1]" in result.stdout, (
+        result.stdout + result.stderr)
