@@ -195,6 +195,16 @@ def communicator(name: str, axis_name) -> AxisCommunicator:
     return AxisCommunicator(axes=axes, size=size, key=key, name=f"mesh axis {label}")
 
 
+def point_to_point_communicator(name: str, axis_name) -> AxisCommunicator:
+    """`communicator`, for ppermute/send/recv, which do not run over process communicators yet."""
+    comm = communicator(name, axis_name)
+    if comm.process_rank is not None:
+        raise NotImplementedError(
+            f"jaxring.{name} over a jaxring.mpi communicator is not available yet (only the "
+            "in-process transport has point-to-point); use it inside shard_map over a mesh axis")
+    return comm
+
+
 def bind_collective(primitive, x, comm: AxisCommunicator, **params):
     """Binds `primitive` to (rank, group, x) for a fresh call site; x becomes varying over the
     communicator's axes first, as lax collectives do for invariant inputs."""

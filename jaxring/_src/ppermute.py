@@ -29,7 +29,7 @@ def ppermute(x, axis_name, perm):
     def permute_leaf(leaf):
         leaf = jnp.asarray(leaf)
         common.check_dtype("ppermute", leaf)
-        comm = common.communicator("ppermute", axis_name)
+        comm = common.point_to_point_communicator("ppermute", axis_name)
         pairs = common.check_perm("ppermute", perm, comm.size, comm.name)
         return _bind(leaf, comm, pairs)
 

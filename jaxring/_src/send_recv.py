@@ -33,7 +33,7 @@ def send(x, axis_name, perm) -> None:
     def send_leaf(leaf):
         leaf = jnp.asarray(leaf)
         common.check_dtype("send", leaf)
-        comm = common.communicator("send", axis_name)
+        comm = common.point_to_point_communicator("send", axis_name)
         pairs = common.check_perm("send", perm, comm.size, comm.name)
         common.bind_collective(send_p, leaf, comm, perm=pairs)
 
@@ -50,7 +50,7 @@ def recv(like, axis_name, perm):
     def recv_leaf(leaf):
         aval = core.ShapedArray(np.shape(leaf), np.dtype(leaf.dtype))
         common.check_dtype("recv", aval)
-        comm = common.communicator("recv", axis_name)
+        comm = common.point_to_point_communicator("recv", axis_name)
         pairs = common.check_perm("recv", perm, comm.size, comm.name)
         rank, group = comm.rank_and_group()
         return recv_p.bind(rank, group, aval=aval, comm=comm, perm=pairs,

@@ -114,6 +114,8 @@ def test_deterministic_across_runs():
 
 
 def test_bad_arguments_are_refused_at_trace_time():
+    with pytest.raises(NotImplementedError, match="ppermute over a jaxring.mpi communicator"):
+        jax.jit(lambda v: jaxring.ppermute(v, COMM, [(0, 0)]))(np.ones(3))
     with pytest.raises(TypeError, match="unsupported dtype uint8"):
         jax.jit(lambda v: jaxring.all_reduce(v, COMM))(np.ones(3, np.uint8))
     with pytest.raises(ValueError, match="unsupported op 'prod'"):
