@@ -17,7 +17,10 @@ import ctypes
 import dataclasses
 import hashlib
 import json
-import multiprocessing
+import os
+import subprocess
+import sys
+import tempfile
 import threading
 from pathlib import Path
 
@@ -245,24 +248,54 @@ def generate(num_utterances: int, variants, seed: int, sample_rate: int,
 
     espeak-ng keeps synthesis state from one utterance to the next (e.g. the phase of its pitch
     flutter), so the same utterance can come out slightly differently depending on what was
-    said before it in the process. Each chunk of CHUNK_UTTERANCES is therefore synthesised in a
-    fresh process, which makes the result independent of history and of the worker count.
+    said before it in the process. Each chunk of CHUNK_UTTERANCES is therefore synthesised by a
+    fresh interpreter (`python -m models.deepspeech.data`, which imports neither JAX nor the
+    caller's modules), which makes the result independent of history and of the worker count.
     """
+    root = str(Path(__file__).resolve().parents[2])
+    environment = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        [root] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
+
+    def synthesize_chunk(start: int, folder: str) -> Dataset:
+        path = Path(folder) / f"chunk-{start}.npz"
+        stop = min(start + CHUNK_UTTERANCES, num_utterances)
+        subprocess.run([sys.executable, "-m", "models.deepspeech.data", str(start), str(stop),
+                        str(seed), str(sample_rate), str(path), *variants],
+                       check=True, env=environment, cwd=root)
+        return read_dataset(path)
+
     dataset = Dataset([], [], [], [])
-    starts = range(0, num_utterances, CHUNK_UTTERANCES)
-    context = multiprocessing.get_context("spawn")
-    with concurrent.futures.ProcessPoolExecutor(workers, mp_context=context,
-                                                max_tasks_per_child=1) as pool:
-        chunks = [pool.submit(_generate_chunk, start, min(start + CHUNK_UTTERANCES,
-                                                          num_utterances),
-                              tuple(variants), seed, sample_rate) for start in starts]
-        with tqdm(total=num_utterances, desc=description, unit="utt", leave=False) as bar:
-            for future in chunks:
-                chunk = future.result()
-                for field in dataclasses.fields(Dataset):
-                    getattr(dataset, field.name).extend(getattr(chunk, field.name))
-                bar.update(len(chunk))
+    with tempfile.TemporaryDirectory() as folder, \
+            concurrent.futures.ThreadPoolExecutor(workers) as pool, \
+            tqdm(total=num_utterances, desc=description, unit="utt", leave=False) as bar:
+        chunks = [pool.submit(synthesize_chunk, start, folder)
+                  for start in range(0, num_utterances, CHUNK_UTTERANCES)]
+        for future in chunks:
+            chunk = future.result()
+            for field in dataclasses.fields(Dataset):
+                getattr(dataset, field.name).extend(getattr(chunk, field.name))
+            bar.update(len(chunk))
     return dataset
+
+
+def write_dataset(dataset: Dataset, path: Path):
+    """One .npz: features stored as float16 (half the disk, far below the features' noise)."""
+    temporary = path.with_suffix(".tmp.npz")
+    np.savez(temporary,
+             features=np.concatenate(dataset.features).astype(np.float16),
+             lengths=np.array([len(f) for f in dataset.features]),
+             labels=np.concatenate(dataset.labels),
+             label_lengths=np.array([len(lab) for lab in dataset.labels]),
+             transcripts=np.array(dataset.transcripts), voices=np.array(dataset.voices))
+    temporary.rename(path)
+
+
+def read_dataset(path: Path) -> Dataset:
+    with np.load(path, allow_pickle=False) as stored:
+        lengths, label_lengths = stored["lengths"], stored["label_lengths"]
+        features = np.split(stored["features"].astype(np.float32), np.cumsum(lengths)[:-1])
+        labels = np.split(stored["labels"], np.cumsum(label_lengths)[:-1])
+        return Dataset(features, labels, list(stored["transcripts"]), list(stored["voices"]))
 
 
 def load(split: str, num_utterances: int, seed: int, sample_rate: int,
@@ -270,32 +303,18 @@ def load(split: str, num_utterances: int, seed: int, sample_rate: int,
     """The "train" or "test" split (test voices are held out), from the cache when present."""
     variants = {"train": TRAIN_VARIANTS, "test": TEST_VARIANTS}[split]
     split_seed = seed * 2 + (split == "test")
+    if cache_dir is None:
+        with tempfile.TemporaryDirectory() as folder:
+            return load(split, num_utterances, seed, sample_rate, folder)
     key = json.dumps([_CACHE_VERSION, split, num_utterances, split_seed, sample_rate, variants])
-    path = None
-    if cache_dir is not None:
-        digest = hashlib.sha256(key.encode()).hexdigest()[:16]
-        path = Path(cache_dir) / f"speech-{split}-{num_utterances}-{digest}.npz"
-        if path.exists():
-            with np.load(path, allow_pickle=False) as stored:
-                lengths, label_lengths = stored["lengths"], stored["label_lengths"]
-                features = np.split(stored["features"].astype(np.float32), np.cumsum(lengths)[:-1])
-                labels = np.split(stored["labels"], np.cumsum(label_lengths)[:-1])
-                return Dataset(features, labels, list(stored["transcripts"]),
-                               list(stored["voices"]))
-    dataset = generate(num_utterances, variants, split_seed, sample_rate, f"synthesising {split}")
-    if path is not None:
+    digest = hashlib.sha256(key.encode()).hexdigest()[:16]
+    path = Path(cache_dir) / f"speech-{split}-{num_utterances}-{digest}.npz"
+    if not path.exists():
         path.parent.mkdir(parents=True, exist_ok=True)
-        temporary = path.with_suffix(".tmp.npz")
-        np.savez(temporary,
-                 features=np.concatenate(dataset.features).astype(np.float16),
-                 lengths=np.array([len(f) for f in dataset.features]),
-                 labels=np.concatenate(dataset.labels),
-                 label_lengths=np.array([len(lab) for lab in dataset.labels]),
-                 transcripts=np.array(dataset.transcripts), voices=np.array(dataset.voices))
-        temporary.rename(path)
-        # Return what a later run reads back, so a cached and a fresh run train identically.
-        return load(split, num_utterances, seed, sample_rate, cache_dir)
-    return dataset
+        write_dataset(generate(num_utterances, variants, split_seed, sample_rate,
+                               f"synthesising {split}"), path)
+    # Always read back what the cache holds, so a cached and a fresh run train identically.
+    return read_dataset(path)
 
 
 # ---- batching ----------------------------------------------------------------------------------
@@ -352,3 +371,11 @@ def eval_batches(dataset: Dataset, batch_size: int, frame_multiple: int, max_lab
     for i in range(0, len(order), batch_size):
         yield make_batch(dataset, order[i:i + batch_size], batch_size, frame_multiple,
                          max_label_length)
+
+
+if __name__ == "__main__":
+    # One chunk of utterances, synthesised in a fresh process (see `generate`):
+    # python -m models.deepspeech.data START STOP SEED SAMPLE_RATE OUT.npz VARIANT...
+    start, stop, seed, sample_rate = map(int, sys.argv[1:5])
+    write_dataset(_generate_chunk(start, stop, tuple(sys.argv[6:]), seed, sample_rate),
+                  Path(sys.argv[5]))

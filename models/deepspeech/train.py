@@ -158,6 +158,20 @@ def shard_batch(batch: data.Batch, sharding) -> dict:
             for name in ("features", "feature_mask", "labels", "label_mask")}
 
 
+@functools.cache
+def _training_functions(config: Config, steps_per_epoch: int, devices: tuple):
+    """The model's structure and initial state, the optimizer, and the jitted step and broadcast:
+    cached, so that training again in this process (a resumed run, a test) does not recompile.
+    `config` comes with epochs=0: the number of epochs changes none of these."""
+    mesh = jax.sharding.Mesh(np.array(devices), (AXIS,))
+    graphdef, params, batch_stats = nnx.split(create_model(config, config.seed), nnx.Param,
+                                              nnx.BatchStat)
+    optimizer = data_parallel.distributed(create_optimizer(config, steps_per_epoch), AXIS,
+                                          bucket_bytes=config.bucket_bytes)
+    return (graphdef, params, batch_stats, optimizer, make_train_step(graphdef, optimizer, mesh),
+            make_broadcast(mesh, config.bucket_bytes))
+
+
 def train_and_evaluate(config: Config, workdir: str | Path, cache_dir: str | Path | None = None,
                        progress: bool = True) -> list[dict]:
     """Trains `config` and evaluates on held-out voices after every epoch. Resumes from the
@@ -177,17 +191,16 @@ def train_and_evaluate(config: Config, workdir: str | Path, cache_dir: str | Pat
     if len(devices) < config.num_devices:
         raise ValueError(f"num_devices={config.num_devices} but only {len(devices)} devices; "
                          "set XLA_FLAGS=--xla_force_host_platform_device_count=N")
-    mesh = jax.make_mesh((config.num_devices,), (AXIS,), devices=devices)
+    mesh = jax.sharding.Mesh(np.array(devices), (AXIS,))
     batch_sharding = NamedSharding(mesh, P(AXIS))
     replicated = NamedSharding(mesh, P())
 
-    model = create_model(config, config.seed)
-    graphdef, params, batch_stats = nnx.split(model, nnx.Param, nnx.BatchStat)
     steps_per_epoch = len(train_set) // config.batch_size
-    optimizer = data_parallel.distributed(create_optimizer(config, steps_per_epoch), AXIS,
-                                          bucket_bytes=config.bucket_bytes)
+    graphdef, params, batch_stats, optimizer, train_step, broadcast = _training_functions(
+        config.replace(epochs=0), steps_per_epoch, tuple(devices))
     state = {"params": params, "batch_stats": batch_stats, "opt_state": optimizer.init(params)}
-    state = jax.device_put(state, replicated)
+    # Copies: the step donates its inputs, and the cached initial state must survive.
+    state = jax.tree.map(jnp.copy, jax.device_put(state, replicated))
 
     manager = checkpoint_manager(workdir)
     history, first_epoch = [], 0
@@ -197,9 +210,8 @@ def train_and_evaluate(config: Config, workdir: str | Path, cache_dir: str | Pat
         state = jax.device_put(state, replicated)
         first_epoch = last_epoch + 1
     else:
-        state["params"] = make_broadcast(mesh, config.bucket_bytes)(state["params"])
+        state["params"] = broadcast(state["params"])
 
-    train_step = make_train_step(graphdef, optimizer, mesh)
     elapsed = history[-1]["elapsed_seconds"] if history else 0.0
     for epoch in range(first_epoch, config.epochs):
         start = time.perf_counter()
