@@ -1,0 +1,150 @@
+"""All-reduce across processes: jaxring against mpi4jax and mpi4py, measured in one run.
+
+    mpiexec -n 2 python benchmarks/allreduce_mpi.py      # also -n 4; add --quick for a short run
+
+Each process has one CPU device. For float32 messages of 4 B .. 64 MiB per rank it times
+- jaxring.all_reduce(x, jaxring.mpi.world()) inside jax.jit (the shared-memory transport),
+  with the default wait (brief spin, yield, then sleep) and with pure spinning;
+- mpi4jax.allreduce(x, MPI.SUM) inside jax.jit;
+- mpi4py's comm.Allreduce on numpy buffers.
+Every sample starts after a barrier and counts the slowest rank. Reports time, algbw and busbw
+(nccl-tests definitions) against the copy bandwidth of this machine, and writes
+benchmarks/results/allreduce_mpi-cpu-n{N}.{json,md,png}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+os.environ["XLA_FLAGS"] = ""  # one CPU device per process
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+from mpi4py import MPI  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import jaxring  # noqa: E402
+import jaxring.mpi  # noqa: E402
+from common import (RESULTS, bus_factor, environment, human_bytes,  # noqa: E402
+                    memory_bandwidth_gbps, write_results)
+
+COMM = jaxring.mpi.world()
+WORLD = MPI.COMM_WORLD
+SPIN_FOREVER = 1 << 40
+
+
+def slowest_rank_median(fn, budget_seconds: float = 0.5, min_repeats: int = 8) -> float:
+    """Median over repetitions of the slowest rank's time; every repetition starts together."""
+    fn()
+    fn()
+    samples = []
+    deadline = time.perf_counter() + budget_seconds
+    while True:
+        WORLD.Barrier()
+        start = time.perf_counter()
+        fn()
+        samples.append(WORLD.allreduce(time.perf_counter() - start, op=MPI.MAX))
+        # Rank 0's clock decides, so that every rank leaves the loop together.
+        done = len(samples) >= 300 or (len(samples) >= min_repeats and
+                                       time.perf_counter() >= deadline)
+        if WORLD.bcast(done, root=0):
+            break
+    return statistics.median(samples)
+
+
+def implementations():
+    import mpi4jax
+
+    jaxring_sum = jax.jit(lambda v: jaxring.all_reduce(v, COMM))
+    mpi4jax_sum = jax.jit(lambda v: mpi4jax.allreduce(v, MPI.SUM, comm=WORLD))
+
+    def mpi4py_sum(x):
+        out = np.empty_like(x)
+        WORLD.Allreduce(x, out, op=MPI.SUM)
+
+    # name -> (run(numpy input, jax input), jaxring.config overrides while it is measured)
+    return {
+        "jaxring.all_reduce": (lambda x, xj: jaxring_sum(xj).block_until_ready(), {}),
+        "jaxring.all_reduce[spin]": (lambda x, xj: jaxring_sum(xj).block_until_ready(),
+                                     {"spin_iterations": SPIN_FOREVER}),
+        "mpi4jax.allreduce": (lambda x, xj: mpi4jax_sum(xj).block_until_ready(), {}),
+        "mpi4py Allreduce": (lambda x, xj: mpi4py_sum(x), {}),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true")
+    args = parser.parse_args()
+    n = COMM.size
+    sizes = [4, 4096, 1 << 20, 4 << 20] if args.quick else [4 ** k for k in range(1, 14)]
+    ceiling = memory_bandwidth_gbps() if COMM.rank == 0 else 0.0
+    rows = []
+    for nbytes in sizes:
+        x = np.random.default_rng(COMM.rank).standard_normal(max(1, nbytes // 4), np.float32)
+        xj = jax.device_put(x)
+        for name, (fn, overrides) in implementations().items():
+            with jaxring.config.override(**overrides):
+                seconds = slowest_rank_median(lambda: fn(x, xj))
+            algbw = nbytes / seconds / 1e9
+            rows.append({"impl": name, "bytes": nbytes, "seconds": seconds, "algbw_gbps": algbw,
+                         "busbw_gbps": algbw * bus_factor("all_reduce", n)})
+        if COMM.rank == 0:
+            line = "  ".join(f"{r['impl']} {r['seconds'] * 1e6:9.1f} us" for r in rows[-4:])
+            print(f"n={n} {human_bytes(nbytes):>9s}: {line}", flush=True)
+    if COMM.rank == 0:
+        env = environment()
+        env["mpi"] = MPI.Get_library_version().splitlines()[0]
+        name = f"allreduce_mpi-cpu-n{n}"
+        write_results(name, {"environment": env, "ranks": n, "copy_bandwidth_gbps": ceiling,
+                             "rows": rows}, markdown(rows, env, n, ceiling))
+        plot(rows, n, RESULTS / f"{name}.png")
+
+
+def markdown(rows, env, n, ceiling) -> str:
+    names = list(dict.fromkeys(r["impl"] for r in rows))
+    by = {(r["impl"], r["bytes"]): r for r in rows}
+    lines = [
+        f"# All-reduce across {n} processes (one CPU device each): jaxring vs mpi4jax vs mpi4py",
+        "",
+        f"{env['cpu']}, {env['cores']} cores; python {env['python']}, jax {env['jax']}; "
+        f"{env['mpi']}; {env['date']}. Copy bandwidth: {ceiling:.1f} GB/s. Median of the slowest "
+        "rank's time; busbw = algbw x 2(n-1)/n.", "",
+        "| size | " + " | ".join(f"{m} (us)" for m in names) +
+        " | jaxring busbw (GB/s) | vs mpi4jax | vs mpi4py |",
+        "|---|" + "---|" * (len(names) + 3)]
+    for nbytes in sorted({r["bytes"] for r in rows}):
+        ours = by[("jaxring.all_reduce", nbytes)]
+        cells = " | ".join(f"{by[(m, nbytes)]['seconds'] * 1e6:.1f}" for m in names)
+        lines.append(
+            f"| {human_bytes(nbytes)} | {cells} | {ours['busbw_gbps']:.2f} | "
+            f"{by[('mpi4jax.allreduce', nbytes)]['seconds'] / ours['seconds']:.1f}x | "
+            f"{by[('mpi4py Allreduce', nbytes)]['seconds'] / ours['seconds']:.1f}x |")
+    lines += ["", "vs columns: the rival's time over jaxring's (above 1: jaxring is faster)."]
+    return "\n".join(lines) + "\n"
+
+
+def plot(rows, n, path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for name in dict.fromkeys(r["impl"] for r in rows):
+        sel = [r for r in rows if r["impl"] == name]
+        ax.loglog([r["bytes"] for r in sel], [r["seconds"] * 1e6 for r in sel], "o-", label=name)
+    ax.set_xlabel("bytes per rank")
+    ax.set_ylabel("time (us)")
+    ax.set_title(f"all-reduce, {n} processes")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+if __name__ == "__main__":
+    main()
