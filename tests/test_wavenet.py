@@ -190,11 +190,26 @@ def test_fused_float16_weights_equal_naive_on_rounded_weights(batch, threads):
     assert_same_samples(fused, naive)
 
 
+@pytest.mark.parametrize("batch,threads", [(1, 2), (2, 3)])
+def test_fused_team_of_threads_equals_naive(batch, threads):
+    """Fewer streams than threads: the threads split every step's channels between them."""
+    config = CONDITIONED
+    weights = random_weights(config, seed=16)
+    key = jax.random.key(17)
+    speaker, local = conditioning(config, batch, NUM_SAMPLES, seed=18)
+    naive = sampler.sample_naive(weights, config, key, NUM_SAMPLES, batch, speaker, local,
+                                 return_logits=True)
+    fused = fused_sampler.sample_fused(weights, config, key, NUM_SAMPLES, batch, speaker, local,
+                                       return_logits=True, threads=threads)
+    assert_same_samples(fused, naive)
+
+
 def test_fused_odd_channel_counts_equal_naive():
     weights = random_weights(ODD, seed=11)
     key = jax.random.key(12)
     naive = sampler.sample_naive(weights, ODD, key, NUM_SAMPLES, 2, return_logits=True)
-    fused = fused_sampler.sample_fused(weights, ODD, key, NUM_SAMPLES, 2, return_logits=True)
+    fused = fused_sampler.sample_fused(weights, ODD, key, NUM_SAMPLES, 2, return_logits=True,
+                                       threads=3)
     assert_same_samples(fused, naive)
 
 

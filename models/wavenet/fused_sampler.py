@@ -24,6 +24,8 @@ from models.wavenet import model, sampler
 from models.wavenet.configs.default import ModelConfig
 
 TARGET = "jaxring_wavenet_sample"
+# Columns per weight panel: 8 AVX2 vectors, one register tile of a single stream.
+PANEL_WIDTH = 64
 
 
 def round_weights(weights, dtype):
@@ -31,22 +33,33 @@ def round_weights(weights, dtype):
     return jax.tree.map(lambda w: w.astype(dtype).astype(jnp.float32), weights)
 
 
+def column_panels(matrix):
+    """`[rows, cols]` as consecutive row-major panels of PANEL_WIDTH columns (the last one
+    narrower), flattened: the order in which the kernel streams a matrix."""
+    cols = matrix.shape[1]
+    return jnp.concatenate([matrix[:, start:start + PANEL_WIDTH].reshape(-1)
+                            for start in range(0, cols, PANEL_WIDTH)])
+
+
 def pack_weights(weights, config: ModelConfig, dtype=jnp.float32):
     """One flat array in the order the kernel reads it (the layout comment of wavenet_cpu.cc):
-    embedding; per layer the gate [current; past] x 2R, [residual | skip] with its bias and the
-    local-conditioning matrix; then the output layers. The gate bias is not here: it is
-    `gate_bias_per_stream`."""
+    embedding; per layer the gate [current; past] x 2R, the residual and skip matrices, their
+    biases and the local-conditioning matrix; then the output layers. The gate bias is not here:
+    it is `gate_bias_per_stream`."""
     layers = weights["layers"]
     parts = [weights["embedding"]]
     for index in range(config.num_layers):
         layer = model.layer_weights(layers, index)
-        parts.append(jnp.concatenate([layer["gate_current"], layer["gate_past"]], axis=0))
-        parts.append(jnp.concatenate([layer["residual"], layer["skip"]], axis=1))
+        parts.append(column_panels(
+            jnp.concatenate([layer["gate_current"], layer["gate_past"]], axis=0)))
+        parts.append(column_panels(layer["residual"]))
+        parts.append(column_panels(layer["skip"]))
         parts.append(jnp.concatenate([layer["residual_bias"], layer["skip_bias"]]))
         if config.local_channels:
-            parts.append(layer["local"])
+            parts.append(column_panels(layer["local"]))
     output = weights["output"]
-    parts += [output["hidden"], output["hidden_bias"], output["logits"], output["logits_bias"]]
+    parts += [column_panels(output["hidden"]), output["hidden_bias"],
+              column_panels(output["logits"]), output["logits_bias"]]
     return jnp.concatenate([p.reshape(-1) for p in parts]).astype(dtype)
 
 
@@ -64,8 +77,10 @@ def fused_steps(packed, config: ModelConfig, gate_bias, local, noise, token, que
                 return_logits: bool, portable: bool = False, threads: int = 1):
     """`noise.shape[0]` steps in one custom call. Returns tokens `[steps, batch]`, the queues and
     the logits `[steps, batch, levels]` (`[0, batch, levels]` unless `return_logits`).
-    `portable` runs the plain C++ loops instead of the AVX2/FMA kernels; `threads` splits the
-    streams over that many threads (no effect on a single stream)."""
+    `portable` runs the plain C++ loops instead of the AVX2/FMA kernels. `threads` > 1: with at
+    least that many streams, each thread samples a share of the streams; with fewer, the threads
+    split every step's channels between them and meet once per layer (needs a core per
+    thread: on a busy machine it is slower than one thread)."""
     native.register_targets()
     steps, batch, levels = noise.shape
     logits_steps = steps if return_logits else 0
@@ -81,6 +96,7 @@ def fused_steps(packed, config: ModelConfig, gate_bias, local, noise, token, que
                 hidden=np.int64(config.output_channels),
                 levels=np.int64(config.quantization_levels),
                 local_channels=np.int64(config.local_channels),
+                panel_width=np.int64(PANEL_WIDTH),
                 dilations=np.asarray(model.dilations(config), np.int64), portable=portable,
                 threads=np.int64(threads))
 

@@ -436,8 +436,8 @@ struct alignas(64) Flag {
 };
 
 // Thread p announces that it reached meeting g and waits for the others to reach it. Spinning
-// is cheap while every thread has a core; past a few thousand spins it yields, so that an
-// oversubscribed machine still progresses.
+// is cheap while every thread has a core (a partner arrives within a microsecond or two); past
+// that it yields, so that on an oversubscribed machine a descheduled partner gets to run.
 class Team {
  public:
   Team(int64_t size, int64_t exchange_floats)
@@ -449,7 +449,7 @@ class Team {
     for (int64_t other = 0; other < size_; ++other) {
       int64_t spins = 0;
       while (flags_[other].value.load(std::memory_order_acquire) < meeting) {
-        if (++spins < 4096) {
+        if (++spins < 256) {
           _mm_pause();
         } else {
           std::this_thread::yield();
