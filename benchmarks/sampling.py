@@ -4,7 +4,7 @@ for every sampler measured side by side in one run.
 Variants: (a) naive (the whole receptive field recomputed per sample), the per-step Python loop,
 (b) the plain incremental sampler (`lax.scan` + ring buffers: what a competent JAX user writes,
 the rival), (c) layer-sharded over 2 devices with jaxring.ppermute (and with lax.ppermute, and on
-1 device for the scaling ratio), (d) the fused C++ step with float32 and with float16 weights.
+1 device for the scaling ratio), (d) the fused C++ step with float32 and with float16 weights, on one thread and on two.
 Weights are random: speed does not depend on their values.
 
     python benchmarks/sampling.py            # full run (about 10-20 minutes on 2 cores)
@@ -66,6 +66,10 @@ def variants(weights, config, key, batch, steps, mesh1, mesh2):
                       s["fused"]),
         "fused_f16": (lambda: fused_sampler.sample_fused(weights, config, key, s["fused"], batch,
                                                          weight_dtype=jnp.float16), s["fused"]),
+        # Two threads: a share of the streams each, or (one stream) half of every layer each.
+        "fused_f16_2threads": (lambda: fused_sampler.sample_fused(
+            weights, config, key, s["fused"], batch, weight_dtype=jnp.float16, threads=2),
+            s["fused"]),
     }
     for name, mesh, permute in (("sharded_1dev", mesh1, "jaxring"),
                                 ("sharded_2dev", mesh2, "jaxring"),
