@@ -17,8 +17,7 @@ pytestmark = pytest.mark.skipif(not Path(MPIEXEC).exists(), reason="no mpiexec (
 
 
 def mpiexec(n: int, *args: str, timeout: float = 300, launcher=()) -> subprocess.CompletedProcess:
-    env = dict(os.environ, XLA_FLAGS="", JAXRING_TIMEOUT_SECONDS="60",
-               PYTHONPATH=os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]))
+    env = dict(os.environ, XLA_FLAGS="", JAXRING_TIMEOUT_SECONDS="60")
     return subprocess.run([MPIEXEC, *launcher, "-n", str(n), sys.executable, *args],
                           capture_output=True,
                           text=True, timeout=timeout, env=env, cwd=HERE.parent)
@@ -57,15 +56,17 @@ def test_a_killed_rank_is_named_instead_of_hanging():
     # By default MPICH's launcher kills the whole job when one rank dies, which also ends any
     # wait; with auto-cleanup off the survivors run on, and must fail on their own, in time.
     result = run_script(2, """
-        import os, jax, numpy as np, jaxring, jaxring.mpi
+        import os, sys, time, jax, numpy as np, jaxring, jaxring.mpi
         comm = jaxring.mpi.world()
+        comm.mpi_comm.Barrier()  # both ranks are past set-up and done with MPI
         if comm.rank == 1:
+            time.sleep(0.5)
             os.kill(os.getpid(), 9)
         jaxring.config.update(timeout_seconds=3)
         try:
             np.asarray(jax.jit(lambda v: jaxring.all_reduce(v, comm))(np.ones(4)))
         except Exception as error:
-            print("rank 0 error:", error, flush=True)
+            print(f"rank 0 error: {error}", flush=True)
             os._exit(0)
     """, launcher=("-disable-auto-cleanup",))
     assert "timed out after 3 s waiting for rank(s) [1]" in result.stdout, (
