@@ -104,7 +104,7 @@ def test_causality_and_receptive_field():
     speaker, local = conditioning(config, 2, length, seed=5)
     forward = jax.jit(model.forward, static_argnums=1)
     base = np.asarray(forward(weights, config, jnp.asarray(inputs), speaker, local))
-    for position in (0, 9, 23, length - 1):
+    for position in (0, 17, length - 1):
         changed = inputs.copy()
         changed[:, position] = (changed[:, position] + 128) % 256
         changed_local = local.at[:, position].add(1.0)
@@ -145,10 +145,10 @@ def test_layer_sharded_equals_naive(case, devices, permute):
     assert_same_samples(sharded, naive)
 
 
-@pytest.mark.parametrize("batch", [1, 4])
-def test_layer_sharded_any_stream_count(batch):
-    """Batch 4 on 2 devices fills the pipeline with 2 microbatches; batch 1 leaves it idle half
-    the time; both must sample what one device does."""
+@pytest.mark.parametrize("batch", [4])
+def test_layer_sharded_full_pipeline(batch):
+    """Batch 4 on 2 devices fills the pipeline with 2 microbatches (the `case` tests cover 3
+    streams on 2 devices, one microbatch, and on 3 devices, three)."""
     config = CONDITIONED
     weights = random_weights(config, seed=13)
     key = jax.random.key(14)
@@ -166,8 +166,8 @@ def test_layer_sharded_rejects_uneven_split():
         pipeline_sampler.stage_layout(CONDITIONED, 4)
 
 
-@pytest.mark.parametrize("portable", [False, True], ids=["avx2", "portable"])
-@pytest.mark.parametrize("chunk_steps", [NUM_SAMPLES, 8], ids=["one-call", "chunks"])
+@pytest.mark.parametrize("portable,chunk_steps", [(False, 8), (True, NUM_SAMPLES)],
+                         ids=["avx2-chunks", "portable-one-call"])
 def test_fused_equals_naive(case, portable, chunk_steps):
     config, batch, weights, key, speaker, local, naive = case
     fused = fused_sampler.sample_fused(weights, config, key, NUM_SAMPLES, batch, speaker, local,
@@ -221,7 +221,7 @@ def test_fused_rejects_weights_of_the_wrong_size():
     with pytest.raises(Exception, match="packed weights have"):
         jax.block_until_ready(fused_sampler.fused_steps(
             packed, config, fused_sampler.gate_bias_per_stream(weights, 1),
-            jnp.zeros((4, 1, 0), jnp.float32), jnp.zeros((4, 1, 256), jnp.float32),
+            jnp.zeros((4, 1, 0), jnp.float32), jnp.zeros((4, 1), jnp.float32),
             jnp.zeros((1,), jnp.int32), queues, 0, False))
 
 

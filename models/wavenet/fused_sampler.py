@@ -1,7 +1,7 @@
 """(d) The fused sampler: many sample steps of every stream inside one C++ custom call
 (`jaxring_wavenet_sample`, xla_ffi/models/wavenet_cpu.cc), weights packed once into the layout
 that kernel streams through, per-layer ring-buffer queues passed in and out (aliased, so they stay
-in place), and the Gumbel noise of `sampler.gumbel_noise` passed in so that it draws the same
+in place), and the uniform numbers of `sampler.uniform_noise` passed in so that it draws the same
 samples as the JAX samplers.
 
 The loop is a `lax.scan` over chunks of `chunk_steps` steps: one custom call per chunk, with that
@@ -82,7 +82,8 @@ def fused_steps(packed, config: ModelConfig, gate_bias, local, noise, token, que
     split every step's channels between them and meet once per layer (needs a core per
     thread: on a busy machine it is slower than one thread)."""
     native.register_targets()
-    steps, batch, levels = noise.shape
+    steps, batch = noise.shape
+    levels = config.quantization_levels
     logits_steps = steps if return_logits else 0
     call = jax.ffi.ffi_call(
         TARGET,
@@ -122,7 +123,7 @@ def sample_fused(weights, config: ModelConfig, key, num_samples: int, batch: int
     def chunk(carry, first_step, length):
         queues, token = carry
         steps = first_step + jnp.arange(length, dtype=jnp.int32)
-        noise = jax.vmap(lambda t: sampler.gumbel_noise(key, t, batch, levels))(steps)
+        noise = jax.vmap(lambda t: sampler.uniform_noise(key, t, batch))(steps)
         local_chunk = lax.dynamic_slice_in_dim(local, first_step, length, axis=0)
         tokens, queues, logits = fused_steps(packed, config, gate_bias, local_chunk, noise, token,
                                              queues, first_step, return_logits, portable,

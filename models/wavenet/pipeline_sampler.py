@@ -81,8 +81,7 @@ def sample_layer_sharded(weights, config: ModelConfig, key, num_samples: int, ba
             """Stage 0: logits of step t - 1 from the hidden activations, its token, embedded."""
             logits = message[:, :hidden] @ output["logits"] + output["logits_bias"]
             noise = lax.dynamic_slice_in_dim(
-                sampler.gumbel_noise(key, t - 1, batch, levels), m * per_microbatch,
-                per_microbatch)
+                sampler.uniform_noise(key, t - 1, batch), m * per_microbatch, per_microbatch)
             token = jnp.where(t == 0, model.start_token(config), sampler.sample_token(logits, noise))
             return token, logits
 

@@ -8,9 +8,10 @@
 - `models.wavenet.pipeline_sampler`: layer groups on different devices (layer-sharded);
 - `models.wavenet.fused_sampler`: the whole loop inside one C++ custom call.
 
-Sampling rule: Gumbel-max (argmax of logits plus Gumbel noise is a draw from the softmax), with
-the noise of time step t drawn by `jax.random` from `fold_in(key, t)`, so that every sampler,
-whatever its loop structure, sees the same noise.
+Sampling rule: inverse-CDF sampling from the softmax, with one uniform number per stream and time
+step, drawn by `jax.random` from `fold_in(key, t)`, so that every sampler, whatever its loop
+structure, sees the same numbers. (Gumbel-max would need one random number per level: 256 per
+sample, whose generation alone cost more than a fused network step.)
 """
 
 from __future__ import annotations
@@ -25,13 +26,18 @@ from models.wavenet import model
 from models.wavenet.configs.default import ModelConfig
 
 
-def gumbel_noise(key, step, batch: int, levels: int):
-    """The noise that picks time step `step`'s samples, `[batch, levels]`."""
-    return jax.random.gumbel(jax.random.fold_in(key, step), (batch, levels), jnp.float32)
+def uniform_noise(key, step, batch: int):
+    """The numbers in [0, 1) that pick time step `step`'s samples, `[batch]`."""
+    return jax.random.uniform(jax.random.fold_in(key, step), (batch,), jnp.float32)
 
 
-def sample_token(logits, noise):
-    return jnp.argmax(logits + noise, axis=-1).astype(jnp.int32)
+def sample_token(logits, uniform):
+    """The first level whose running sum of exp(logit - max) exceeds `uniform` times the total:
+    a draw from softmax(logits). The fused kernel computes the same (wavenet_cpu.cc)."""
+    unnormalised = jnp.exp(logits - logits.max(axis=-1, keepdims=True))
+    cdf = jnp.cumsum(unnormalised, axis=-1)
+    below = jnp.sum(cdf <= uniform[..., None] * cdf[..., -1:], axis=-1)
+    return jnp.minimum(below, logits.shape[-1] - 1).astype(jnp.int32)
 
 
 def time_major(local):
@@ -63,7 +69,7 @@ def sample_naive(weights, config: ModelConfig, key, num_samples: int, batch: int
         skip = model.skip_sum(weights, config, window_inputs, speaker, window_local)
         skip_now = lax.dynamic_index_in_dim(skip, t - start, axis=1, keepdims=False)
         logits = model.output_logits(weights["output"], skip_now)
-        token = sample_token(logits, gumbel_noise(key, t, batch, config.quantization_levels))
+        token = sample_token(logits, uniform_noise(key, t, batch))
         inputs = lax.dynamic_update_index_in_dim(inputs, token, t + 1, axis=1)
         return inputs, (token, logits if return_logits else None)
 
@@ -109,7 +115,7 @@ def incremental_step(weights, config: ModelConfig, key, queues, token, t, speake
     rows = [t % dilation for dilation in model.dilations(config)]
     _, skip_sum, queues = layer_group_step(weights["layers"], queues, rows, h, speaker, local_now)
     logits = model.output_logits(weights["output"], skip_sum)
-    token = sample_token(logits, gumbel_noise(key, t, token.shape[0], config.quantization_levels))
+    token = sample_token(logits, uniform_noise(key, t, token.shape[0]))
     return queues, token, logits
 
 

@@ -3,7 +3,8 @@
 // Per-op overhead dominates one WaveNet step when it is a graph of small ops; here one step is a
 // loop over the layers with the weights packed once, contiguous, in the order the step reads
 // them, and every weight row loaded once per step for all streams (each streamed weight meets B
-// streams). Python side: models/wavenet/fused_sampler.py, which packs the weights (the layout
+// streams). Each step ends with the sampling rule of sampler.py (inverse CDF of the softmax, one
+// uniform number per stream and step, passed in), so the samples equal the JAX samplers'. Python side: models/wavenet/fused_sampler.py, which packs the weights (the layout
 // below is written down there too, in `pack_weights`) and checks the result against the JAX
 // samplers' math.
 //
@@ -176,6 +177,32 @@ void GatePortable(const float* z, int64_t residual, float* a) {
   }
 }
 
+// A draw from softmax(logits) by the inverse CDF, as models/wavenet/sampler.py's sample_token:
+// the first level whose running sum of exp(logit - max) exceeds u times the total.
+__attribute__((target("avx2,fma,f16c"))) void ExpShiftedAvx2(const float* x, float shift,
+                                                               int64_t n, float* out) {
+  const __m256 s = _mm256_set1_ps(shift);
+  for (int64_t i = 0; i < n; i += 8) {
+    _mm256_storeu_ps(out + i, Exp8(_mm256_sub_ps(_mm256_loadu_ps(x + i), s)));
+  }
+}
+
+int32_t SampleLevel(const float* logits, int64_t levels, float u, float* cdf, bool simd) {
+  float max = logits[0];
+  for (int64_t q = 1; q < levels; ++q) max = std::max(max, logits[q]);
+  if (simd) {
+    ExpShiftedAvx2(logits, max, levels, cdf);
+  } else {
+    for (int64_t q = 0; q < levels; ++q) cdf[q] = std::exp(logits[q] - max);
+  }
+  float total = 0.0f;
+  for (int64_t q = 0; q < levels; ++q) cdf[q] = total += cdf[q];
+  const float threshold = u * total;
+  int64_t below = 0;
+  for (int64_t q = 0; q < levels; ++q) below += cdf[q] <= threshold;
+  return static_cast<int32_t>(std::min(below, levels - 1));
+}
+
 bool CpuHasAvx2Fma() {
   static const bool has = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
                           __builtin_cpu_supports("f16c");
@@ -290,6 +317,7 @@ class Sampler {
     skip_sum_.resize(b * s_.skip);
     hidden_.resize(b * s_.hidden);
     logits_.resize(b * s_.levels);
+    cdf_.resize(s_.levels);
     int64_t offset = 0;
     for (int64_t d : s_.dilations) {
       queue_offsets_.push_back(offset);
@@ -304,7 +332,7 @@ class Sampler {
     const int64_t b_count = streams_.count, r = s_.residual, skip = s_.skip;
     const int64_t first = streams_.first, total = streams_.total;
     local += first * s_.local_channels;
-    noise += first * s_.levels;
+    noise += first;
     for (int64_t b = 0; b < b_count; ++b) {
       std::memcpy(&h_[b * r], &embedding_[static_cast<int64_t>(tokens[b]) * r],
                   r * sizeof(float));
@@ -343,7 +371,7 @@ class Sampler {
         for (int64_t c = 0; c < skip; ++c) skip_sum_[b * skip + c] += y[r + c];
       }
     }
-    // Output layers: relu -> dense -> relu -> dense, then Gumbel-max.
+    // Output layers: relu -> dense -> relu -> dense, then sample.
     for (float& v : skip_sum_) v = v > 0.0f ? v : 0.0f;
     SetBias(hidden_.data(), hidden_bias_, s_.hidden);
     Gemv(w_.hidden, skip, s_.hidden, skip_sum_.data(), skip, hidden_.data(), s_.hidden);
@@ -351,18 +379,7 @@ class Sampler {
     SetBias(logits_.data(), logits_bias_, s_.levels);
     Gemv(w_.logits, s_.hidden, s_.levels, hidden_.data(), s_.hidden, logits_.data(), s_.levels);
     for (int64_t b = 0; b < b_count; ++b) {
-      const float* logits = &logits_[b * s_.levels];
-      const float* gumbel = noise + b * s_.levels;
-      int32_t best = 0;
-      float best_value = logits[0] + gumbel[0];
-      for (int64_t q = 1; q < s_.levels; ++q) {
-        const float value = logits[q] + gumbel[q];
-        if (value > best_value) {  // ties keep the first index, as jnp.argmax
-          best_value = value;
-          best = static_cast<int32_t>(q);
-        }
-      }
-      tokens[b] = best;
+      tokens[b] = SampleLevel(&logits_[b * s_.levels], s_.levels, noise[b], cdf_.data(), avx2_);
     }
     if (logits_out != nullptr) {
       std::memcpy(logits_out + first * s_.levels, logits_.data(), logits_.size() * sizeof(float));
@@ -417,7 +434,7 @@ class Sampler {
   std::vector<float> embedding_, hidden_bias_, logits_bias_;
   std::vector<std::vector<float>> layer_biases_;
   std::vector<int64_t> queue_offsets_;
-  std::vector<float> h_, x_, z_, a_, y_, skip_sum_, hidden_, logits_;
+  std::vector<float> h_, x_, z_, a_, y_, skip_sum_, hidden_, logits_, cdf_;
 };
 
 
@@ -514,6 +531,7 @@ class TeamSampler {
     relu_skip_.resize(b * s_.skip);
     hidden_.resize(b * s_.hidden);
     logits_.resize(b * s_.levels);
+    cdf_.resize(s_.levels);
     int64_t offset = 0;
     for (int64_t d : s_.dilations) {
       queue_offsets_.push_back(offset);
@@ -593,24 +611,13 @@ class TeamSampler {
         }
       }
     }
-    // Output layers: my hidden units, gathered; my levels' logits, gathered; Gumbel-max.
+    // Output layers: my hidden units, gathered; my levels' logits, gathered; sample.
     Gathered(relu_skip_.data(), skip, w_.hidden, hidden_bias_, s_.hidden, hidden_units_, true,
              hidden_.data());
     Gathered(hidden_.data(), s_.hidden, w_.logits, logits_bias_, s_.levels, levels_, false,
              logits_.data());
     for (int64_t b = 0; b < b_count; ++b) {
-      const float* logits = &logits_[b * s_.levels];
-      const float* gumbel = noise + b * s_.levels;
-      int32_t best = 0;
-      float best_value = logits[0] + gumbel[0];
-      for (int64_t q = 1; q < s_.levels; ++q) {
-        const float value = logits[q] + gumbel[q];
-        if (value > best_value) {
-          best_value = value;
-          best = static_cast<int32_t>(q);
-        }
-      }
-      tokens[b] = best;
+      tokens[b] = SampleLevel(&logits_[b * s_.levels], s_.levels, noise[b], cdf_.data(), simd_);
     }
     if (logits_out != nullptr && p == 0) {
       std::memcpy(logits_out, logits_.data(), logits_.size() * sizeof(float));
@@ -656,7 +663,7 @@ class TeamSampler {
   std::vector<int64_t> queue_offsets_;
   std::vector<float> embedding_, skip_bias_, hidden_bias_, logits_bias_;
   std::vector<std::vector<float>> residual_biases_;
-  std::vector<float> h_, x_, z_, a_, skip_partial_, relu_skip_, hidden_, logits_;
+  std::vector<float> h_, x_, z_, a_, skip_partial_, relu_skip_, hidden_, logits_, cdf_;
 };
 
 template <typename W>
@@ -686,7 +693,7 @@ ffi::Error Run(const W* weights, int64_t weight_count, const Sizes& sizes, bool 
       std::vector<int32_t> current(token, token + b);
       for (int64_t step = 0; step < steps; ++step) {
         sampler.Step(first_step + step, gate_bias, local + step * b * sizes.local_channels,
-                     noise + step * b * sizes.levels, current.data(), queues,
+                     noise + step * b, current.data(), queues,
                      logits_out == nullptr ? nullptr : logits_out + step * b * sizes.levels);
         if (part == 0) std::memcpy(tokens_out + step * b, current.data(), b * sizeof(int32_t));
       }
@@ -706,7 +713,7 @@ ffi::Error Run(const W* weights, int64_t weight_count, const Sizes& sizes, bool 
     std::vector<int32_t> current(token + first, token + last);
     for (int64_t step = 0; step < steps; ++step) {
       sampler.Step(first_step + step, gate_bias, local + step * b * sizes.local_channels,
-                   noise + step * b * sizes.levels, current.data(), queues,
+                   noise + step * b, current.data(), queues,
                    logits_out == nullptr ? nullptr : logits_out + step * b * sizes.levels);
       std::memcpy(tokens_out + step * b + first, current.data(),
                   (last - first) * sizeof(int32_t));
@@ -738,10 +745,10 @@ ffi::Error WaveNetSampleImpl(ffi::AnyBuffer weights, ffi::Buffer<ffi::F32> gate_
               panel_width,    token.element_count(),
               std::vector<int64_t>(dilations.begin(), dilations.end())};
   const auto noise_dims = noise.dimensions();
-  if (noise_dims.size() != 3 || noise_dims[1] != sizes.batch || noise_dims[2] != levels) {
+  if (noise_dims.size() != 2 || noise_dims[1] != sizes.batch) {
     return ffi::Error::InvalidArgument(
-        "jaxring_wavenet_sample: noise must be [steps, batch=" + std::to_string(sizes.batch) +
-        ", levels=" + std::to_string(levels) + "]");
+        "jaxring_wavenet_sample: the uniform numbers must be [steps, batch=" +
+        std::to_string(sizes.batch) + "]");
   }
   const int64_t steps = noise_dims[0];
   int64_t queue_rows = 0;
