@@ -270,3 +270,11 @@ def write_learning_curve(history: list[dict], workdir: Path):
     figure.tight_layout()
     figure.savefig(workdir / "learning_curve.png", dpi=100)
     plt.close(figure)
+
+
+if __name__ == "__main__":  # python -m models.deepspeech.train [--config tiny] [--workdir DIR] ...
+    import sys
+
+    from models.deepspeech.main import main
+
+    main(["train", *sys.argv[1:]])
