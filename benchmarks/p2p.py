@@ -7,7 +7,11 @@ Every measurement runs `steps` hops inside one compiled lax.scan, so program lau
 and the time per step is the time of one hop:
 - ring pass: every device sends to its right neighbour at once (the pipeline's hand-off);
 - ping-pong: device 0 sends to device 1 and back (two hops per step; the other devices idle).
-Bandwidth is bytes moved per device per hop time. Writes benchmarks/results/p2p-cpu.{json,md,png}.
+Bandwidth is bytes moved per device per hop time.
+
+It also measures the pipeline (jaxring.parallel.pipeline): an n-stage ring of identical dense
+layers with n interleaved streams, against the same layers on one device running the same
+streams one after another, and batched together. Writes benchmarks/results/p2p-cpu.{json,md,png}.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
 
 import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from jax import lax  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
@@ -27,6 +32,7 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import jaxring  # noqa: E402
+from jaxring.parallel import pipeline  # noqa: E402
 from common import (environment, human_bytes, median_seconds, memory_bandwidth_gbps,  # noqa: E402
                     write_results)
 
@@ -57,6 +63,62 @@ def hop_seconds(n: int, nbytes: int, pattern: str, permute) -> float:
     return seconds / (steps * hops)
 
 
+# The pipeline workload: LAYERS dense tanh layers of WIDTH units on ROWS rows per stream.
+LAYERS, WIDTH, ROWS, TICKS = 8, 256, 16, 100
+
+
+def dense(params, h):
+    return jnp.tanh(h @ params["w"] + params["b"])
+
+
+def pipeline_rows(n: int) -> list[dict]:
+    """Full passes (all layers, one stream) per second: an n-stage ring with n streams delivers
+    one per tick in steady state; one device runs them one stream at a time, or batched."""
+    rng = np.random.default_rng(0)
+    layers = [{"w": (rng.standard_normal((WIDTH, WIDTH)) / 16).astype(np.float32),
+               "b": rng.standard_normal(WIDTH).astype(np.float32)} for _ in range(LAYERS)]
+    stage_fn = pipeline.scan_layers(dense)
+    streams = rng.standard_normal((n, ROWS, WIDTH)).astype(np.float32)
+    whole = pipeline.stack_stages(layers, 1)
+    whole = jax.tree.map(lambda leaf: jnp.asarray(leaf[0]), whole)
+    one_device = jax.jit(lambda x: lax.scan(lambda c, _: (stage_fn(whole, c), None), x,
+                                            length=TICKS)[0])
+    batched = streams.reshape(n * ROWS, WIDTH)
+    rows = [
+        {"case": "one device, one stream at a time",
+         "passes_per_s": TICKS / median_seconds(lambda: one_device(streams[0]).block_until_ready(),
+                                                min_repeats=5)},
+        {"case": f"one device, {n} streams batched",
+         "passes_per_s": n * TICKS / median_seconds(
+             lambda: one_device(batched).block_until_ready(), min_repeats=5)},
+    ]
+    mesh = jax.make_mesh((n,), ("i",), devices=jax.devices()[:n])
+    stacked = jax.device_put(pipeline.stack_stages(layers, n), NamedSharding(mesh, P("i")))
+    ring = [(s, (s + 1) % n) for s in range(n)]
+
+    def jaxring_tick(params, carry):
+        return pipeline.pipeline_step(stage_fn, params, carry, "i", ring=True)[1]
+
+    def lax_tick(params, carry):
+        return lax.ppermute(stage_fn(pipeline.local_stage(params), carry), "i", ring)
+
+    for name, tick in (("jaxring pipeline", jaxring_tick), ("lax.ppermute pipeline", lax_tick)):
+        def body(params, x, tick=tick):
+            return lax.scan(lambda c, _: (tick(params, c), None), x[0], None, length=TICKS)[0][None]
+
+        f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("i"), P("i")), out_specs=P("i")))
+        x = jax.device_put(streams, NamedSharding(mesh, P("i")))
+        rows.append({"case": f"{name}, {n} stages",
+                     "passes_per_s": TICKS / median_seconds(
+                         lambda: f(stacked, x).block_until_ready(), min_repeats=5)})
+    for row in rows:
+        row["n"] = n
+        row["speedup_vs_one_stream"] = row["passes_per_s"] / rows[0]["passes_per_s"]
+        print(f"n={n} {row['case']:40s} {row['passes_per_s']:9.1f} passes/s  "
+              f"x{row['speedup_vs_one_stream']:.2f}", flush=True)
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true")
@@ -76,9 +138,11 @@ def main() -> None:
                 print(f"n={n} {pattern:9s} {human_bytes(nbytes):>9s}: jaxring "
                       f"{ours * 1e6:9.2f} us  lax {theirs * 1e6:9.2f} us  "
                       f"ratio {ours / theirs:5.2f}", flush=True)
+    pipeline_results = [row for n in device_counts for row in pipeline_rows(n)]
     env = environment()
-    write_results("p2p-cpu", {"environment": env, "copy_bandwidth_gbps": ceiling, "rows": rows},
-                  markdown(rows, env, ceiling))
+    write_results("p2p-cpu", {"environment": env, "copy_bandwidth_gbps": ceiling, "rows": rows,
+                              "pipeline": pipeline_results},
+                  markdown(rows, env, ceiling) + pipeline_markdown(pipeline_results))
     plot(rows)
 
 
@@ -98,6 +162,19 @@ def markdown(rows, env, ceiling) -> str:
             f"{ours['hop_seconds'] * 1e6:.2f} | {theirs['hop_seconds'] * 1e6:.2f} | "
             f"{ours['hop_seconds'] / theirs['hop_seconds']:.2f} | {ours['gbps']:.2f} | "
             f"{theirs['gbps']:.2f} |")
+    return "\n".join(lines) + "\n"
+
+
+def pipeline_markdown(rows) -> str:
+    lines = [
+        "", f"## Pipeline: {LAYERS} dense tanh layers ({WIDTH} units, {ROWS} rows per stream)", "",
+        "Full passes (all layers, one stream) per second. An n-stage ring with n interleaved "
+        "streams delivers one pass per tick; one device runs the same streams one after another "
+        "or batched together. Speedup is against one device, one stream at a time.", "",
+        "| n | case | passes/s | speedup |", "|---|---|---|---|"]
+    for row in rows:
+        lines.append(f"| {row['n']} | {row['case']} | {row['passes_per_s']:.0f} | "
+                     f"{row['speedup_vs_one_stream']:.2f} |")
     return "\n".join(lines) + "\n"
 
 
