@@ -117,7 +117,7 @@ def main() -> None:
     configs = args.configs or (["64/256/20"] if args.quick else list(CONFIGS))
     batches = args.batches or ([1, 4] if args.quick else [1, 4, 16])
     steps = ({"naive": 2, "loop": 100, "scan": 1000, "fused": 2000} if args.quick else
-             {"naive": 3, "loop": 300, "scan": 4000, "fused": 16000})
+             {"naive": 2, "loop": 200, "scan": 4000, "fused": 16000})
     repeats = 1 if args.quick else 3
     devices = jax.devices()
     mesh1 = jax.make_mesh((1,), ("stage",), devices=devices[:1])

@@ -45,7 +45,7 @@ namespace jaxring::models {
 namespace {
 
 // ------------------------------------------------------------------------------------------------
-// Kernels. y[b, n] = (accumulate ? y[b, n] : 0) + sum_k x[b, k] * w[k, n] for b < batch, n < cols;
+// Kernels. y[b, n] += sum_k x[b, k] * w[k, n] for b < batch, n < cols;
 // w is row-major with leading dimension ld, x and y have row strides x_stride and y_stride.
 
 inline float ToFloat(float w) { return w; }
@@ -53,10 +53,9 @@ inline float ToFloat(uint16_t w) { return HalfToFloat(w); }
 
 template <typename W>
 void GemvPortable(const W* w, int64_t ld, int64_t rows, int64_t cols, const float* x,
-                  int64_t x_stride, int64_t batch, float* y, int64_t y_stride, bool accumulate) {
+                  int64_t x_stride, int64_t batch, float* y, int64_t y_stride) {
   for (int64_t b = 0; b < batch; ++b) {
     float* out = y + b * y_stride;
-    if (!accumulate) std::memset(out, 0, cols * sizeof(float));
     for (int64_t k = 0; k < rows; ++k) {
       const float xk = x[b * x_stride + k];
       const W* row = w + k * ld;
@@ -72,66 +71,153 @@ __attribute__((target("avx2,fma,f16c"))) inline __m256 Load8(const uint16_t* p) 
   return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
 }
 
-// A tile of kStreams streams x kVectors * 8 columns, accumulated in registers over all rows: the
-// weights of the tile are loaded once for kStreams streams.
-template <int kStreams, int kVectors, typename W>
-__attribute__((target("avx2,fma,f16c"))) inline void GemvTileAvx2(
-    const W* w, int64_t ld, int64_t rows, const float* x, int64_t x_stride, float* y,
-    int64_t y_stride, bool accumulate) {
-  __m256 acc[kStreams][kVectors];
-  for (int s = 0; s < kStreams; ++s) {
-    for (int v = 0; v < kVectors; ++v) {
-      acc[s][v] = accumulate ? _mm256_loadu_ps(y + s * y_stride + 8 * v) : _mm256_setzero_ps();
-    }
-  }
+// Register tiles: y[s, 0:8V] += sum_k x[s, k] w[k, 0:8V] for S streams, the accumulators in named
+// registers (GCC keeps an array of __m256 accumulators in memory and stores it every iteration).
+// Each loaded weight vector meets every stream of the tile; 8 independent FMA chains hide the FMA
+// latency. 1 x 64 columns for one stream, 2 x 32 and 4 x 16 for several.
+#define JR_TARGET __attribute__((target("avx2,fma,f16c")))
+#define JR_FMA(acc, x, w) acc = _mm256_fmadd_ps(x, w, acc)
+
+template <typename W>
+JR_TARGET void Tile1x8(const W* w, int64_t ld, int64_t rows, const float* x, int64_t, float* y,
+                       int64_t) {
+  __m256 c0 = _mm256_loadu_ps(y), c1 = _mm256_loadu_ps(y + 8), c2 = _mm256_loadu_ps(y + 16),
+         c3 = _mm256_loadu_ps(y + 24), c4 = _mm256_loadu_ps(y + 32), c5 = _mm256_loadu_ps(y + 40),
+         c6 = _mm256_loadu_ps(y + 48), c7 = _mm256_loadu_ps(y + 56);
   for (int64_t k = 0; k < rows; ++k) {
     const W* row = w + k * ld;
-    __m256 xk[kStreams];
-    for (int s = 0; s < kStreams; ++s) xk[s] = _mm256_broadcast_ss(x + s * x_stride + k);
-    for (int v = 0; v < kVectors; ++v) {
-      const __m256 wv = Load8(row + 8 * v);
-      for (int s = 0; s < kStreams; ++s) acc[s][v] = _mm256_fmadd_ps(xk[s], wv, acc[s][v]);
+    const __m256 xk = _mm256_broadcast_ss(x + k);
+    JR_FMA(c0, xk, Load8(row));
+    JR_FMA(c1, xk, Load8(row + 8));
+    JR_FMA(c2, xk, Load8(row + 16));
+    JR_FMA(c3, xk, Load8(row + 24));
+    JR_FMA(c4, xk, Load8(row + 32));
+    JR_FMA(c5, xk, Load8(row + 40));
+    JR_FMA(c6, xk, Load8(row + 48));
+    JR_FMA(c7, xk, Load8(row + 56));
+  }
+  _mm256_storeu_ps(y, c0);
+  _mm256_storeu_ps(y + 8, c1);
+  _mm256_storeu_ps(y + 16, c2);
+  _mm256_storeu_ps(y + 24, c3);
+  _mm256_storeu_ps(y + 32, c4);
+  _mm256_storeu_ps(y + 40, c5);
+  _mm256_storeu_ps(y + 48, c6);
+  _mm256_storeu_ps(y + 56, c7);
+}
+
+template <typename W>
+JR_TARGET void Tile2x4(const W* w, int64_t ld, int64_t rows, const float* x, int64_t x_stride,
+                       float* y, int64_t y_stride) {
+  float* y1 = y + y_stride;
+  const float* x1 = x + x_stride;
+  __m256 a0 = _mm256_loadu_ps(y), a1 = _mm256_loadu_ps(y + 8), a2 = _mm256_loadu_ps(y + 16),
+         a3 = _mm256_loadu_ps(y + 24), b0 = _mm256_loadu_ps(y1), b1 = _mm256_loadu_ps(y1 + 8),
+         b2 = _mm256_loadu_ps(y1 + 16), b3 = _mm256_loadu_ps(y1 + 24);
+  for (int64_t k = 0; k < rows; ++k) {
+    const W* row = w + k * ld;
+    const __m256 xa = _mm256_broadcast_ss(x + k), xb = _mm256_broadcast_ss(x1 + k);
+    __m256 v = Load8(row);
+    JR_FMA(a0, xa, v);
+    JR_FMA(b0, xb, v);
+    v = Load8(row + 8);
+    JR_FMA(a1, xa, v);
+    JR_FMA(b1, xb, v);
+    v = Load8(row + 16);
+    JR_FMA(a2, xa, v);
+    JR_FMA(b2, xb, v);
+    v = Load8(row + 24);
+    JR_FMA(a3, xa, v);
+    JR_FMA(b3, xb, v);
+  }
+  _mm256_storeu_ps(y, a0);
+  _mm256_storeu_ps(y + 8, a1);
+  _mm256_storeu_ps(y + 16, a2);
+  _mm256_storeu_ps(y + 24, a3);
+  _mm256_storeu_ps(y1, b0);
+  _mm256_storeu_ps(y1 + 8, b1);
+  _mm256_storeu_ps(y1 + 16, b2);
+  _mm256_storeu_ps(y1 + 24, b3);
+}
+
+template <typename W>
+JR_TARGET void Tile4x2(const W* w, int64_t ld, int64_t rows, const float* x, int64_t x_stride,
+                       float* y, int64_t y_stride) {
+  float *y1 = y + y_stride, *y2 = y1 + y_stride, *y3 = y2 + y_stride;
+  const float *x1 = x + x_stride, *x2 = x1 + x_stride, *x3 = x2 + x_stride;
+  __m256 a0 = _mm256_loadu_ps(y), a1 = _mm256_loadu_ps(y + 8), b0 = _mm256_loadu_ps(y1),
+         b1 = _mm256_loadu_ps(y1 + 8), c0 = _mm256_loadu_ps(y2), c1 = _mm256_loadu_ps(y2 + 8),
+         d0 = _mm256_loadu_ps(y3), d1 = _mm256_loadu_ps(y3 + 8);
+  for (int64_t k = 0; k < rows; ++k) {
+    const W* row = w + k * ld;
+    const __m256 v0 = Load8(row), v1 = Load8(row + 8);
+    __m256 xk = _mm256_broadcast_ss(x + k);
+    JR_FMA(a0, xk, v0);
+    JR_FMA(a1, xk, v1);
+    xk = _mm256_broadcast_ss(x1 + k);
+    JR_FMA(b0, xk, v0);
+    JR_FMA(b1, xk, v1);
+    xk = _mm256_broadcast_ss(x2 + k);
+    JR_FMA(c0, xk, v0);
+    JR_FMA(c1, xk, v1);
+    xk = _mm256_broadcast_ss(x3 + k);
+    JR_FMA(d0, xk, v0);
+    JR_FMA(d1, xk, v1);
+  }
+  _mm256_storeu_ps(y, a0);
+  _mm256_storeu_ps(y + 8, a1);
+  _mm256_storeu_ps(y1, b0);
+  _mm256_storeu_ps(y1 + 8, b1);
+  _mm256_storeu_ps(y2, c0);
+  _mm256_storeu_ps(y2 + 8, c1);
+  _mm256_storeu_ps(y3, d0);
+  _mm256_storeu_ps(y3 + 8, d1);
+}
+
+// One stream, 8 columns: the remainder of a tile; two chains over even and odd rows.
+template <typename W>
+JR_TARGET void Tile1x1(const W* w, int64_t ld, int64_t rows, const float* x, int64_t, float* y,
+                       int64_t) {
+  __m256 even = _mm256_loadu_ps(y), odd = _mm256_setzero_ps();
+  int64_t k = 0;
+  for (; k + 2 <= rows; k += 2) {
+    JR_FMA(even, _mm256_broadcast_ss(x + k), Load8(w + k * ld));
+    JR_FMA(odd, _mm256_broadcast_ss(x + k + 1), Load8(w + (k + 1) * ld));
+  }
+  if (k < rows) JR_FMA(even, _mm256_broadcast_ss(x + k), Load8(w + k * ld));
+  _mm256_storeu_ps(y, _mm256_add_ps(even, odd));
+}
+
+// `Tile` over `streams` streams (its height) and all columns (its width, then 8 at a time).
+template <int kStreams, int kWidth, typename W, typename TileFn>
+JR_TARGET void GemvStreamsAvx2(TileFn tile, const W* w, int64_t ld, int64_t rows, int64_t cols,
+                               const float* x, int64_t x_stride, float* y, int64_t y_stride) {
+  int64_t n = 0;
+  for (; n + kWidth <= cols; n += kWidth) tile(w + n, ld, rows, x, x_stride, y + n, y_stride);
+  for (; n < cols; n += 8) {
+    for (int s = 0; s < kStreams; ++s) {
+      Tile1x1(w + n, ld, rows, x + s * x_stride, x_stride, y + s * y_stride + n, y_stride);
     }
   }
-  for (int s = 0; s < kStreams; ++s) {
-    for (int v = 0; v < kVectors; ++v) _mm256_storeu_ps(y + s * y_stride + 8 * v, acc[s][v]);
-  }
 }
 
-template <int kStreams, int kVectors, typename W>
-__attribute__((target("avx2,fma,f16c"))) void GemvStreamsAvx2(
-    const W* w, int64_t ld, int64_t rows, int64_t cols, const float* x, int64_t x_stride,
-    float* y, int64_t y_stride, bool accumulate) {
-  int64_t n = 0;
-  for (; n + 8 * kVectors <= cols; n += 8 * kVectors) {
-    GemvTileAvx2<kStreams, kVectors>(w + n, ld, rows, x, x_stride, y + n, y_stride, accumulate);
-  }
-  for (; n < cols; n += 8) {
-    GemvTileAvx2<kStreams, 1>(w + n, ld, rows, x, x_stride, y + n, y_stride, accumulate);
-  }
-}
-
-// Register blocking by the number of streams left: 16 ymm registers hold the accumulators, the
-// broadcast inputs and one weight vector. One stream gets 8 vectors so that 8 independent FMA
-// chains hide the FMA latency.
+// y[b, :cols] += x[b, :rows] @ w for b < batch (w row-major with leading dimension ld, cols a
+// multiple of 8): streams in blocks of 4, then 2, then 1.
 template <typename W>
-__attribute__((target("avx2,fma,f16c"))) void GemvAvx2(const W* w, int64_t ld, int64_t rows,
-                                                         int64_t cols, const float* x,
-                                                         int64_t x_stride, int64_t batch,
-                                                         float* y, int64_t y_stride,
-                                                         bool accumulate) {
+JR_TARGET void GemvAvx2(const W* w, int64_t ld, int64_t rows, int64_t cols, const float* x,
+                        int64_t x_stride, int64_t batch, float* y, int64_t y_stride) {
   int64_t b = 0;
   for (; b + 4 <= batch; b += 4) {
-    GemvStreamsAvx2<4, 2>(w, ld, rows, cols, x + b * x_stride, x_stride, y + b * y_stride,
-                          y_stride, accumulate);
+    GemvStreamsAvx2<4, 16>(Tile4x2<W>, w, ld, rows, cols, x + b * x_stride, x_stride,
+                           y + b * y_stride, y_stride);
   }
   for (; b + 2 <= batch; b += 2) {
-    GemvStreamsAvx2<2, 4>(w, ld, rows, cols, x + b * x_stride, x_stride, y + b * y_stride,
-                          y_stride, accumulate);
+    GemvStreamsAvx2<2, 32>(Tile2x4<W>, w, ld, rows, cols, x + b * x_stride, x_stride,
+                           y + b * y_stride, y_stride);
   }
   for (; b < batch; ++b) {
-    GemvStreamsAvx2<1, 8>(w, ld, rows, cols, x + b * x_stride, x_stride, y + b * y_stride,
-                          y_stride, accumulate);
+    GemvStreamsAvx2<1, 64>(Tile1x8<W>, w, ld, rows, cols, x + b * x_stride, x_stride,
+                           y + b * y_stride, y_stride);
   }
 }
 
@@ -224,10 +310,10 @@ void GemvBlock(const W* w, int64_t rows, int64_t cols, int64_t panel_width, int6
     const W* block = w + rows * panel_start + row_begin * width + (col - panel_start);
     if (simd) {
       GemvAvx2(block, width, row_end - row_begin, segment_end - col, x + row_begin, x_stride,
-               batch, y + (col - col_begin), y_stride, true);
+               batch, y + (col - col_begin), y_stride);
     } else {
       GemvPortable(block, width, row_end - row_begin, segment_end - col, x + row_begin, x_stride,
-                   batch, y + (col - col_begin), y_stride, true);
+                   batch, y + (col - col_begin), y_stride);
     }
     col = segment_end;
   }
@@ -411,10 +497,9 @@ class Sampler {
       const int64_t width = std::min(s_.panel_width, cols - col);
       const W* panel = w + rows * col;
       if (avx2_) {
-        GemvAvx2(panel, width, rows, width, x, x_stride, streams_.count, y + col, y_stride, true);
+        GemvAvx2(panel, width, rows, width, x, x_stride, streams_.count, y + col, y_stride);
       } else {
-        GemvPortable(panel, width, rows, width, x, x_stride, streams_.count, y + col, y_stride,
-                     true);
+        GemvPortable(panel, width, rows, width, x, x_stride, streams_.count, y + col, y_stride);
       }
     }
   }
@@ -741,8 +826,8 @@ ffi::Error WaveNetSampleImpl(ffi::AnyBuffer weights, ffi::Buffer<ffi::F32> gate_
     return ffi::Error::InvalidArgument("jaxring_wavenet_sample: panel_width must be a positive "
                                        "multiple of 8, got " + std::to_string(panel_width));
   }
-  Sizes sizes{residual,       skip,        hidden, levels, local_channels,
-              panel_width,    token.element_count(),
+  Sizes sizes{residual,    skip,       hidden, levels, local_channels,
+              panel_width, static_cast<int64_t>(token.element_count()),
               std::vector<int64_t>(dilations.begin(), dilations.end())};
   const auto noise_dims = noise.dimensions();
   if (noise_dims.size() != 2 || noise_dims[1] != sizes.batch) {
@@ -753,10 +838,10 @@ ffi::Error WaveNetSampleImpl(ffi::AnyBuffer weights, ffi::Buffer<ffi::F32> gate_
   const int64_t steps = noise_dims[0];
   int64_t queue_rows = 0;
   for (int64_t d : sizes.dilations) queue_rows += d;
-  if (queues.element_count() != queue_rows * sizes.batch * residual ||
-      gate_bias.element_count() !=
-          static_cast<int64_t>(sizes.dilations.size()) * sizes.batch * 2 * residual ||
-      local.element_count() != steps * sizes.batch * local_channels) {
+  const auto count = [](const auto& buffer) { return static_cast<int64_t>(buffer.element_count()); };
+  if (count(queues) != queue_rows * sizes.batch * residual ||
+      count(gate_bias) != static_cast<int64_t>(sizes.dilations.size()) * sizes.batch * 2 * residual ||
+      count(local) != steps * sizes.batch * local_channels) {
     return ffi::Error::InvalidArgument(
         "jaxring_wavenet_sample: queues, gate bias or local conditioning do not match the sizes");
   }
