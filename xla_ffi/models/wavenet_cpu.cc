@@ -23,7 +23,14 @@
 //
 // Queues (Fast WaveNet, Paine et al. 2016): for each layer a ring of its last `dilation` inputs,
 // [sum of dilations, batch, residual]; layer i's slot for step t is t % dilation_i.
+// The AVX2/FMA kernels are compiled (with target attributes, so the rest of the binary stays
+// baseline x86-64) on x86 only, and chosen at run time by CpuHasAvx2Fma().
+#if (defined(__x86_64__) || defined(__i386__)) && !defined(JAXRING_NO_SIMD)
+#define JAXRING_X86_SIMD 1
 #include <immintrin.h>
+#else
+#define JAXRING_X86_SIMD 0
+#endif
 
 #include <cmath>
 #include <cstdint>
@@ -64,6 +71,13 @@ void GemvPortable(const W* w, int64_t ld, int64_t rows, int64_t cols, const floa
   }
 }
 
+void GatePortable(const float* z, int64_t residual, float* a) {
+  for (int64_t c = 0; c < residual; ++c) {
+    a[c] = std::tanh(z[c]) / (1.0f + std::exp(-z[residual + c]));
+  }
+}
+
+#if JAXRING_X86_SIMD
 __attribute__((target("avx2,fma,f16c"))) inline __m256 Load8(const float* p) {
   return _mm256_loadu_ps(p);
 }
@@ -257,12 +271,6 @@ __attribute__((target("avx2,fma,f16c"))) void GateAvx2(const float* z, int64_t r
   }
 }
 
-void GatePortable(const float* z, int64_t residual, float* a) {
-  for (int64_t c = 0; c < residual; ++c) {
-    a[c] = std::tanh(z[c]) / (1.0f + std::exp(-z[residual + c]));
-  }
-}
-
 // A draw from softmax(logits) by the inverse CDF, as models/wavenet/sampler.py's sample_token:
 // the first level whose running sum of exp(logit - max) exceeds u times the total.
 __attribute__((target("avx2,fma,f16c"))) void ExpShiftedAvx2(const float* x, float shift,
@@ -272,6 +280,18 @@ __attribute__((target("avx2,fma,f16c"))) void ExpShiftedAvx2(const float* x, flo
     _mm256_storeu_ps(out + i, Exp8(_mm256_sub_ps(_mm256_loadu_ps(x + i), s)));
   }
 }
+
+#else  // not x86: only the portable loops run (CpuHasAvx2Fma() is false); these never do.
+template <typename W>
+void GemvAvx2(const W* w, int64_t ld, int64_t rows, int64_t cols, const float* x,
+              int64_t x_stride, int64_t batch, float* y, int64_t y_stride) {
+  GemvPortable(w, ld, rows, cols, x, x_stride, batch, y, y_stride);
+}
+inline void GateAvx2(const float* z, int64_t residual, float* a) { GatePortable(z, residual, a); }
+inline void ExpShiftedAvx2(const float* x, float shift, int64_t n, float* out) {
+  for (int64_t i = 0; i < n; ++i) out[i] = std::exp(x[i] - shift);
+}
+#endif  // JAXRING_X86_SIMD
 
 int32_t SampleLevel(const float* logits, int64_t levels, float u, float* cdf, bool simd) {
   float max = logits[0];
@@ -290,9 +310,19 @@ int32_t SampleLevel(const float* logits, int64_t levels, float u, float* cdf, bo
 }
 
 bool CpuHasAvx2Fma() {
+#if JAXRING_X86_SIMD
   static const bool has = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
                           __builtin_cpu_supports("f16c");
   return has;
+#else
+  return false;
+#endif
+}
+
+inline void SpinPause() {
+#if JAXRING_X86_SIMD
+  _mm_pause();
+#endif
 }
 
 
@@ -552,7 +582,7 @@ class Team {
       int64_t spins = 0;
       while (flags_[other].value.load(std::memory_order_acquire) < meeting) {
         if (++spins < 256) {
-          _mm_pause();
+          SpinPause();
         } else {
           std::this_thread::yield();
         }
