@@ -41,14 +41,16 @@ GPU_COUNTS = [8, 16, 32, 64, 128, 256, 512, 1024]
 
 
 def fit(rows, impl):
-    """Least-squares alpha, beta over every size and rank count measured for `impl`."""
+    """Least-squares alpha, beta over every size and rank count measured for `impl`, in relative
+    error (each row divided by its time), so that the 4 B and the 64 MiB points count alike."""
     a, t = [], []
     for n, row in rows:
         if row["impl"] != impl:
             continue
         a.append([2 * (n - 1), 2 * (n - 1) / n * row["bytes"]])
         t.append(row["seconds"])
-    (alpha, beta), *_ = np.linalg.lstsq(np.array(a), np.array(t), rcond=None)
+    a, t = np.array(a), np.array(t)
+    (alpha, beta), *_ = np.linalg.lstsq(a / t[:, None], np.ones_like(t), rcond=None)
     return max(alpha, 0.0), max(beta, 1e-15)
 
 
