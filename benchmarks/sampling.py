@@ -4,10 +4,11 @@ for every sampler measured side by side in one run.
 Variants: (a) naive (the whole receptive field recomputed per sample), the per-step Python loop,
 (b) the plain incremental sampler (`lax.scan` + ring buffers: what a competent JAX user writes,
 the rival), (c) layer-sharded over 2 devices with jaxring.ppermute (and with lax.ppermute, and on
-1 device for the scaling ratio), (d) the fused C++ step with float32 and with float16 weights, on one thread and on two.
+1 device for the scaling ratio), (d) the fused C++ step with float32 and with float16 weights,
+on one thread and on two.
 Weights are random: speed does not depend on their values.
 
-    python benchmarks/sampling.py            # full run (about 10-20 minutes on 2 cores)
+    python benchmarks/sampling.py            # full run (about 25 minutes on 2 busy cores)
     python benchmarks/sampling.py --quick    # one config, fewer samples
 """
 

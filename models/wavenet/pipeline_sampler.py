@@ -82,7 +82,8 @@ def sample_layer_sharded(weights, config: ModelConfig, key, num_samples: int, ba
             logits = message[:, :hidden] @ output["logits"] + output["logits_bias"]
             noise = lax.dynamic_slice_in_dim(
                 sampler.uniform_noise(key, t - 1, batch), m * per_microbatch, per_microbatch)
-            token = jnp.where(t == 0, model.start_token(config), sampler.sample_token(logits, noise))
+            token = jnp.where(t == 0, model.start_token(config),
+                              sampler.sample_token(logits, noise))
             return token, logits
 
         def tick(carry, k):

@@ -4,9 +4,10 @@
 // loop over the layers with the weights packed once, contiguous, in the order the step reads
 // them, and every weight row loaded once per step for all streams (each streamed weight meets B
 // streams). Each step ends with the sampling rule of sampler.py (inverse CDF of the softmax, one
-// uniform number per stream and step, passed in), so the samples equal the JAX samplers'. Python side: models/wavenet/fused_sampler.py, which packs the weights (the layout
-// below is written down there too, in `pack_weights`) and checks the result against the JAX
-// samplers' math.
+// uniform number per stream and step, passed in), so the samples equal the JAX samplers'.
+// Python side: models/wavenet/fused_sampler.py, which packs the weights (the layout below is
+// written down there too, in `pack_weights`); tests/test_wavenet.py checks the samples and logits
+// against the JAX samplers.
 //
 // Packed weights (float32 or float16), in this order:
 //   embedding   [levels, residual]
@@ -634,7 +635,9 @@ class TeamSampler {
       std::vector<float> bias(r);
       for (int64_t c = 0; c < r; ++c) bias[c] = ToFloat(layer.residual_skip_bias[c]);
       residual_biases_.push_back(bias);
-      for (int64_t c = 0; c < s_.skip; ++c) skip_bias_[c] += ToFloat(layer.residual_skip_bias[r + c]);
+      for (int64_t c = 0; c < s_.skip; ++c) {
+        skip_bias_[c] += ToFloat(layer.residual_skip_bias[r + c]);
+      }
     }
     for (int64_t c = 0; c < s_.hidden; ++c) hidden_bias_.push_back(ToFloat(w_.hidden_bias[c]));
     for (int64_t c = 0; c < s_.levels; ++c) logits_bias_.push_back(ToFloat(w_.logits_bias[c]));
@@ -754,7 +757,9 @@ class TeamSampler {
               cols, simd_);
     if (relu) {
       for (int64_t b = 0; b < b_count; ++b) {
-        for (int64_t c = begin; c < end; ++c) mine[b * cols + c] = std::max(mine[b * cols + c], 0.0f);
+        for (int64_t c = begin; c < end; ++c) {
+          mine[b * cols + c] = std::max(mine[b * cols + c], 0.0f);
+        }
       }
     }
     team_.Meet(part_, meeting);
@@ -835,7 +840,9 @@ ffi::Error Run(const W* weights, int64_t weight_count, const Sizes& sizes, bool 
     }
   };
   std::vector<std::thread> workers;
-  for (int64_t index = 1; index < thread_count; ++index) workers.emplace_back(sample_streams, index);
+  for (int64_t index = 1; index < thread_count; ++index) {
+    workers.emplace_back(sample_streams, index);
+  }
   sample_streams(0);
   for (std::thread& worker : workers) worker.join();
   return ffi::Error::Success();
@@ -868,9 +875,12 @@ ffi::Error WaveNetSampleImpl(ffi::AnyBuffer weights, ffi::Buffer<ffi::F32> gate_
   const int64_t steps = noise_dims[0];
   int64_t queue_rows = 0;
   for (int64_t d : sizes.dilations) queue_rows += d;
-  const auto count = [](const auto& buffer) { return static_cast<int64_t>(buffer.element_count()); };
+  const auto count = [](const auto& buffer) {
+    return static_cast<int64_t>(buffer.element_count());
+  };
+  const int64_t layers = static_cast<int64_t>(sizes.dilations.size());
   if (count(queues) != queue_rows * sizes.batch * residual ||
-      count(gate_bias) != static_cast<int64_t>(sizes.dilations.size()) * sizes.batch * 2 * residual ||
+      count(gate_bias) != layers * sizes.batch * 2 * residual ||
       count(local) != steps * sizes.batch * local_channels) {
     return ffi::Error::InvalidArgument(
         "jaxring_wavenet_sample: queues, gate bias or local conditioning do not match the sizes");
@@ -884,12 +894,14 @@ ffi::Error WaveNetSampleImpl(ffi::AnyBuffer weights, ffi::Buffer<ffi::F32> gate_
   switch (weights.element_type()) {
     case ffi::DataType::F32:
       return Run(static_cast<const float*>(weights.untyped_data()), weights.element_count(),
-                 sizes, !portable, threads, steps, start, gate_bias.typed_data(), local.typed_data(),
-                 noise.typed_data(), token.typed_data(), state, tokens->typed_data(), logits_out);
+                 sizes, !portable, threads, steps, start, gate_bias.typed_data(),
+                 local.typed_data(), noise.typed_data(), token.typed_data(), state,
+                 tokens->typed_data(), logits_out);
     case ffi::DataType::F16:
       return Run(static_cast<const uint16_t*>(weights.untyped_data()), weights.element_count(),
-                 sizes, !portable, threads, steps, start, gate_bias.typed_data(), local.typed_data(),
-                 noise.typed_data(), token.typed_data(), state, tokens->typed_data(), logits_out);
+                 sizes, !portable, threads, steps, start, gate_bias.typed_data(),
+                 local.typed_data(), noise.typed_data(), token.typed_data(), state,
+                 tokens->typed_data(), logits_out);
     default:
       return ffi::Error::InvalidArgument(
           "jaxring_wavenet_sample: weights must be float32 or float16");
