@@ -411,6 +411,25 @@ struct PackedWeights {
 };
 
 template <typename W>
+std::vector<float> ToFloats(const W* w, int64_t n) {
+  std::vector<float> out(n);
+  for (int64_t i = 0; i < n; ++i) out[i] = ToFloat(w[i]);
+  return out;
+}
+
+// Where layer i's ring buffer of past inputs starts: the queues of all layers lie end to end,
+// layer i's holding dilations[i] entries.
+std::vector<int64_t> QueueOffsets(const std::vector<int64_t>& dilations) {
+  std::vector<int64_t> offsets;
+  int64_t offset = 0;
+  for (int64_t d : dilations) {
+    offsets.push_back(offset);
+    offset += d;
+  }
+  return offsets;
+}
+
+template <typename W>
 class Sampler {
  public:
   Sampler(const PackedWeights<W>& weights, const Sizes& sizes, Streams streams, bool allow_simd)
@@ -435,11 +454,7 @@ class Sampler {
     hidden_.resize(b * s_.hidden);
     logits_.resize(b * s_.levels);
     cdf_.resize(s_.levels);
-    int64_t offset = 0;
-    for (int64_t d : s_.dilations) {
-      queue_offsets_.push_back(offset);
-      offset += d;
-    }
+    queue_offsets_ = QueueOffsets(s_.dilations);
   }
 
   // One step for this sampler's streams: tokens[b] (the previous samples) in, tokens[b] out.
@@ -513,12 +528,6 @@ class Sampler {
     for (int64_t b = 0; b < streams_.count; ++b) {
       std::memcpy(y + b * n, bias.data(), n * sizeof(float));
     }
-  }
-
-  static std::vector<float> ToFloats(const W* w, int64_t n) {
-    std::vector<float> out(n);
-    for (int64_t i = 0; i < n; ++i) out[i] = ToFloat(w[i]);
-    return out;
   }
 
   // y[b, :cols] += x[b, :rows] @ w for this sampler's streams, w in column panels.
@@ -639,8 +648,8 @@ class TeamSampler {
         skip_bias_[c] += ToFloat(layer.residual_skip_bias[r + c]);
       }
     }
-    for (int64_t c = 0; c < s_.hidden; ++c) hidden_bias_.push_back(ToFloat(w_.hidden_bias[c]));
-    for (int64_t c = 0; c < s_.levels; ++c) logits_bias_.push_back(ToFloat(w_.logits_bias[c]));
+    hidden_bias_ = ToFloats(w_.hidden_bias, s_.hidden);
+    logits_bias_ = ToFloats(w_.logits_bias, s_.levels);
     h_.resize(b * r);
     x_.resize(b * 2 * r);
     z_.resize(b * 2 * std::max<int64_t>(own, 1));
@@ -650,11 +659,7 @@ class TeamSampler {
     hidden_.resize(b * s_.hidden);
     logits_.resize(b * s_.levels);
     cdf_.resize(s_.levels);
-    int64_t offset = 0;
-    for (int64_t d : s_.dilations) {
-      queue_offsets_.push_back(offset);
-      offset += d;
-    }
+    queue_offsets_ = QueueOffsets(s_.dilations);
   }
 
   void Step(int64_t t, const float* gate_bias, const float* local, const float* noise,
