@@ -73,4 +73,11 @@ std::string Describe(const Header& h) {
   return s.str();
 }
 
+std::string Where(const Header& h, const std::string& comm_name, int rank, int size) {
+  std::ostringstream s;
+  s << "jaxring " << Describe(h) << " on " << comm_name << " (rank " << rank << " of " << size
+    << ")";
+  return s.str();
+}
+
 }  // namespace jaxring

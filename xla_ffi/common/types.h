@@ -51,5 +51,8 @@ struct Header {
 
 bool operator==(const Header& a, const Header& b);
 std::string Describe(const Header& h);  // e.g. "all_reduce(sum) op 3 float32[1024]"
+// Error text prefix naming the call, the communicator and the rank, e.g.
+// "jaxring all_reduce(sum) op 3 float32[1024] on mesh axis 'i' (rank 2 of 4)".
+std::string Where(const Header& h, const std::string& comm_name, int rank, int size);
 
 }  // namespace jaxring

@@ -116,10 +116,7 @@ LocalTransport::LocalTransport(CommunicatorId comm, int rank, Header header,
 LocalTransport::~LocalTransport() = default;
 
 std::string LocalTransport::Where() const {
-  std::ostringstream s;
-  s << "jaxring " << Describe(header_) << " on " << comm_.name << " (rank " << rank_ << " of "
-    << comm_.size << ")";
-  return s.str();
+  return jaxring::Where(header_, comm_.name, rank_, comm_.size);
 }
 
 std::string LocalTransport::MissingPeers(const char* what,

@@ -96,10 +96,7 @@ LocalPointToPoint::LocalPointToPoint(CommunicatorId comm, int rank, double timeo
 void LocalPointToPoint::ResetAll() { MailboxRegistry::Get().ResetAll(); }
 
 std::string LocalPointToPoint::Where(const Header& header) const {
-  std::ostringstream s;
-  s << "jaxring " << Describe(header) << " on " << comm_.name << " (rank " << rank_ << " of "
-    << comm_.size << ")";
-  return s.str();
+  return jaxring::Where(header, comm_.name, rank_, comm_.size);
 }
 
 Status LocalPointToPoint::Post(int dest, const Header& header, const void* data, size_t bytes,

@@ -117,10 +117,7 @@ ShmCommunicator* ShmCommunicator::Find(uint64_t key) {
 }
 
 std::string ShmCommunicator::Where(const Header& header) const {
-  std::ostringstream s;
-  s << "jaxring " << Describe(header) << " on " << name_ << " (rank " << rank_ << " of " << size_
-    << ")";
-  return s.str();
+  return jaxring::Where(header, name_, rank_, size_);
 }
 
 uint32_t ShmCommunicator::Target(uint64_t step, Phase phase) const {
