@@ -52,11 +52,25 @@ def test_a_rank_that_exits_right_after_dispatch_still_takes_part():
     assert "rank 1 got the sum" in result.stdout
 
 
-def test_a_killed_rank_is_named_instead_of_hanging():
+def test_a_killed_rank_is_named_instead_of_hanging(tmp_path):
     # By default MPICH's launcher kills the whole job when one rank dies, which also ends any
     # wait; with auto-cleanup off the survivors run on, and must fail on their own, in time.
-    result = run_script(2, """
-        import os, sys, time, jax, numpy as np, jaxring, jaxring.mpi
+    # The survivor writes its error to a file: the launcher may drop its last output lines
+    # while it tears down a job with a dead rank. Now and then (about one run in five here) the
+    # launcher kills the survivor anyway, before its timeout; so up to three jobs are run, and one
+    # of them must show the survivor naming the dead rank.
+    report = tmp_path / "rank0-error.txt"
+    for _ in range(3):
+        result = run_killed_rank_job(report)
+        if report.exists():
+            break
+    assert report.exists(), result.stdout + result.stderr
+    assert "timed out after 3 s waiting for rank(s) [1]" in report.read_text()
+
+
+def run_killed_rank_job(report):
+    return run_script(2, f"""
+        import os, time, jax, numpy as np, jaxring, jaxring.mpi
         comm = jaxring.mpi.world()
         comm.mpi_comm.Barrier()  # both ranks are past set-up and done with MPI
         if comm.rank == 1:
@@ -66,8 +80,7 @@ def test_a_killed_rank_is_named_instead_of_hanging():
         try:
             np.asarray(jax.jit(lambda v: jaxring.all_reduce(v, comm))(np.ones(4)))
         except Exception as error:
-            print(f"rank 0 error: {error}", flush=True)
+            with open({str(report)!r}, "w") as f:
+                f.write(str(error))
             os._exit(0)
     """, launcher=("-disable-auto-cleanup",))
-    assert "timed out after 3 s waiting for rank(s) [1]" in result.stdout, (
-        result.stdout + result.stderr)
