@@ -1,7 +1,8 @@
 """jaxring's configuration: one object, written through to the native library.
 
 Environment variables (JAXRING_TIMEOUT_SECONDS, JAXRING_RING_THRESHOLD_BYTES, JAXRING_ALGORITHM,
-JAXRING_PIPELINE_SLICE_BYTES, JAXRING_SPIN_ITERATIONS, JAXRING_P2P_EAGER_BYTES) override the defaults at import time;
+JAXRING_PIPELINE_SLICE_BYTES, JAXRING_SPIN_ITERATIONS, JAXRING_P2P_EAGER_BYTES,
+JAXRING_MPI_RING_THRESHOLD_BYTES) override the defaults at import time;
 ``update`` and ``override`` change them at run time. Values are read when a collective runs.
 """
 
@@ -31,6 +32,9 @@ class Config:
     # Point-to-point: ppermute messages up to this many bytes go eagerly through the receiver's
     # mailbox (the sender does not wait); larger ones are read in place from the sender.
     p2p_eager_bytes: int = 64 * 1024
+    # Process communicators over MPI (jaxring.mpi): all_reduce by recursive doubling up to this
+    # many bytes per rank, the pipelined ring above it.
+    mpi_ring_threshold_bytes: int = 64 * 1024
 
 
 _ENV = {
@@ -40,6 +44,7 @@ _ENV = {
     "pipeline_slice_bytes": ("JAXRING_PIPELINE_SLICE_BYTES", int),
     "spin_iterations": ("JAXRING_SPIN_ITERATIONS", int),
     "p2p_eager_bytes": ("JAXRING_P2P_EAGER_BYTES", int),
+    "mpi_ring_threshold_bytes": ("JAXRING_MPI_RING_THRESHOLD_BYTES", int),
 }
 
 

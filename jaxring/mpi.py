@@ -4,23 +4,31 @@ JAX device per process, as Horovod and mpi4jax users run them.
     comm = jaxring.mpi.world()
     y = jax.jit(lambda x: jaxring.all_reduce(x, comm))(x)     # any collective, in place of an axis
 
-MPI (through mpi4py) is used to set communicators up: it tells ranks apart, finds which share a
-node, and exchanges the name of a shared-memory segment. The data then moves through that
-segment (``xla_ffi/transports/shm``), not through MPI, so no MPI library is linked into jaxring
-and build-time and run-time MPI cannot disagree. Ranks on different nodes are not supported yet
-and are refused with a clear error.
+Two transports carry the data:
+
+* ``"shm"``: ranks on one node meet in a shared-memory segment (``xla_ffi/transports/shm``);
+  every byte is staged once and read once per reader, with no MPI double copy.
+* ``"mpi"``: non-blocking MPI point-to-point on a private duplicate of the communicator
+  (``xla_ffi/transports/mpi``): recursive doubling for small all-reduces, a sliced, pipelined
+  ring for large ones. It needs jaxring's MPI extension, built against the same MPI that mpi4py
+  uses (checked here, with a clear error if they differ).
+
+``"auto"`` (the default, or ``JAXRING_MPI_TRANSPORT``) takes shared memory when every rank is on
+one node and MPI otherwise. ``ppermute``/``send``/``recv`` always go over MPI.
 """
 
 from __future__ import annotations
 
 import atexit
 import functools
+import os
 import secrets
 import weakref
 
 from jaxring._src import common, native
 
 DEFAULT_SLOT_BYTES = 4 << 20  # measured with benchmarks/allreduce_mpi.py: fewer steps pay
+TRANSPORTS = ("auto", "shm", "mpi")
 
 
 def _mpi():
@@ -31,16 +39,43 @@ def _mpi():
     return MPI
 
 
+@functools.cache
+def _mpi_extension():
+    """jaxring's MPI transport module and None, or None and why it cannot be used."""
+    MPI = _mpi()  # loads the MPI library first, so the extension binds to that very library
+    runtime = MPI.Get_library_version().strip().splitlines()[0]
+    rebuild = ("rebuild jaxring against the MPI that mpi4py uses, e.g. "
+               "MPICC=$(which mpicc) pip install --no-build-isolation -e .")
+    try:
+        from jaxring import _jaxring_mpi
+    except ImportError as error:
+        if "No module named" in str(error):
+            return None, "jaxring was built without its MPI transport (no mpicc at build time)"
+        return None, (f"build-time and run-time MPI differ: jaxring's MPI transport cannot be "
+                      f"loaded next to mpi4py's MPI ({runtime}): {error}; {rebuild}")
+    linked = _jaxring_mpi.library_version().strip().splitlines()[0]
+    if linked != runtime:
+        return None, (f"build-time and run-time MPI differ: jaxring's MPI transport was built "
+                      f"with {_jaxring_mpi.built_with()} and runs {linked}, but mpi4py runs "
+                      f"{runtime}; {rebuild}")
+    return _jaxring_mpi, None
+
+
 class Communicator:
     """The processes of an mpi4py communicator. Pass it wherever a collective takes an axis name.
 
     Every rank must create it (it is collective, like MPI_Comm_dup) and then make the same
-    jaxring calls on it in the same order. `slot_bytes` is the staging area per rank; messages
-    larger than it move in chunks.
+    jaxring calls on it in the same order. `transport` is ``"auto"``, ``"shm"`` or ``"mpi"``
+    (see the module docstring); `slot_bytes` is the shared-memory staging area per rank, and
+    messages larger than it move in chunks.
     """
 
-    def __init__(self, mpi_comm, *, label: str = "", slot_bytes: int = DEFAULT_SLOT_BYTES):
+    def __init__(self, mpi_comm, *, label: str = "", transport: str | None = None,
+                 slot_bytes: int = DEFAULT_SLOT_BYTES):
         MPI = _mpi()
+        transport = transport or os.environ.get("JAXRING_MPI_TRANSPORT", "auto")
+        if transport not in TRANSPORTS:
+            raise ValueError(f"jaxring.mpi: transport must be one of {TRANSPORTS}, got {transport!r}")
         self.mpi_comm = mpi_comm
         self.rank = mpi_comm.Get_rank()
         self.size = mpi_comm.Get_size()
@@ -48,12 +83,28 @@ class Communicator:
         node = mpi_comm.Split_type(MPI.COMM_TYPE_SHARED, key=self.rank)
         on_one_node = mpi_comm.allreduce(node.Get_size() == self.size, op=MPI.LAND)
         node.Free()
-        if not on_one_node:
-            raise NotImplementedError(
-                f"jaxring.mpi: the {self.size} ranks of {self.name} are spread over several "
-                "nodes; jaxring's transport between nodes (MPI point-to-point) is not built yet. "
-                "Run every rank on one node for now.")
+        extension, self.point_to_point_unavailable = _mpi_extension()
+        self._requested = transport
+        if transport == "auto":
+            transport = "shm" if on_one_node else "mpi"
+        if transport == "shm" and not on_one_node:
+            raise ValueError(f"jaxring.mpi: the ranks of {self.name} are on several nodes; the "
+                             "shared-memory transport needs them on one (use transport='mpi')")
+        if transport == "mpi" and extension is None:
+            raise RuntimeError(f"jaxring.mpi: {self.name} needs the MPI transport"
+                               f"{'' if on_one_node else ' (its ranks are on several nodes)'}, "
+                               f"but {self.point_to_point_unavailable}")
+        self.transport = transport
         self.key = mpi_comm.bcast(secrets.randbits(63) if self.rank == 0 else None, root=0)
+        if extension is not None:
+            native.extension.process_register(
+                self.key, extension.create(MPI._addressof(mpi_comm), self.name))
+        if transport == "shm":
+            self._attach_shared_memory(slot_bytes)
+        weakref.finalize(self, _detach, self.key)
+        _wait_for_pending_work_at_exit()
+
+    def _attach_shared_memory(self, slot_bytes: int) -> None:
         path = f"/jaxring-{self.key:016x}"
         # Rank 0 creates the segment, then the others map it; errors are shared so that no rank
         # is left waiting for one that failed.
@@ -65,28 +116,32 @@ class Communicator:
                                                 slot_bytes, self.name)
                 except RuntimeError as e:
                     error = f"rank {self.rank}: {e}"
-            errors = [e for e in mpi_comm.allgather(error) if e]
+            errors = [e for e in self.mpi_comm.allgather(error) if e]
             if errors:
                 if self.rank == 0:
                     native.extension.shm_unlink(path)
-                native.extension.shm_detach(self.key)
+                _detach(self.key)
                 raise RuntimeError("jaxring.mpi: cannot set up " + self.name + ": " +
                                    "; ".join(errors))
         if self.rank == 0:
             native.extension.shm_unlink(path)  # every rank has it mapped; nothing to clean up
-        weakref.finalize(self, native.extension.shm_detach, self.key)
-        _wait_for_pending_work_at_exit()
 
     def split(self, color: int, key: int = 0) -> "Communicator":
         """Ranks with the same `color` form a new communicator, ordered by `key` (MPI_Comm_split)."""
-        return Communicator(self.mpi_comm.Split(color, key), label=f"split(color={color})")
+        return Communicator(self.mpi_comm.Split(color, key), label=f"split(color={color})",
+                            transport=self._requested)
 
     def axis_communicator(self) -> common.AxisCommunicator:
         return common.AxisCommunicator(axes=(), size=self.size, key=self.key, name=self.name,
                                        process_rank=self.rank)
 
     def __repr__(self) -> str:
-        return f"<jaxring.mpi.Communicator {self.name}, rank {self.rank}>"
+        return f"<jaxring.mpi.Communicator {self.name}, rank {self.rank}, {self.transport}>"
+
+
+def _detach(key: int) -> None:
+    native.extension.shm_detach(key)
+    native.extension.process_unregister(key)
 
 
 @functools.cache

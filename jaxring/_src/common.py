@@ -196,13 +196,14 @@ def communicator(name: str, axis_name) -> AxisCommunicator:
 
 
 def point_to_point_communicator(name: str, axis_name) -> AxisCommunicator:
-    """`communicator`, for ppermute/send/recv, which do not run over process communicators yet."""
-    comm = communicator(name, axis_name)
-    if comm.process_rank is not None:
+    """`communicator`, for ppermute/send/recv: refuses a process communicator whose MPI
+    transport is unavailable (jaxring built without MPI, or against another MPI)."""
+    unavailable = getattr(axis_name, "point_to_point_unavailable", None)
+    if unavailable:
         raise NotImplementedError(
-            f"jaxring.{name} over a jaxring.mpi communicator is not available yet (only the "
-            "in-process transport has point-to-point); use it inside shard_map over a mesh axis")
-    return comm
+            f"jaxring.{name} over {axis_name.name} needs jaxring's MPI transport, but "
+            f"{unavailable}")
+    return communicator(name, axis_name)
 
 
 def bind_collective(primitive, x, comm: AxisCommunicator, **params):

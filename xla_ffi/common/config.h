@@ -28,6 +28,10 @@ struct Config {
   // the sender moves on (eager, NCCL LL-style); larger ppermute messages are copied once, straight
   // from the sender's buffer, while the sender waits (rendezvous). Measured in benchmarks/p2p.py.
   int64_t p2p_eager_bytes = 64 * 1024;
+  // The MPI transport's kAuto switch: all_reduce by recursive doubling up to this many bytes per
+  // rank, the pipelined ring above it (broadcast: binomial tree, then a chain). Measured in
+  // benchmarks/allreduce_mpi.py.
+  int64_t mpi_ring_threshold_bytes = 64 * 1024;
 };
 
 // A snapshot of the current configuration; cheap enough to take once per collective.

@@ -11,6 +11,7 @@
 #include "ring/algorithms.h"
 #include "ring/staged.h"
 #include "transports/local.h"
+#include "transports/process.h"
 #include "transports/shm.h"
 #include "transports/mailbox.h"
 #include "xla/ffi/api/ffi.h"
@@ -31,6 +32,26 @@ ffi::Error ToFfi(const Status& status) {
   return status.ok() ? ffi::Error::Success() : ffi::Error::Internal(status.message());
 }
 
+// Checks what every handler receives, and fills in the header peers will compare.
+ffi::Error CheckCall(Collective kind, int rank, int size, DType dtype) {
+  if (rank < 0 || rank >= size)
+    return ffi::Error::InvalidArgument("jaxring " + std::string(CollectiveName(kind)) + ": rank " +
+                                       std::to_string(rank) + " is outside [0, " +
+                                       std::to_string(size) + ")");
+  if (!IsSupported(dtype))
+    return ffi::Error::InvalidArgument("jaxring " + std::string(CollectiveName(kind)) +
+                                       ": unsupported element type");
+  return ffi::Error::Success();
+}
+
+// A process transport compiled for one rank must be run by that rank.
+template <typename Transport>
+ffi::Error CheckProcess(const Transport& processes, const Header& header, int rank, int size) {
+  if (processes.rank() == rank && processes.size() == size) return ffi::Error::Success();
+  return ffi::Error::Internal(processes.Where(header) + ": compiled for rank " +
+                              std::to_string(rank) + " of " + std::to_string(size));
+}
+
 ffi::Error Run(Collective kind, ReduceOp op, int64_t root, ffi::RunId run_id,
                ffi::AnyBuffer rank_buffer, ffi::AnyBuffer group_buffer, const void* input,
                int64_t input_count, DType dtype, void* output, int64_t output_count,
@@ -38,15 +59,8 @@ ffi::Error Run(Collective kind, ReduceOp op, int64_t root, ffi::RunId run_id,
   const int rank = *static_cast<const int32_t*>(rank_buffer.untyped_data());
   const int64_t group = *static_cast<const int32_t*>(group_buffer.untyped_data());
   const int size = static_cast<int>(attrs.size);
-  if (rank < 0 || rank >= size) {
-    return ffi::Error::InvalidArgument("jaxring " + std::string(CollectiveName(kind)) +
-                                       ": rank " + std::to_string(rank) + " is outside [0, " +
-                                       std::to_string(size) + ")");
-  }
-  if (!IsSupported(dtype)) {
-    return ffi::Error::InvalidArgument("jaxring " + std::string(CollectiveName(kind)) +
-                                       ": unsupported element type");
-  }
+  ffi::Error error = CheckCall(kind, rank, size, dtype);
+  if (error.failure()) return error;
   Header header;
   header.kind = kind;
   header.op = op;
@@ -56,23 +70,27 @@ ffi::Error Run(Collective kind, ReduceOp op, int64_t root, ffi::RunId run_id,
   header.root = root;
 
   const Config config = CurrentConfig();
-  if (ShmCommunicator* processes = ShmCommunicator::Find(static_cast<uint64_t>(attrs.comm))) {
-    if (processes->rank() != rank || processes->size() != size)
-      return ffi::Error::Internal(processes->Where(header) + ": compiled for rank " +
-                                  std::to_string(rank) + " of " + std::to_string(size));
-    return ToFfi(RunStaged(*processes, header, CollectiveBuffers{input, output, output_count},
-                           config));
+  const CollectiveBuffers buffers{input, output, output_count};
+  const uint64_t key = static_cast<uint64_t>(attrs.comm);
+  if (ShmCommunicator* processes = ShmCommunicator::Find(key)) {
+    error = CheckProcess(*processes, header, rank, size);
+    return error.failure() ? std::move(error) : ToFfi(RunStaged(*processes, header, buffers, config));
+  }
+  if (ProcessTransport* processes = ProcessTransport::Find(key)) {
+    error = CheckProcess(*processes, header, rank, size);
+    if (error.failure()) return error;
+    std::lock_guard<std::mutex> lock(processes->mutex());
+    return ToFfi(processes->RunCollective(header, buffers, config));
   }
   const Algorithm algorithm = ChooseAlgorithm(header, size, config);
   ScratchLease scratch = ScratchLease::Acquire(ScratchBytes(header, size, algorithm));
-  CommunicatorId comm{static_cast<uint64_t>(attrs.comm), group, size, std::string(attrs.comm_name)};
+  CommunicatorId comm{key, group, size, std::string(attrs.comm_name)};
   auto transport = LocalTransport::Join(comm, run_id.run_id, rank, header, input, output,
                                         scratch.data(), config.timeout_seconds,
                                         config.spin_iterations);
   Status status = transport->WaitForPeers();
   if (!status.ok()) return ToFfi(status);
-  return ToFfi(RunCollective(*transport, algorithm, config,
-                             CollectiveBuffers{input, output, output_count}));
+  return ToFfi(RunCollective(*transport, algorithm, config, buffers));
 }
 
 DType ToDType(ffi::DataType type) { return static_cast<DType>(static_cast<uint8_t>(type)); }
@@ -96,23 +114,29 @@ ffi::Error RunPointToPoint(Collective kind, ffi::AnyBuffer rank_buffer,
   const int rank = *static_cast<const int32_t*>(rank_buffer.untyped_data());
   const int64_t group = *static_cast<const int32_t*>(group_buffer.untyped_data());
   const int size = static_cast<int>(attrs.size);
-  if (rank < 0 || rank >= size)
-    return ffi::Error::InvalidArgument("jaxring " + std::string(CollectiveName(kind)) + ": rank " +
-                                       std::to_string(rank) + " is outside [0, " +
-                                       std::to_string(size) + ")");
-  if (!IsSupported(dtype))
-    return ffi::Error::InvalidArgument("jaxring " + std::string(CollectiveName(kind)) +
-                                       ": unsupported element type");
+  ffi::Error error = CheckCall(kind, rank, size, dtype);
+  if (error.failure()) return error;
   Header header;
   header.kind = kind;
   header.dtype = dtype;
   header.op_id = attrs.op_id;
   header.count = count;
   const Config config = CurrentConfig();
-  LocalPointToPoint transport(
-      CommunicatorId{static_cast<uint64_t>(attrs.comm), group, size, std::string(attrs.comm_name)},
-      rank, config.timeout_seconds, config.spin_iterations);
-  return ToFfi(body(transport, header, rank, config, count * ByteWidth(dtype)));
+  const size_t bytes = count * ByteWidth(dtype);
+  const uint64_t key = static_cast<uint64_t>(attrs.comm);
+  if (ProcessTransport* processes = ProcessTransport::Find(key)) {
+    error = CheckProcess(*processes, header, rank, size);
+    if (error.failure()) return error;
+    std::lock_guard<std::mutex> lock(processes->mutex());
+    processes->Configure(config);
+    return ToFfi(body(*processes, header, rank, config, bytes));
+  }
+  if (ShmCommunicator* processes = ShmCommunicator::Find(key))
+    return ffi::Error::Internal(processes->Where(header) + ": this process communicator has no "
+                                "point-to-point transport (jaxring was built without MPI)");
+  LocalPointToPoint transport(CommunicatorId{key, group, size, std::string(attrs.comm_name)}, rank,
+                              config.timeout_seconds, config.spin_iterations);
+  return ToFfi(body(transport, header, rank, config, bytes));
 }
 
 ffi::Error PermuteImpl(ffi::Token, ffi::AnyBuffer rank, ffi::AnyBuffer group, ffi::AnyBuffer x,

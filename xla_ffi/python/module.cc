@@ -8,6 +8,7 @@
 #include "kernels/reduce_cpu.h"
 #include "models/targets.h"
 #include "transports/mailbox.h"
+#include "transports/process.h"
 #include "transports/shm.h"
 #include "xla/ffi/api/c_api.h"
 
@@ -68,7 +69,8 @@ NB_MODULE(_jaxring, m) {
   m.def(
       "set_config",
       [](double timeout_seconds, int64_t ring_threshold_bytes, const std::string& algorithm,
-         int64_t pipeline_slice_bytes, int64_t spin_iterations, int64_t p2p_eager_bytes) {
+         int64_t pipeline_slice_bytes, int64_t spin_iterations, int64_t p2p_eager_bytes,
+         int64_t mpi_ring_threshold_bytes) {
         jaxring::Config config;
         config.timeout_seconds = timeout_seconds;
         config.ring_threshold_bytes = ring_threshold_bytes;
@@ -76,10 +78,12 @@ NB_MODULE(_jaxring, m) {
         config.pipeline_slice_bytes = pipeline_slice_bytes;
         config.spin_iterations = spin_iterations;
         config.p2p_eager_bytes = p2p_eager_bytes;
+        config.mpi_ring_threshold_bytes = mpi_ring_threshold_bytes;
         jaxring::SetConfig(config);
       },
       nb::arg("timeout_seconds"), nb::arg("ring_threshold_bytes"), nb::arg("algorithm"),
-      nb::arg("pipeline_slice_bytes"), nb::arg("spin_iterations"), nb::arg("p2p_eager_bytes"));
+      nb::arg("pipeline_slice_bytes"), nb::arg("spin_iterations"), nb::arg("p2p_eager_bytes"),
+      nb::arg("mpi_ring_threshold_bytes"));
 
   m.def("get_config", []() {
     const jaxring::Config config = jaxring::CurrentConfig();
@@ -90,6 +94,7 @@ NB_MODULE(_jaxring, m) {
     d["pipeline_slice_bytes"] = config.pipeline_slice_bytes;
     d["spin_iterations"] = config.spin_iterations;
     d["p2p_eager_bytes"] = config.p2p_eager_bytes;
+    d["mpi_ring_threshold_bytes"] = config.mpi_ring_threshold_bytes;
     return d;
   });
 
@@ -106,6 +111,19 @@ NB_MODULE(_jaxring, m) {
       "Maps the shared-memory segment of a process communicator (rank 0 creates it).");
   m.def("shm_detach", &jaxring::ShmCommunicator::Detach, nb::arg("key"));
   m.def("shm_unlink", &jaxring::ShmCommunicator::Unlink, nb::arg("path"));
+
+  m.def(
+      "process_register",
+      [](uint64_t key, nb::capsule transport) {
+        if (std::string(transport.name()) != "jaxring.ProcessTransport")
+          throw nb::type_error("expected a capsule from jaxring._jaxring_mpi.create");
+        jaxring::ProcessTransport::Register(
+            key, std::unique_ptr<jaxring::ProcessTransport>(
+                     static_cast<jaxring::ProcessTransport*>(transport.data())));
+      },
+      nb::arg("key"), nb::arg("transport"),
+      "Adopts a process transport (from another extension module) for communicator `key`.");
+  m.def("process_unregister", &jaxring::ProcessTransport::Unregister, nb::arg("key"));
 
   m.def("reset_point_to_point", &jaxring::LocalPointToPoint::ResetAll,
         "Empties every point-to-point mailbox (after an error).");

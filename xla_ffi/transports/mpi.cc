@@ -1,0 +1,621 @@
+#include "transports/mpi.h"
+
+#include <sched.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstring>
+#include <set>
+#include <sstream>
+#include <thread>
+
+#include "kernels/reduce_cpu.h"
+#include "ring/schedule.h"
+
+namespace jaxring {
+namespace {
+
+constexpr int kHeaderTag = 0x6a72;  // the header all-gather that opens every collective
+constexpr int kDataTag = 0x6a73;    // collective payloads
+constexpr int kP2PTag = 0x6a74;     // point-to-point messages (matched in order per pair)
+
+// MPI counts are ints: larger messages travel as several pieces of at most this many bytes.
+constexpr size_t kMaxPiece = size_t{1} << 30;
+// Eager point-to-point sends in flight before a sender waits for its oldest to be received.
+constexpr size_t kMaxEagerInFlight = 64;
+
+// Prefix of every point-to-point message.
+struct WireHeader {
+  Header header;
+  uint32_t in_place;  // the payload follows as separate message(s), received into place
+  uint32_t reserved;
+};
+
+// Polls `done` until it holds or `deadline` passes: spin, then yield the core (a peer rank may
+// be waiting for it when ranks outnumber cores), then nap. MPI offers nothing to sleep on, so
+// the naps stay short; they only begin after the yield phase, when a wait is already long.
+template <typename Done>
+bool Poll(Done done, const Deadline& deadline, int64_t spin) {
+  using Clock = std::chrono::steady_clock;
+  for (int64_t i = 0; i < spin; ++i) {
+    if (done()) return true;
+  }
+  const auto stop_yielding = Clock::now() + std::chrono::microseconds(200);
+  do {
+    if (done()) return true;
+    sched_yield();
+  } while (Clock::now() < stop_yielding);
+  auto nap = std::chrono::microseconds(2);
+  while (!done()) {
+    if (deadline.Expired()) return done();
+    std::this_thread::sleep_for(nap);
+    nap = std::min(nap * 2, std::chrono::microseconds(50));
+  }
+  return true;
+}
+
+std::string Ranks(const std::set<int>& ranks) {
+  std::ostringstream s;
+  bool first = true;
+  for (int r : ranks) {
+    s << (first ? "" : ", ") << r;
+    first = false;
+  }
+  return s.str();
+}
+
+const char* At(const void* base, int64_t elements, size_t width) {
+  return static_cast<const char*>(base) + elements * static_cast<int64_t>(width);
+}
+char* At(void* base, int64_t elements, size_t width) {
+  return static_cast<char*>(base) + elements * static_cast<int64_t>(width);
+}
+
+}  // namespace
+
+// ---- set-up ----------------------------------------------------------------------------------
+
+MpiTransport::MpiTransport(MPI_Comm comm, std::string name)
+    : comm_(comm), name_(std::move(name)) {
+  MPI_Comm_rank(comm_, &rank_);
+  MPI_Comm_size(comm_, &size_);
+  in_place_.resize(size_);
+  in_place_header_.resize(size_);
+}
+
+Status MpiTransport::Create(MPI_Comm parent, std::string name, std::unique_ptr<MpiTransport>* out) {
+  int initialized = 0;
+  MPI_Initialized(&initialized);
+  if (!initialized)
+    return Status::Error("jaxring.mpi: the MPI library jaxring's MPI transport is linked with "
+                         "is not initialised in this process; mpi4py is using a different MPI "
+                         "library (rebuild jaxring against the MPI mpi4py uses)");
+  int provided = MPI_THREAD_SINGLE;
+  MPI_Query_thread(&provided);
+  if (provided < MPI_THREAD_MULTIPLE)
+    return Status::Error("jaxring.mpi: MPI was initialised without MPI_THREAD_MULTIPLE; jaxring "
+                         "calls MPI from XLA's threads (leave mpi4py.rc.thread_level at its "
+                         "default, 'multiple')");
+  MPI_Comm dup;
+  if (MPI_Comm_dup(parent, &dup) != MPI_SUCCESS)
+    return Status::Error("jaxring.mpi: MPI_Comm_dup failed for " + name);
+  MPI_Comm_set_errhandler(dup, MPI_ERRORS_RETURN);
+  out->reset(new MpiTransport(dup, std::move(name)));
+  return Status();
+}
+
+MpiTransport::~MpiTransport() {
+  int finalized = 0;
+  MPI_Finalized(&finalized);
+  if (finalized) return;
+  // Eager sends are the receivers' data: give them a bounded time to be picked up.
+  const Deadline deadline(std::min(config_.timeout_seconds, 10.0));
+  for (Eager& message : eager_) {
+    Requests& r = message.requests;
+    auto done = [&] {
+      int flag = 0;
+      MPI_Testall(static_cast<int>(r.requests.size()), r.requests.data(), &flag,
+                  MPI_STATUSES_IGNORE);
+      return flag != 0;
+    };
+    if (Poll(done, deadline, 0)) continue;
+    for (MPI_Request& request : r.requests)
+      if (request != MPI_REQUEST_NULL) MPI_Request_free(&request);
+  }
+  eager_.clear();
+  MPI_Comm_free(&comm_);
+}
+
+std::string MpiTransport::Where(const Header& header) const {
+  return jaxring::Where(header, name_, rank_, size_);
+}
+
+char* MpiTransport::Scratch(int which, size_t bytes) {
+  std::vector<char>& buffer = scratch_[which];
+  if (buffer.size() < bytes) buffer.resize(bytes);
+  return buffer.data();
+}
+
+// ---- messages and waiting --------------------------------------------------------------------
+
+Status MpiTransport::Call(const Header& h, int code, const char* what) {
+  if (code == MPI_SUCCESS) return Status();
+  char text[MPI_MAX_ERROR_STRING];
+  int length = 0;
+  MPI_Error_string(code, text, &length);
+  return Status::Error(Where(h) + ": MPI failed to " + what + ": " + std::string(text, length));
+}
+
+Status MpiTransport::Isend(const Header& h, const void* data, size_t bytes, int peer, int tag,
+                           Requests* r) {
+  size_t done = 0;
+  do {  // a zero-byte message is still one message
+    const size_t piece = std::min(bytes - done, kMaxPiece);
+    r->requests.push_back(MPI_REQUEST_NULL);
+    r->peers.push_back(peer);
+    Status status = Call(h, MPI_Isend(static_cast<const char*>(data) + done, static_cast<int>(piece),
+                                      MPI_BYTE, peer, tag, comm_, &r->requests.back()),
+                         "send");
+    if (!status.ok()) return status;
+    done += piece;
+  } while (done < bytes);
+  return Status();
+}
+
+Status MpiTransport::Irecv(const Header& h, void* data, size_t bytes, int peer, int tag,
+                           Requests* r) {
+  size_t done = 0;
+  do {
+    const size_t piece = std::min(bytes - done, kMaxPiece);
+    r->requests.push_back(MPI_REQUEST_NULL);
+    r->peers.push_back(peer);
+    Status status = Call(h, MPI_Irecv(static_cast<char*>(data) + done, static_cast<int>(piece),
+                                      MPI_BYTE, peer, tag, comm_, &r->requests.back()),
+                         "receive");
+    if (!status.ok()) return status;
+    done += piece;
+  } while (done < bytes);
+  return Status();
+}
+
+Status MpiTransport::Wait(const Header& h, Requests* r, int index, const Deadline& deadline,
+                          const char* what) {
+  const int first = index < 0 ? 0 : index;
+  const int count = index < 0 ? static_cast<int>(r->requests.size()) : 1;
+  if (count == 0) return Status();
+  MPI_Request* requests = r->requests.data() + first;
+  int code = MPI_SUCCESS;
+  auto done = [&] {
+    int flag = 0;
+    code = MPI_Testall(count, requests, &flag, MPI_STATUSES_IGNORE);
+    return code != MPI_SUCCESS || flag != 0;
+  };
+  if (!Poll(done, deadline, config_.spin_iterations)) {
+    std::set<int> missing;
+    for (int i = 0; i < count; ++i) {
+      int flag = 0;
+      MPI_Test(&requests[i], &flag, MPI_STATUS_IGNORE);
+      if (!flag) missing.insert(r->peers[first + i]);
+    }
+    std::ostringstream s;
+    s << Where(h) << ": timed out after " << deadline.seconds() << " s waiting for rank"
+      << (missing.size() > 1 ? "s " : " ") << Ranks(missing) << " to " << what
+      << " (a rank that never makes this call, has died, or is itself waiting for one that "
+         "does not; raise jaxring.config timeout_seconds if it is only slow)";
+    return Status::Error(s.str());
+  }
+  return Call(h, code, what);
+}
+
+Status MpiTransport::Fail(Status status) {
+  broken_ = status.message();
+  std::vector<Requests*> pending = {&sends_, &recvs_};
+  for (Requests& r : in_place_) pending.push_back(&r);
+  for (Requests* r : pending) {
+    for (MPI_Request& request : r->requests) {
+      if (request == MPI_REQUEST_NULL) continue;
+      MPI_Cancel(&request);
+      MPI_Request_free(&request);
+    }
+    r->Clear();
+  }
+  return status;
+}
+
+Status MpiTransport::Broken(const Header& h) const {
+  return Status::Error(Where(h) + ": this communicator failed earlier and can no longer be used "
+                       "(its ranks' messages are out of step); the first error was: " + broken_);
+}
+
+// ---- collectives -----------------------------------------------------------------------------
+
+Status MpiTransport::RunCollective(const Header& h, const CollectiveBuffers& b,
+                                   const Config& config) {
+  if (!broken_.empty()) return Broken(h);
+  config_ = config;
+  const Deadline deadline(config.timeout_seconds);
+  sends_.Clear();
+  recvs_.Clear();
+  Status status = ExchangeHeaders(h, deadline);
+  if (status.ok() && h.kind != Collective::kBarrier) {
+    const size_t width = ByteWidth(h.dtype);
+    if (size_ == 1) {
+      if (h.kind == Collective::kAllGather || h.kind == Collective::kBroadcast) {
+        if (h.count > 0) std::memmove(b.output, b.input, h.count * width);
+      } else {
+        Operand in{b.input};
+        Target out{b.output};
+        Reduce(h.dtype, h.op, &in, 1, &out, 1, h.count, h.op == ReduceOp::kMean ? 1 : 0);
+      }
+    } else if (h.kind == Collective::kBroadcast) {
+      status = Broadcast(h, b, deadline);
+    } else if (h.kind == Collective::kAllReduce &&
+               (config.algorithm == Algorithm::kDirect ||
+                (config.algorithm == Algorithm::kAuto &&
+                 h.count * static_cast<int64_t>(width) <= config.mpi_ring_threshold_bytes))) {
+      status = RecursiveDoubling(h, b, deadline);
+    } else {
+      status = Ring(h, b, deadline);
+    }
+  }
+  return status.ok() ? status : Fail(status);
+}
+
+// Bruck's all-gather of the ranks' headers: in round k each rank passes everything it knows to
+// rank - 2^k. Afterwards every rank holds every header, so every rank finds the same mismatch,
+// and nobody can have left before everybody arrived (which makes it a barrier too).
+Status MpiTransport::ExchangeHeaders(const Header& h, const Deadline& deadline) {
+  std::vector<Header>& known = headers_;
+  known.assign(size_, Header{});
+  known[0] = h;  // known[i] is rank (rank_ + i) % size_'s header
+  int have = 1;
+  for (int distance = 1; distance < size_; distance *= 2) {
+    const int count = std::min(distance, size_ - distance);
+    const int to = (rank_ - distance + size_) % size_;
+    const int from = (rank_ + distance) % size_;
+    recvs_.Clear();
+    Status status = Irecv(h, &known[have], count * sizeof(Header), from, kHeaderTag, &recvs_);
+    if (status.ok()) status = Isend(h, known.data(), count * sizeof(Header), to, kHeaderTag, &recvs_);
+    if (status.ok()) status = Wait(h, &recvs_, -1, deadline, "arrive at this collective");
+    if (!status.ok()) return status;
+    have += count;
+  }
+  recvs_.Clear();
+  const Header& reference = known[(size_ - rank_) % size_];
+  for (int peer = 1; peer < size_; ++peer) {
+    const Header& other = known[(peer - rank_ + size_) % size_];
+    if (!(other == reference)) {
+      std::ostringstream s;
+      s << Where(h) << ": mismatched collectives: rank 0 called " << Describe(reference)
+        << " but rank " << peer << " called " << Describe(other)
+        << ". Every rank must make the same collective calls in the same order.";
+      return Status::Error(s.str());
+    }
+  }
+  return Status();
+}
+
+// All-reduce by recursive doubling: log2(p) exchanges of the whole (accumulator-typed) vector
+// for p the largest power of two <= n; the other n - p ranks first fold into a partner and
+// receive the result at the end. Partners always combine the lower rank's value first, so both
+// hold the same bits after every round.
+Status MpiTransport::RecursiveDoubling(const Header& h, const CollectiveBuffers& b,
+                                       const Deadline& deadline) {
+  const size_t bytes = h.count * AccumulatorWidth(h.dtype);
+  char* mine = Scratch(0, bytes);
+  char* theirs = Scratch(1, bytes);
+  Operand in{b.input};
+  Target acc{mine, true};
+  Reduce(h.dtype, h.op, &in, 1, &acc, 1, h.count, 0);
+  auto combine = [&](bool theirs_first) {
+    Operand srcs[2] = {{theirs, true}, {mine, true}};
+    if (!theirs_first) std::swap(srcs[0], srcs[1]);
+    Reduce(h.dtype, h.op, srcs, 2, &acc, 1, h.count, 0);
+  };
+  auto exchange = [&](int peer, bool send, bool receive, void* into) {
+    recvs_.Clear();
+    Status status = receive ? Irecv(h, into, bytes, peer, kDataTag, &recvs_) : Status();
+    if (status.ok() && send) status = Isend(h, mine, bytes, peer, kDataTag, &recvs_);
+    return status.ok() ? Wait(h, &recvs_, -1, deadline, "exchange data") : status;
+  };
+  int p = 1;
+  while (p * 2 <= size_) p *= 2;
+  const int extra = size_ - p;
+  int vrank = rank_ - extra;  // rank among the p that exchange
+  Status status;
+  if (rank_ < 2 * extra) {
+    const bool folds = rank_ % 2 == 0;  // the even one hands its value to the odd one
+    status = exchange(folds ? rank_ + 1 : rank_ - 1, folds, !folds, theirs);
+    if (!status.ok()) return status;
+    if (!folds) combine(true);
+    vrank = folds ? -1 : rank_ / 2;
+  }
+  for (int mask = 1; vrank >= 0 && mask < p; mask <<= 1) {
+    const int vpeer = vrank ^ mask;
+    const int peer = vpeer < extra ? 2 * vpeer + 1 : vpeer + extra;
+    status = exchange(peer, true, true, theirs);
+    if (!status.ok()) return status;
+    combine(vpeer < vrank);
+  }
+  if (rank_ < 2 * extra) {
+    const bool folded = rank_ % 2 == 0;
+    status = exchange(folded ? rank_ + 1 : rank_ - 1, !folded, folded, mine);
+    if (!status.ok()) return status;
+  }
+  Operand result{mine, true};
+  Target out{b.output};
+  Reduce(h.dtype, h.op, &result, 1, &out, 1, h.count, h.op == ReduceOp::kMean ? size_ : 0);
+  return Status();
+}
+
+// The ring of ring/schedule.h, in messages: rank r's step g reads what its left neighbour
+// produced in step g-1, so left sends each slice of that step's result the moment it is made.
+// Receives are posted a step ahead, so payloads land straight in their buffers.
+Status MpiTransport::Ring(const Header& h, const CollectiveBuffers& b, const Deadline& deadline) {
+  const int n = size_;
+  const int right = (rank_ + 1) % n;
+  const int left = (rank_ + n - 1) % n;
+  const size_t width = ByteWidth(h.dtype);
+  const size_t acc_width = AccumulatorWidth(h.dtype);
+  auto schedule = [&](int rank) {
+    switch (h.kind) {
+      case Collective::kAllReduce:
+        return RingAllReduceSchedule(rank, n, h.count, std::max<int64_t>(1, 64 / width));
+      case Collective::kReduceScatter:
+        return RingReduceScatterSchedule(rank, n, h.count / n);
+      default:
+        return RingAllGatherSchedule(rank, n, h.count);
+    }
+  };
+  const std::vector<RingStep> mine = schedule(rank_);
+  const std::vector<RingStep> theirs = schedule(right);
+  const int steps = static_cast<int>(mine.size());
+  const int64_t slice = std::max<int64_t>(1, config_.pipeline_slice_bytes / acc_width);
+  int64_t largest = 0;
+  for (const RingStep& s : mine) largest = std::max(largest, s.reduce ? s.count : 0);
+  char* scratch = h.kind == Collective::kAllGather ? nullptr : Scratch(0, h.count * acc_width);
+  char* incoming[2] = {Scratch(1, largest * acc_width), Scratch(2, largest * acc_width)};
+  auto base = [&](Buffer buffer) -> char* {
+    switch (buffer) {
+      case Buffer::kInput: return const_cast<char*>(static_cast<const char*>(b.input));
+      case Buffer::kOutput: return static_cast<char*>(b.output);
+      default: return scratch;
+    }
+  };
+  auto element = [&](Buffer buffer) { return buffer == Buffer::kScratch ? acc_width : width; };
+  auto slices = [&](int64_t count) { return (count + slice - 1) / slice; };
+
+  // Slice k of the region that `step` (right's) reads from this rank.
+  auto send = [&](const RingStep& step, int64_t k) {
+    const int64_t first = k * slice;
+    const int64_t len = std::min(slice, step.count - first);
+    const size_t w = element(step.source);
+    return Isend(h, At(base(step.source), step.source_offset + first, w), len * w, right, kDataTag,
+                 &sends_);
+  };
+  std::vector<int> posted(steps + 1, 0);  // index into recvs_ of each step's first slice
+  auto post = [&](int g) {
+    const RingStep& step = mine[g];
+    posted[g] = static_cast<int>(recvs_.requests.size());
+    if (!step.from_left) return Status();
+    const size_t w = element(step.source);
+    for (int64_t k = 0; k < slices(step.count); ++k) {
+      const int64_t first = k * slice;
+      const int64_t len = std::min(slice, step.count - first);
+      char* into = step.reduce ? incoming[g % 2] + first * w
+                               : At(base(step.dst), step.dst_offset + first, element(step.dst));
+      Status status = Irecv(h, into, len * w, left, kDataTag, &recvs_);
+      if (!status.ok()) return status;
+    }
+    return Status();
+  };
+
+  Status status = steps > 0 ? post(0) : Status();
+  for (int g = 0; g < steps && status.ok(); ++g) {
+    const RingStep& step = mine[g];
+    if (g + 1 < steps) status = post(g + 1);
+    // What right reads in step g without waiting for this rank (its own input): send at once.
+    if (status.ok() && theirs[g].from_left && !theirs[g].waits_for_left) {
+      for (int64_t k = 0; k < slices(theirs[g].count) && status.ok(); ++k) status = send(theirs[g], k);
+    }
+    // What right reads in step g+1 is what this step produces: forward it slice by slice.
+    const bool forward = g + 1 < steps && theirs[g + 1].from_left && theirs[g + 1].waits_for_left;
+    if (forward && (theirs[g + 1].source != step.dst ||
+                    theirs[g + 1].source_offset != step.dst_offset ||
+                    theirs[g + 1].count != step.count))
+      return Status::Error(Where(h) + ": internal error: ring schedules of neighbours disagree");
+    if (!status.ok()) break;
+    if (!step.from_left) {  // this rank's own block (all_gather's first step)
+      std::memcpy(At(base(step.dst), step.dst_offset, element(step.dst)),
+                  At(base(step.source), step.source_offset, element(step.source)),
+                  step.count * element(step.source));
+    }
+    for (int64_t k = 0; k < slices(step.count) && status.ok(); ++k) {
+      const int64_t first = k * slice;
+      const int64_t len = std::min(slice, step.count - first);
+      if (step.from_left) {
+        status = Wait(h, &recvs_, posted[g] + static_cast<int>(k), deadline, "send its data");
+        if (!status.ok()) break;
+      }
+      if (step.reduce) {
+        Operand srcs[2] = {{incoming[g % 2] + first * element(step.source),
+                            step.source == Buffer::kScratch},
+                           {At(b.input, step.own_input_offset + first, width)}};
+        Target dst{At(base(step.dst), step.dst_offset + first, element(step.dst)),
+                   step.dst == Buffer::kScratch};
+        const bool final = step.dst == Buffer::kOutput && h.op == ReduceOp::kMean;
+        Reduce(h.dtype, h.op, srcs, 2, &dst, 1, len, final ? n : 0);
+      }
+      if (forward) status = send(theirs[g + 1], k);
+    }
+  }
+  if (status.ok()) status = Wait(h, &sends_, -1, deadline, "receive this rank's data");
+  if (status.ok()) {
+    sends_.Clear();
+    recvs_.Clear();
+  }
+  return status;
+}
+
+// Broadcast: a binomial tree (log2 n hops) for small messages; above the ring threshold a chain
+// from the root, in slices, so every link carries the whole message once, pipelined.
+Status MpiTransport::Broadcast(const Header& h, const CollectiveBuffers& b,
+                               const Deadline& deadline) {
+  const int n = size_;
+  const size_t bytes = h.count * ByteWidth(h.dtype);
+  const int root = static_cast<int>(h.root);
+  const int v = (rank_ - root + n) % n;  // rank counted from the root
+  char* out = static_cast<char*>(b.output);
+  if (v == 0 && bytes > 0 && b.input != b.output) std::memcpy(out, b.input, bytes);
+  Status status;
+  if (static_cast<int64_t>(bytes) <= config_.mpi_ring_threshold_bytes) {
+    int mask = 1;
+    for (; mask < n; mask <<= 1) {
+      if (v & mask) {
+        status = Irecv(h, out, bytes, (rank_ - mask + n) % n, kDataTag, &recvs_);
+        if (status.ok()) status = Wait(h, &recvs_, -1, deadline, "send the broadcast");
+        if (!status.ok()) return status;
+        break;
+      }
+    }
+    for (mask >>= 1; mask > 0 && status.ok(); mask >>= 1) {
+      if (v + mask < n) status = Isend(h, out, bytes, (rank_ + mask) % n, kDataTag, &sends_);
+    }
+  } else {
+    const size_t slice = std::max<int64_t>(1, config_.pipeline_slice_bytes);
+    const size_t pieces = (bytes + slice - 1) / slice;
+    for (size_t k = 0; v > 0 && k < pieces && status.ok(); ++k)
+      status = Irecv(h, out + k * slice, std::min(slice, bytes - k * slice), (rank_ + n - 1) % n,
+                     kDataTag, &recvs_);
+    for (size_t k = 0; k < pieces && status.ok(); ++k) {
+      if (v > 0) status = Wait(h, &recvs_, static_cast<int>(k), deadline, "send the broadcast");
+      if (status.ok() && v + 1 < n)
+        status = Isend(h, out + k * slice, std::min(slice, bytes - k * slice), (rank_ + 1) % n,
+                       kDataTag, &sends_);
+    }
+  }
+  if (status.ok()) status = Wait(h, &sends_, -1, deadline, "receive the broadcast");
+  if (status.ok()) {
+    sends_.Clear();
+    recvs_.Clear();
+  }
+  return status;
+}
+
+// ---- point-to-point --------------------------------------------------------------------------
+
+Status MpiTransport::ReapEager(const Header& h, bool block) {
+  while (!eager_.empty()) {
+    Requests& front = eager_.front().requests;
+    int done = 0;
+    MPI_Testall(static_cast<int>(front.requests.size()), front.requests.data(), &done,
+                MPI_STATUSES_IGNORE);
+    if (!done && block) {
+      Status status = Wait(h, &front, -1, Deadline(config_.timeout_seconds),
+                           "receive this rank's earlier messages");
+      if (!status.ok()) return status;
+      done = 1;
+    }
+    if (!done) break;
+    eager_.pop_front();
+    block = false;
+  }
+  return Status();
+}
+
+// One message: the header, then the payload in the same message (eager, copied) or after it,
+// sent straight from the caller's buffer (`in_place`; the caller waits in WaitSent).
+Status MpiTransport::Post(int dest, const Header& header, const void* data, size_t bytes,
+                          bool in_place) {
+  if (!broken_.empty()) return Broken(header);
+  Status status = ReapEager(header, eager_.size() >= kMaxEagerInFlight);
+  if (!status.ok()) return Fail(status);
+  // A copy too large for one MPI message travels as pieces after its header, like in-place.
+  const bool separate = in_place || sizeof(WireHeader) + bytes > kMaxPiece;
+  Eager message;
+  message.bytes.resize(sizeof(WireHeader) + (in_place ? 0 : bytes));
+  const WireHeader wire{header, separate ? 1u : 0u, 0};
+  std::memcpy(message.bytes.data(), &wire, sizeof(wire));
+  if (!in_place && bytes > 0) std::memcpy(message.bytes.data() + sizeof(wire), data, bytes);
+  const size_t first = separate ? sizeof(wire) : message.bytes.size();
+  status = Isend(header, message.bytes.data(), first, dest, kP2PTag, &message.requests);
+  if (status.ok() && separate && !in_place)
+    status = Isend(header, message.bytes.data() + sizeof(wire), bytes, dest, kP2PTag,
+                   &message.requests);
+  if (status.ok() && in_place) {
+    in_place_[dest].Clear();
+    in_place_header_[dest] = header;
+    status = Isend(header, data, bytes, dest, kP2PTag, &in_place_[dest]);
+  }
+  eager_.push_back(std::move(message));
+  return status.ok() ? status : Fail(status);
+}
+
+Status MpiTransport::SendCopy(int dest, const Header& header, const void* data, size_t bytes) {
+  return Post(dest, header, data, bytes, false);
+}
+
+Status MpiTransport::SendInPlace(int dest, const Header& header, const void* data, size_t bytes) {
+  return Post(dest, header, data, bytes, true);
+}
+
+Status MpiTransport::WaitSent(int dest) {
+  Status status = Wait(in_place_header_[dest], &in_place_[dest], -1,
+                       Deadline(config_.timeout_seconds), "receive this rank's message");
+  if (!status.ok()) return Fail(status);
+  in_place_[dest].Clear();
+  return status;
+}
+
+Status MpiTransport::Receive(int source, const Header& expected, void* out, size_t bytes) {
+  if (!broken_.empty()) return Broken(expected);
+  const Deadline deadline(config_.timeout_seconds);
+  MPI_Message message = MPI_MESSAGE_NULL;
+  MPI_Status probe;
+  int code = MPI_SUCCESS;
+  auto arrived = [&] {
+    int flag = 0;
+    code = MPI_Improbe(source, kP2PTag, comm_, &flag, &message, &probe);
+    return code != MPI_SUCCESS || flag != 0;
+  };
+  if (!Poll(arrived, deadline, config_.spin_iterations)) {
+    std::ostringstream s;
+    s << Where(expected) << ": timed out after " << deadline.seconds() << " s waiting for rank "
+      << source << " to send (a rank that never makes the matching send, or has died)";
+    return Fail(Status::Error(s.str()));
+  }
+  Status status = Call(expected, code, "probe for a message");
+  int length = 0;
+  if (status.ok()) status = Call(expected, MPI_Get_count(&probe, MPI_BYTE, &length), "receive");
+  if (status.ok()) {
+    if (message_.size() < static_cast<size_t>(length)) message_.resize(length);
+    status = Call(expected,
+                  MPI_Mrecv(message_.data(), length, MPI_BYTE, &message, MPI_STATUS_IGNORE),
+                  "receive");
+  }
+  if (!status.ok()) return Fail(status);
+  WireHeader wire;
+  if (static_cast<size_t>(length) < sizeof(wire))
+    return Fail(Status::Error(Where(expected) + ": a malformed message arrived from rank " +
+                              std::to_string(source)));
+  std::memcpy(&wire, message_.data(), sizeof(wire));
+  if (!(wire.header == expected)) {
+    std::ostringstream s;
+    s << Where(expected) << ": mismatched point-to-point calls: rank " << source << " sent "
+      << Describe(wire.header) << " but this rank expected " << Describe(expected) << ".";
+    return Fail(Status::Error(s.str()));
+  }
+  if (wire.in_place) {
+    recvs_.Clear();
+    status = Irecv(expected, out, bytes, source, kP2PTag, &recvs_);
+    if (status.ok()) status = Wait(expected, &recvs_, -1, deadline, "send its data");
+    recvs_.Clear();
+    return status.ok() ? status : Fail(status);
+  }
+  if (static_cast<size_t>(length) != sizeof(wire) + bytes)
+    return Fail(Status::Error(Where(expected) + ": a message of the wrong size arrived"));
+  if (bytes > 0) std::memcpy(out, message_.data() + sizeof(wire), bytes);
+  return Status();
+}
+
+}  // namespace jaxring

@@ -1,0 +1,100 @@
+// The MPI transport: processes on different nodes (or, when asked, on one node) exchange
+// non-blocking MPI point-to-point messages on a private duplicate of the user's communicator.
+//
+//   * all_reduce up to `mpi_ring_threshold_bytes` per rank: recursive doubling (log2 n rounds,
+//     the latency-optimal exchange), with the usual fold for counts that are not powers of two.
+//   * larger all_reduce, reduce_scatter, all_gather: the ring of ring/schedule.h, each chunk sent
+//     in slices of `pipeline_slice_bytes`, so that a rank forwards slice k while slice k+1 is
+//     still arriving and reduction overlaps communication. 16-bit partial sums travel as float32
+//     and are rounded once.
+//   * broadcast: a binomial tree for small messages, a sliced chain from the root for large ones.
+//   * every collective first all-gathers the ranks' headers (Bruck's dissemination, log2 n
+//     rounds), so a mismatch is reported identically on every rank before any data moves; that
+//     exchange is also the barrier.
+//   * point-to-point: a message is a header followed by its payload (eager, up to
+//     `p2p_eager_bytes`) or by a second message that the receiver lands in place.
+//
+// Waits poll MPI_Test with the same spin/yield/sleep back-off as jaxring's flags and give up at
+// the configured timeout, naming the ranks that never answered. After an error the communicator
+// refuses further calls, since its message streams are no longer in step.
+#pragma once
+
+#include <mpi.h>
+
+#include <cstdint>
+#include <deque>
+#include <string>
+#include <vector>
+
+#include "common/wait.h"
+#include "transports/process.h"
+
+namespace jaxring {
+
+class MpiTransport final : public ProcessTransport {
+ public:
+  // Duplicates `parent` (collective over its ranks, like MPI_Comm_dup).
+  static Status Create(MPI_Comm parent, std::string name, std::unique_ptr<MpiTransport>* out);
+  ~MpiTransport() override;
+
+  int rank() const override { return rank_; }
+  int size() const override { return size_; }
+  std::string Where(const Header& header) const override;
+
+  Status RunCollective(const Header& header, const CollectiveBuffers& buffers,
+                       const Config& config) override;
+  void Configure(const Config& config) override { config_ = config; }
+
+  Status SendCopy(int dest, const Header& header, const void* data, size_t bytes) override;
+  Status SendInPlace(int dest, const Header& header, const void* data, size_t bytes) override;
+  Status WaitSent(int dest) override;
+  Status Receive(int source, const Header& expected, void* out, size_t bytes) override;
+
+ private:
+  // Requests of one phase and the peer each talks to (for timeout messages).
+  struct Requests {
+    std::vector<MPI_Request> requests;
+    std::vector<int> peers;
+    void Clear() { requests.clear(); peers.clear(); }
+  };
+  struct Eager {  // a point-to-point message this rank owns until it has been received
+    Requests requests;
+    std::vector<char> bytes;
+  };
+
+  MpiTransport(MPI_Comm comm, std::string name);
+
+  Status Call(const Header& header, int code, const char* what);  // MPI return code -> Status
+  Status Isend(const Header& h, const void* data, size_t bytes, int peer, int tag, Requests* r);
+  Status Irecv(const Header& h, void* data, size_t bytes, int peer, int tag, Requests* r);
+  // Waits for request `index` of `r` (or all of them when index < 0).
+  Status Wait(const Header& h, Requests* r, int index, const Deadline& deadline, const char* what);
+  Status Fail(Status status);  // marks the communicator broken and cancels what is pending
+  Status Broken(const Header& h) const;
+  // Frees eager sends that have been received; with `block`, first waits for the oldest.
+  Status ReapEager(const Header& h, bool block);
+  Status Post(int dest, const Header& header, const void* data, size_t bytes, bool in_place);
+
+  Status ExchangeHeaders(const Header& h, const Deadline& deadline);
+  Status RecursiveDoubling(const Header& h, const CollectiveBuffers& b, const Deadline& d);
+  Status Ring(const Header& h, const CollectiveBuffers& b, const Deadline& d);
+  Status Broadcast(const Header& h, const CollectiveBuffers& b, const Deadline& d);
+
+  char* Scratch(int which, size_t bytes);
+
+  MPI_Comm comm_;
+  int rank_;
+  int size_;
+  std::string name_;
+  Config config_;
+  std::string broken_;  // why the communicator failed; empty while healthy
+  std::vector<char> scratch_[3];
+  std::vector<char> message_;     // the point-to-point message being received
+  std::vector<Header> headers_;   // the header all-gather's
+  Requests sends_, recvs_;        // the current collective's
+  std::deque<Eager> eager_;       // point-to-point sends still in flight
+  std::vector<Requests> in_place_;       // per destination: a send straight from the caller's buffer
+  std::vector<Header> in_place_header_;  // ... and its header, for error messages
+};
+
+}  // namespace jaxring

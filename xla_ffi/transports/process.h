@@ -1,0 +1,40 @@
+// Transports between processes that run whole collectives and point-to-point messages
+// themselves (MPI between nodes). They are built into a separate extension module, which links
+// the MPI library, and registered here under their communicator's key; the CPU handlers look
+// them up like the shared-memory communicators.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <mutex>
+
+#include "common/config.h"
+#include "common/status.h"
+#include "common/types.h"
+#include "ring/algorithms.h"
+#include "transports/point_to_point.h"
+
+namespace jaxring {
+
+class ProcessTransport : public PointToPoint {
+ public:
+  // Runs one collective on this rank's buffers. Every rank of the communicator makes the same
+  // calls in the same order (jaxring's ordered effect sees to that within a process).
+  virtual Status RunCollective(const Header& header, const CollectiveBuffers& buffers,
+                               const Config& config) = 0;
+  // The timeout and spin count that point-to-point calls (which take no config) use next.
+  virtual void Configure(const Config& config) = 0;
+  // Held by a handler for the whole of one call.
+  std::mutex& mutex() { return mutex_; }
+
+  // Takes ownership of `transport` under `key`, replacing any earlier one.
+  static void Register(uint64_t key, std::unique_ptr<ProcessTransport> transport);
+  static void Unregister(uint64_t key);
+  // The transport registered under `key`, or null.
+  static ProcessTransport* Find(uint64_t key);
+
+ private:
+  std::mutex mutex_;
+};
+
+}  // namespace jaxring
