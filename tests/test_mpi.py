@@ -16,30 +16,36 @@ MPIEXEC = shutil.which("mpiexec") or str(Path(sys.executable).parent / "mpiexec"
 pytestmark = pytest.mark.skipif(not Path(MPIEXEC).exists(), reason="no mpiexec (pip install mpich)")
 
 
-def mpiexec(n: int, *args: str, timeout: float = 300, launcher=()) -> subprocess.CompletedProcess:
-    env = dict(os.environ, XLA_FLAGS="", JAXRING_TIMEOUT_SECONDS="60")
+def mpiexec(n: int, *args: str, timeout: float = 300, launcher=(),
+            transport: str = "auto") -> subprocess.CompletedProcess:
+    env = dict(os.environ, XLA_FLAGS="", JAXRING_TIMEOUT_SECONDS="60",
+               JAXRING_MPI_TRANSPORT=transport)
     return subprocess.run([MPIEXEC, *launcher, "-n", str(n), sys.executable, *args],
                           capture_output=True,
                           text=True, timeout=timeout, env=env, cwd=HERE.parent)
 
 
+# "auto" is shared memory here (one node); "mpi" is the transport between nodes.
+@pytest.mark.parametrize("transport", ["auto", "mpi"])
 @pytest.mark.parametrize("n", [2, 3, 4])
-def test_collectives_under_mpiexec(n):
-    result = mpiexec(n, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", str(HERE / "mpi"))
+def test_collectives_under_mpiexec(n, transport):
+    result = mpiexec(n, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", str(HERE / "mpi"),
+                     transport=transport)
     assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]
 
 
-def run_script(n, source, timeout=120, launcher=()):
+def run_script(n, source, timeout=120, launcher=(), transport="auto"):
     script = HERE.parent / ".pytest-mpi-script.py"
     script.write_text(textwrap.dedent(source))
     try:
-        return mpiexec(n, str(script), timeout=timeout, launcher=launcher)
+        return mpiexec(n, str(script), timeout=timeout, launcher=launcher, transport=transport)
     finally:
         script.unlink()
 
 
-def test_a_rank_that_exits_right_after_dispatch_still_takes_part():
-    result = run_script(2, """
+@pytest.mark.parametrize("transport", ["auto", "mpi"])
+def test_a_rank_that_exits_right_after_dispatch_still_takes_part(transport):
+    result = run_script(2, transport=transport, source="""
         import jax, numpy as np, jaxring, jaxring.mpi
         comm = jaxring.mpi.world()
         y = jax.jit(lambda v: jaxring.all_reduce(v, comm))(np.full(1 << 16, comm.rank + 1.0))
@@ -52,7 +58,8 @@ def test_a_rank_that_exits_right_after_dispatch_still_takes_part():
     assert "rank 1 got the sum" in result.stdout
 
 
-def test_a_killed_rank_is_named_instead_of_hanging(tmp_path):
+@pytest.mark.parametrize("transport", ["auto", "mpi"])
+def test_a_killed_rank_is_named_instead_of_hanging(tmp_path, transport):
     # By default MPICH's launcher kills the whole job when one rank dies, which also ends any
     # wait; with auto-cleanup off the survivors run on, and must fail on their own, in time.
     # The survivor writes its error to a file: the launcher may drop its last output lines
@@ -61,15 +68,15 @@ def test_a_killed_rank_is_named_instead_of_hanging(tmp_path):
     # of them must show the survivor naming the dead rank.
     report = tmp_path / "rank0-error.txt"
     for _ in range(3):
-        result = run_killed_rank_job(report)
+        result = run_killed_rank_job(report, transport)
         if report.exists():
             break
     assert report.exists(), result.stdout + result.stderr
     assert "timed out after 3 s waiting for rank(s) [1]" in report.read_text()
 
 
-def run_killed_rank_job(report):
-    return run_script(2, f"""
+def run_killed_rank_job(report, transport):
+    return run_script(2, transport=transport, source=f"""
         import os, time, jax, numpy as np, jaxring, jaxring.mpi
         comm = jaxring.mpi.world()
         comm.mpi_comm.Barrier()  # both ranks are past set-up and done with MPI

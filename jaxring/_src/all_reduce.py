@@ -67,7 +67,8 @@ def _batching(args, dims, *, comm, op, op_id):
     rank, group, x = args
     assert common.unbatched(dims[0], dims[1]), "jaxring: rank/group cannot be batched"
     # Elementwise across devices: the batch dimension just rides along.
-    return all_reduce_p.bind(rank, group, x, comm=comm, op=op, op_id=common.next_op_id()), dims[2]
+    return all_reduce_p.bind(rank, group, x, comm=comm, op=op,
+                             op_id=common.next_op_id(comm)), dims[2]
 
 
 # ---- JVP and transpose -------------------------------------------------------------------------

@@ -23,7 +23,7 @@ def barrier(axis_name) -> None:
     """
     comm = common.communicator("barrier", axis_name)
     rank, group = comm.rank_and_group()
-    barrier_p.bind(rank, group, comm=comm, op_id=common.next_op_id())
+    barrier_p.bind(rank, group, comm=comm, op_id=common.next_op_id(comm))
 
 
 # ---- abstract evaluation -----------------------------------------------------------------------

@@ -66,7 +66,7 @@ def _batching(args, dims, *, comm, root, op_id):
     rank, group, x = args
     assert common.unbatched(dims[0], dims[1]), "jaxring: rank/group cannot be batched"
     return broadcast_p.bind(rank, group, x, comm=comm, root=root,
-                            op_id=common.next_op_id()), dims[2]
+                            op_id=common.next_op_id(comm)), dims[2]
 
 
 # ---- JVP and transpose -------------------------------------------------------------------------

@@ -12,6 +12,8 @@ import dataclasses
 import hashlib
 import itertools
 import math
+import os
+import sys
 from typing import Any, Sequence
 
 import jax
@@ -116,11 +118,26 @@ def perm_attribute(perm: tuple[tuple[int, int], ...]) -> np.ndarray:
 # ---- op ids ------------------------------------------------------------------------------------
 
 _op_ids = itertools.count(1)
+_LIBRARY_DIRS = (os.path.dirname(jax.__file__) + os.sep,
+                 os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep)
 
 
-def next_op_id() -> int:
-    """A static id for one call site, carried in the header peers compare."""
-    return next(_op_ids)
+def next_op_id(comm: "AxisCommunicator") -> int:
+    """A static id for one call site, carried in the header peers compare.
+
+    The devices of a mesh share one trace, so a counter serves. Processes trace on their own,
+    and may trace different numbers of calls (a rank-dependent branch, a retrace on one rank), so
+    for a process communicator the id comes from the calling source line instead: it is the same
+    in every process that runs the same code, and differs between call sites."""
+    if comm.process_rank is None:
+        return next(_op_ids)
+    frame = sys._getframe(1)
+    while frame is not None and frame.f_code.co_filename.startswith(_LIBRARY_DIRS):
+        frame = frame.f_back
+    if frame is None:
+        return 0
+    site = f"{os.path.basename(frame.f_code.co_filename)}:{frame.f_code.co_name}:{frame.f_lineno}"
+    return int.from_bytes(hashlib.blake2b(site.encode(), digest_size=3).digest(), "little")
 
 
 # ---- communicators of mesh axes ------------------------------------------------------------------
@@ -211,7 +228,7 @@ def bind_collective(primitive, x, comm: AxisCommunicator, **params):
     communicator's axes first, as lax collectives do for invariant inputs."""
     rank, group = comm.rank_and_group()
     x = make_varying(x, comm.axes)
-    return primitive.bind(rank, group, x, comm=comm, op_id=next_op_id(), **params)
+    return primitive.bind(rank, group, x, comm=comm, op_id=next_op_id(comm), **params)
 
 
 # ---- varying manual axes (shard_map's check_vma) --------------------------------------------------

@@ -63,7 +63,7 @@ def _batching(args, dims, *, comm, perm, op_id):
     assert common.unbatched(dims[0], dims[1]), "jaxring: rank/group cannot be batched"
     # The permutation moves whole per-device blocks: the batch dimension rides along.
     return ppermute_p.bind(rank, group, x, comm=comm, perm=perm,
-                           op_id=common.next_op_id()), dims[2]
+                           op_id=common.next_op_id(comm)), dims[2]
 
 
 # ---- JVP and transpose -------------------------------------------------------------------------

@@ -83,7 +83,8 @@ def _batching(args, dims, *, comm, op, op_id):
     assert common.unbatched(dims[0], dims[1]), "jaxring: rank/group cannot be batched"
     # The leading dimension is the scattered one, so the batch dimension goes second.
     x = common.move_batch_axis(x, dims[2], 1)
-    return reduce_scatter_p.bind(rank, group, x, comm=comm, op=op, op_id=common.next_op_id()), 1
+    return reduce_scatter_p.bind(rank, group, x, comm=comm, op=op,
+                                 op_id=common.next_op_id(comm)), 1
 
 
 # ---- JVP and transpose -------------------------------------------------------------------------

@@ -54,7 +54,7 @@ def recv(like, axis_name, perm):
         pairs = common.check_perm("recv", perm, comm.size, comm.name)
         rank, group = comm.rank_and_group()
         return recv_p.bind(rank, group, aval=aval, comm=comm, perm=pairs,
-                           op_id=common.next_op_id())
+                           op_id=common.next_op_id(comm))
 
     return jax.tree.map(recv_leaf, like)
 

@@ -114,8 +114,6 @@ def test_deterministic_across_runs():
 
 
 def test_bad_arguments_are_refused_at_trace_time():
-    with pytest.raises(NotImplementedError, match="ppermute over a jaxring.mpi communicator"):
-        jax.jit(lambda v: jaxring.ppermute(v, COMM, [(0, 0)]))(np.ones(3))
     with pytest.raises(TypeError, match="unsupported dtype uint8"):
         jax.jit(lambda v: jaxring.all_reduce(v, COMM))(np.ones(3, np.uint8))
     with pytest.raises(ValueError, match="unsupported op 'prod'"):
@@ -148,3 +146,23 @@ def test_missing_rank_times_out_naming_it():
                 np.asarray(jax.jit(lambda v: jaxring.all_reduce(v, sub))(np.ones(4)))
         jaxring.reset_after_error()
     MPI_COMM.Barrier()
+
+
+def test_build_time_and_run_time_mpi_must_agree(monkeypatch):
+    """A transport linked with another MPI library than mpi4py's is refused, with the fix."""
+    ext, reason = jaxring.mpi._mpi_extension()
+    if ext is None:
+        pytest.skip(reason)
+    monkeypatch.setattr(ext, "library_version", lambda: "Open MPI v5.0.0, imagined")
+    jaxring.mpi._mpi_extension.cache_clear()
+    try:
+        with pytest.raises(RuntimeError, match="build-time and run-time MPI differ: .* runs Open "
+                                               "MPI v5.0.0, imagined, but mpi4py runs MPICH"):
+            jaxring.mpi.Communicator(MPI_COMM, transport="mpi")
+        sub = jaxring.mpi.Communicator(MPI_COMM, transport="shm")  # collectives still work
+        assert "differ" in sub.point_to_point_unavailable
+        with pytest.raises(NotImplementedError, match="ppermute over .* needs jaxring's MPI "
+                                                      "transport, but build-time and run-time"):
+            jax.jit(lambda v: jaxring.ppermute(v, sub, [(0, 0)]))(np.ones(3))
+    finally:
+        jaxring.mpi._mpi_extension.cache_clear()

@@ -62,6 +62,12 @@ bool operator==(const Header& a, const Header& b) {
          a.count == b.count && a.root == b.root;
 }
 
+bool SameMessage(const Header& a, const Header& b) {
+  // A send and its recv are different call sites, so only ppermute compares op ids.
+  return a.kind == b.kind && a.dtype == b.dtype && a.count == b.count &&
+         (a.kind != Collective::kPermute || a.op_id == b.op_id);
+}
+
 std::string Describe(const Header& h) {
   std::ostringstream s;
   s << CollectiveName(h.kind);

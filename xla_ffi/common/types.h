@@ -50,6 +50,8 @@ struct Header {
 };
 
 bool operator==(const Header& a, const Header& b);
+// Whether a point-to-point message with header `a` matches a receive expecting `b`.
+bool SameMessage(const Header& a, const Header& b);
 std::string Describe(const Header& h);  // e.g. "all_reduce(sum) op 3 float32[1024]"
 // Error text prefix naming the call, the communicator and the rank, e.g.
 // "jaxring all_reduce(sum) op 3 float32[1024] on mesh axis 'i' (rank 2 of 4)".

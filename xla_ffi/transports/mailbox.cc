@@ -78,12 +78,6 @@ class MailboxRegistry {
   std::map<MailboxKey, std::unique_ptr<Mailbox>> mailboxes_;
 };
 
-bool SameMessage(const Header& a, const Header& b) {
-  // A send and its recv are different call sites, so only ppermute compares op ids.
-  return a.kind == b.kind && a.dtype == b.dtype && a.count == b.count &&
-         (a.kind != Collective::kPermute || a.op_id == b.op_id);
-}
-
 }  // namespace
 
 LocalPointToPoint::LocalPointToPoint(CommunicatorId comm, int rank, double timeout_seconds,

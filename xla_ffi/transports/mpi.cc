@@ -23,6 +23,8 @@ constexpr int kP2PTag = 0x6a74;     // point-to-point messages (matched in order
 constexpr size_t kMaxPiece = size_t{1} << 30;
 // Eager point-to-point sends in flight before a sender waits for its oldest to be received.
 constexpr size_t kMaxEagerInFlight = 64;
+// Communicators up to this size exchange headers directly (one round, n-1 messages per rank).
+constexpr int kDirectHeaderRanks = 64;
 
 // Prefix of every point-to-point message.
 struct WireHeader {
@@ -56,11 +58,13 @@ bool Poll(Done done, const Deadline& deadline, int64_t spin) {
 
 std::string Ranks(const std::set<int>& ranks) {
   std::ostringstream s;
+  s << "[";
   bool first = true;
   for (int r : ranks) {
     s << (first ? "" : ", ") << r;
     first = false;
   }
+  s << "]";
   return s.str();
 }
 
@@ -198,8 +202,8 @@ Status MpiTransport::Wait(const Header& h, Requests* r, int index, const Deadlin
       if (!flag) missing.insert(r->peers[first + i]);
     }
     std::ostringstream s;
-    s << Where(h) << ": timed out after " << deadline.seconds() << " s waiting for rank"
-      << (missing.size() > 1 ? "s " : " ") << Ranks(missing) << " to " << what
+    s << Where(h) << ": timed out after " << deadline.seconds() << " s waiting for rank(s) "
+      << Ranks(missing) << " to " << what
       << " (a rank that never makes this call, has died, or is itself waiting for one that "
          "does not; raise jaxring.config timeout_seconds if it is only slow)";
     return Status::Error(s.str());
@@ -261,25 +265,43 @@ Status MpiTransport::RunCollective(const Header& h, const CollectiveBuffers& b,
   return status.ok() ? status : Fail(status);
 }
 
-// Bruck's all-gather of the ranks' headers: in round k each rank passes everything it knows to
-// rank - 2^k. Afterwards every rank holds every header, so every rank finds the same mismatch,
-// and nobody can have left before everybody arrived (which makes it a barrier too).
+// Every rank learns every rank's header before data moves, so every rank finds the same
+// mismatch, and nobody can leave before everybody arrived (which makes this the barrier too).
+// Up to kDirectHeaderRanks ranks each sends its header to all others in one round, and a
+// timeout names exactly the ranks that never arrived. Above that, Bruck's all-gather (round k
+// passes everything known to rank - 2^k) keeps it to log2 n rounds, but a timeout can then
+// only name the rank a waiter heard nothing from, which may itself be waiting for another.
 Status MpiTransport::ExchangeHeaders(const Header& h, const Deadline& deadline) {
-  std::vector<Header>& known = headers_;
+  std::vector<Header>& known = headers_;  // known[i]: rank (rank_ + i) % size_
   known.assign(size_, Header{});
-  known[0] = h;  // known[i] is rank (rank_ + i) % size_'s header
-  int have = 1;
-  for (int distance = 1; distance < size_; distance *= 2) {
-    const int count = std::min(distance, size_ - distance);
-    const int to = (rank_ - distance + size_) % size_;
-    const int from = (rank_ + distance) % size_;
+  known[0] = h;
+  const char* what = "arrive at this collective";
+  if (size_ <= kDirectHeaderRanks) {
     recvs_.Clear();
-    Status status = Irecv(h, &known[have], count * sizeof(Header), from, kHeaderTag, &recvs_);
-    if (status.ok()) status = Isend(h, known.data(), count * sizeof(Header), to, kHeaderTag, &recvs_);
-    if (status.ok()) status = Wait(h, &recvs_, -1, deadline, "arrive at this collective");
+    Status status;
+    for (int i = 1; i < size_ && status.ok(); ++i)
+      status = Irecv(h, &known[i], sizeof(Header), (rank_ + i) % size_, kHeaderTag, &recvs_);
+    for (int i = 1; i < size_ && status.ok(); ++i)
+      status = Isend(h, &known[0], sizeof(Header), (rank_ + i) % size_, kHeaderTag, &sends_);
+    if (status.ok()) status = Wait(h, &recvs_, -1, deadline, what);
+    if (status.ok()) status = Wait(h, &sends_, -1, deadline, what);
     if (!status.ok()) return status;
-    have += count;
+  } else {
+    int have = 1;
+    for (int distance = 1; distance < size_; distance *= 2) {
+      const int count = std::min(distance, size_ - distance);
+      recvs_.Clear();
+      Status status = Irecv(h, &known[have], count * sizeof(Header), (rank_ + distance) % size_,
+                            kHeaderTag, &recvs_);
+      if (status.ok())
+        status = Isend(h, known.data(), count * sizeof(Header),
+                       (rank_ - distance + size_) % size_, kHeaderTag, &recvs_);
+      if (status.ok()) status = Wait(h, &recvs_, -1, deadline, what);
+      if (!status.ok()) return status;
+      have += count;
+    }
   }
+  sends_.Clear();
   recvs_.Clear();
   const Header& reference = known[(size_ - rank_) % size_];
   for (int peer = 1; peer < size_; ++peer) {
@@ -580,8 +602,8 @@ Status MpiTransport::Receive(int source, const Header& expected, void* out, size
   };
   if (!Poll(arrived, deadline, config_.spin_iterations)) {
     std::ostringstream s;
-    s << Where(expected) << ": timed out after " << deadline.seconds() << " s waiting for rank "
-      << source << " to send (a rank that never makes the matching send, or has died)";
+    s << Where(expected) << ": timed out after " << deadline.seconds()
+      << " s waiting for rank(s) [" << source << "] to send (a rank that never makes the matching send, or has died)";
     return Fail(Status::Error(s.str()));
   }
   Status status = Call(expected, code, "probe for a message");
@@ -599,7 +621,7 @@ Status MpiTransport::Receive(int source, const Header& expected, void* out, size
     return Fail(Status::Error(Where(expected) + ": a malformed message arrived from rank " +
                               std::to_string(source)));
   std::memcpy(&wire, message_.data(), sizeof(wire));
-  if (!(wire.header == expected)) {
+  if (!SameMessage(wire.header, expected)) {
     std::ostringstream s;
     s << Where(expected) << ": mismatched point-to-point calls: rank " << source << " sent "
       << Describe(wire.header) << " but this rank expected " << Describe(expected) << ".";

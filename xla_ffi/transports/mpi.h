@@ -8,9 +8,9 @@
 //     still arriving and reduction overlaps communication. 16-bit partial sums travel as float32
 //     and are rounded once.
 //   * broadcast: a binomial tree for small messages, a sliced chain from the root for large ones.
-//   * every collective first all-gathers the ranks' headers (Bruck's dissemination, log2 n
-//     rounds), so a mismatch is reported identically on every rank before any data moves; that
-//     exchange is also the barrier.
+//   * every collective first all-gathers the ranks' headers (directly up to 64 ranks, so that a
+//     timeout names exactly the absent ranks; by Bruck's log2 n rounds above), so a mismatch is
+//     reported identically on every rank before any data moves; that exchange is the barrier.
 //   * point-to-point: a message is a header followed by its payload (eager, up to
 //     `p2p_eager_bytes`) or by a second message that the receiver lands in place.
 //

@@ -1,0 +1,124 @@
+"""ppermute, send and recv across processes (over jaxring's MPI transport), checked against numpy
+on every rank's gathered inputs. Runs under mpiexec (tests/test_mpi.py) and as one rank."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxring
+import jaxring.mpi
+from helpers import DTYPES, random_array
+
+COMM = jaxring.mpi.world()
+MPI_COMM = COMM.mpi_comm
+N = COMM.size
+pytestmark = pytest.mark.skipif(COMM.point_to_point_unavailable is not None,
+                                reason=str(COMM.point_to_point_unavailable))
+
+
+def gathered(x):
+    return np.stack(MPI_COMM.allgather(np.asarray(x)))
+
+
+def expected_permute(inputs, perm, rank):
+    """What `rank` receives: its source's input, or zeros."""
+    for source, dest in perm:
+        if dest == rank:
+            return inputs[source]
+    return np.zeros_like(inputs[0])
+
+
+def permutations():
+    rng = np.random.default_rng(7)  # the same on every rank
+    shuffled = rng.permutation(N)
+    return {
+        "shift": [(i, (i + 1) % N) for i in range(N)],
+        "reverse": [(i, (i - 1) % N) for i in range(N)],
+        "random": [(i, int(shuffled[i])) for i in range(N)],
+        "partial": [(0, N - 1)],
+        "identity": [(i, i) for i in range(N)],
+    }
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_ppermute_against_numpy_on_every_permutation(dtype):
+    rng = np.random.default_rng([COMM.rank, dtype.num])
+    # Sizes on both protocols: eager up to p2p_eager_bytes (64 KiB), in place above.
+    for size in (0, 1, 1001, 40_000):
+        x = random_array(rng, (size,), dtype)
+        inputs = gathered(x)
+        for name, perm in permutations().items():
+            y = jax.jit(lambda v, perm=perm: jaxring.ppermute(v, COMM, perm))(x)
+            np.testing.assert_array_equal(np.asarray(y), expected_permute(inputs, perm, COMM.rank),
+                                          err_msg=f"{name} perm, {size} elements")
+
+
+def test_send_compute_recv_scan_vmap_and_pytrees():
+    shift = permutations()["shift"]
+    x = np.arange(12.0, dtype=np.float32).reshape(3, 4) + 100 * COMM.rank
+    inputs = gathered(x)
+
+    def step(v):
+        jaxring.send(v, COMM, shift)
+        return jaxring.recv(v, COMM, shift) * 2.0
+
+    np.testing.assert_array_equal(np.asarray(jax.jit(step)(x)),
+                                  2.0 * expected_permute(inputs, shift, COMM.rank))
+    # N ring passes inside one scan bring every block home.
+    around = jax.jit(lambda v: jax.lax.fori_loop(
+        0, N, lambda _, c: jaxring.ppermute(c, COMM, shift), v))(x)
+    np.testing.assert_array_equal(np.asarray(around), x)
+    vmapped = jax.jit(jax.vmap(lambda v: jaxring.ppermute(v, COMM, shift), in_axes=1))(x)
+    np.testing.assert_array_equal(np.asarray(vmapped),
+                                  expected_permute(inputs, shift, COMM.rank).T)
+    tree = {"a": x, "b": np.int64(COMM.rank)}
+    got = jax.jit(lambda t: jaxring.ppermute(t, COMM, shift))(tree)
+    np.testing.assert_array_equal(np.asarray(got["b"]), (COMM.rank - 1) % N)
+
+
+def test_grad_through_ppermute_is_the_inverse_permutation():
+    """Every process differentiates its own loss: d/dx of sum_r loss_r(ppermute(x)) on rank r is
+    the cotangent of the rank that x went to."""
+    perm = permutations()["random"]
+    rng = np.random.default_rng(COMM.rank + 30)
+    x = rng.standard_normal(5)
+    w = rng.standard_normal(5)
+    grad = jax.jit(jax.grad(lambda v: jnp.sum(jaxring.ppermute(v, COMM, perm) * w)))(x)
+    dest = dict(perm)[COMM.rank]
+    np.testing.assert_allclose(np.asarray(grad), gathered(w)[dest], rtol=1e-6)
+
+
+@pytest.mark.skipif(N < 2, reason="needs two ranks")
+def test_mismatched_point_to_point_calls_name_both_sides():
+    sub = COMM.split(0, key=COMM.rank)  # a fresh communicator: an error leaves it unusable
+    x = np.ones(3 if COMM.rank == 0 else 4, np.float32)
+    shift = permutations()["shift"]
+    with jaxring.config.override(timeout_seconds=20.0):
+        if COMM.rank == 1:
+            with pytest.raises(Exception, match=r"mismatched point-to-point calls: rank 0 sent "
+                                                r"ppermute op \d+ float32\[3\] but this rank "
+                                                r"expected ppermute op \d+ float32\[4\]"):
+                np.asarray(jax.jit(lambda v: jaxring.ppermute(v, sub, shift))(x))
+        else:
+            try:  # other ranks may fail too (rank 1 never forwards), or succeed
+                np.asarray(jax.jit(lambda v: jaxring.ppermute(v, sub, shift))(x))
+            except Exception:
+                pass
+    jaxring.reset_after_error()
+    MPI_COMM.Barrier()
+
+
+@pytest.mark.skipif(N < 2, reason="needs two ranks")
+def test_missing_sender_times_out_naming_it():
+    sub = COMM.split(0, key=COMM.rank)
+    if COMM.rank == 0:  # rank 1 never sends
+        with jaxring.config.override(timeout_seconds=2.0):
+            with pytest.raises(Exception, match=r"timed out after 2 s waiting for rank\(s\) \[1\] "
+                                                r"to send"):
+                np.asarray(jax.jit(lambda v: jaxring.recv(v, sub, [(1, 0)]))(np.ones(4)))
+        jaxring.reset_after_error()
+        with pytest.raises(Exception, match="failed earlier"):
+            np.asarray(jax.jit(lambda v: jaxring.recv(v, sub, [(1, 0)]))(np.ones(4)))
+        jaxring.reset_after_error()
+    MPI_COMM.Barrier()
