@@ -5,6 +5,8 @@
 Each process has one CPU device. For float32 messages of 4 B .. 64 MiB per rank it times
 - jaxring.all_reduce(x, jaxring.mpi.world()) inside jax.jit (the shared-memory transport),
   with the default wait (brief spin, yield, then sleep) and with pure spinning;
+- the same over jaxring's MPI transport (the one between nodes; transport="mpi"), with its
+  automatic choice and with recursive doubling and the ring forced, to place the switch point;
 - mpi4jax.allreduce(x, MPI.SUM) inside jax.jit;
 - mpi4py's comm.Allreduce on numpy buffers.
 Every sample starts after a barrier and counts the slowest rank. Reports time, algbw and busbw
@@ -34,6 +36,7 @@ from common import (RESULTS, bus_factor, environment, human_bytes,  # noqa: E402
 
 COMM = jaxring.mpi.world()
 WORLD = MPI.COMM_WORLD
+OVER_MPI = jaxring.mpi.Communicator(WORLD.Dup(), label="over MPI", transport="mpi")
 SPIN_FOREVER = 1 << 40
 
 
@@ -60,6 +63,7 @@ def implementations():
     import mpi4jax
 
     jaxring_sum = jax.jit(lambda v: jaxring.all_reduce(v, COMM))
+    over_mpi_sum = jax.jit(lambda v: jaxring.all_reduce(v, OVER_MPI))
     mpi4jax_sum = jax.jit(lambda v: mpi4jax.allreduce(v, MPI.SUM, comm=WORLD))
 
     def mpi4py_sum(x):
@@ -71,6 +75,11 @@ def implementations():
         "jaxring.all_reduce": (lambda x, xj: jaxring_sum(xj).block_until_ready(), {}),
         "jaxring.all_reduce[spin]": (lambda x, xj: jaxring_sum(xj).block_until_ready(),
                                      {"spin_iterations": SPIN_FOREVER}),
+        "jaxring[mpi]": (lambda x, xj: over_mpi_sum(xj).block_until_ready(), {}),
+        "jaxring[mpi, doubling]": (lambda x, xj: over_mpi_sum(xj).block_until_ready(),
+                                   {"algorithm": "direct"}),
+        "jaxring[mpi, ring]": (lambda x, xj: over_mpi_sum(xj).block_until_ready(),
+                               {"algorithm": "ring"}),
         "mpi4jax.allreduce": (lambda x, xj: mpi4jax_sum(xj).block_until_ready(), {}),
         "mpi4py Allreduce": (lambda x, xj: mpi4py_sum(x), {}),
     }
@@ -94,7 +103,8 @@ def main() -> None:
             rows.append({"impl": name, "bytes": nbytes, "seconds": seconds, "algbw_gbps": algbw,
                          "busbw_gbps": algbw * bus_factor("all_reduce", n)})
         if COMM.rank == 0:
-            line = "  ".join(f"{r['impl']} {r['seconds'] * 1e6:9.1f} us" for r in rows[-4:])
+            line = "  ".join(f"{r['impl']} {r['seconds'] * 1e6:.1f} us"
+                             for r in rows if r["bytes"] == nbytes)
             print(f"n={n} {human_bytes(nbytes):>9s}: {line}", flush=True)
     if COMM.rank == 0:
         env = environment()
@@ -115,15 +125,16 @@ def markdown(rows, env, n, ceiling) -> str:
         f"{env['mpi']}; {env['date']}. Copy bandwidth: {ceiling:.1f} GB/s. Median of the slowest "
         "rank's time; busbw = algbw x 2(n-1)/n.", "",
         "| size | " + " | ".join(f"{m} (us)" for m in names) +
-        " | jaxring busbw (GB/s) | vs mpi4jax | vs mpi4py |",
-        "|---|" + "---|" * (len(names) + 3)]
+        " | jaxring busbw (GB/s) | vs mpi4jax | vs mpi4py | jaxring[mpi] vs mpi4py |",
+        "|---|" + "---|" * (len(names) + 4)]
     for nbytes in sorted({r["bytes"] for r in rows}):
         ours = by[("jaxring.all_reduce", nbytes)]
         cells = " | ".join(f"{by[(m, nbytes)]['seconds'] * 1e6:.1f}" for m in names)
         lines.append(
             f"| {human_bytes(nbytes)} | {cells} | {ours['busbw_gbps']:.2f} | "
             f"{by[('mpi4jax.allreduce', nbytes)]['seconds'] / ours['seconds']:.1f}x | "
-            f"{by[('mpi4py Allreduce', nbytes)]['seconds'] / ours['seconds']:.1f}x |")
+            f"{by[('mpi4py Allreduce', nbytes)]['seconds'] / ours['seconds']:.1f}x | "
+            f"{by[('mpi4py Allreduce', nbytes)]['seconds'] / by[('jaxring[mpi]', nbytes)]['seconds']:.1f}x |")
     lines += ["", "vs columns: the rival's time over jaxring's (above 1: jaxring is faster)."]
     return "\n".join(lines) + "\n"
 
