@@ -13,8 +13,13 @@ Two transports carry the data:
   ring for large ones. It needs jaxring's MPI extension, built against the same MPI that mpi4py
   uses (checked here, with a clear error if they differ).
 
+* ``"hierarchical"``: ranks on several nodes, each with the same number of ranks. Large
+  all-reduces run as a reduce-scatter within each node (shared memory), an all-reduce of each
+  shard between nodes (MPI), and an all-gather within each node; everything else goes over MPI.
+
 ``"auto"`` (the default, or ``JAXRING_MPI_TRANSPORT``) takes shared memory when every rank is on
-one node and MPI otherwise. ``ppermute``/``send``/``recv`` always go over MPI.
+one node, hierarchical when nodes hold equal numbers of ranks, and MPI otherwise.
+``ppermute``/``send``/``recv`` always go over MPI.
 """
 
 from __future__ import annotations
@@ -28,7 +33,7 @@ import weakref
 from jaxring._src import common, native
 
 DEFAULT_SLOT_BYTES = 4 << 20  # measured with benchmarks/allreduce_mpi.py: fewer steps pay
-TRANSPORTS = ("auto", "shm", "mpi")
+TRANSPORTS = ("auto", "shm", "mpi", "hierarchical")
 
 
 def _mpi():
@@ -80,17 +85,20 @@ class Communicator:
         self.rank = mpi_comm.Get_rank()
         self.size = mpi_comm.Get_size()
         self.name = f"MPI communicator {label or hex(id(mpi_comm))} ({self.size} processes)"
-        node = mpi_comm.Split_type(MPI.COMM_TYPE_SHARED, key=self.rank)
-        on_one_node = mpi_comm.allreduce(node.Get_size() == self.size, op=MPI.LAND)
-        node.Free()
+        self.levels = None  # (this node's communicator, the one across nodes) when hierarchical
+        node = _node_communicator(mpi_comm)
+        node_sizes = mpi_comm.allgather(node.Get_size())
+        on_one_node = node_sizes[0] == self.size
         extension, self.point_to_point_unavailable = _mpi_extension()
         self._requested = transport
         if transport == "auto":
-            transport = "shm" if on_one_node else "mpi"
+            transport = "shm" if on_one_node else "hierarchical"
+        if transport == "hierarchical" and (on_one_node or len(set(node_sizes)) > 1):
+            transport = "shm" if on_one_node else "mpi"  # uneven nodes: one flat MPI ring
         if transport == "shm" and not on_one_node:
             raise ValueError(f"jaxring.mpi: the ranks of {self.name} are on several nodes; the "
                              "shared-memory transport needs them on one (use transport='mpi')")
-        if transport == "mpi" and extension is None:
+        if transport != "shm" and extension is None:
             raise RuntimeError(f"jaxring.mpi: {self.name} needs the MPI transport"
                                f"{'' if on_one_node else ' (its ranks are on several nodes)'}, "
                                f"but {self.point_to_point_unavailable}")
@@ -101,6 +109,13 @@ class Communicator:
                 self.key, extension.create(MPI._addressof(mpi_comm), self.name))
         if transport == "shm":
             self._attach_shared_memory(slot_bytes)
+        if transport == "hierarchical":
+            across = mpi_comm.Split(node.Get_rank(), key=self.rank)
+            self.levels = (
+                Communicator(node, label=f"{label} node", transport="shm", slot_bytes=slot_bytes),
+                Communicator(across, label=f"{label} across nodes", transport="mpi"))
+        else:
+            node.Free()
         weakref.finalize(self, _detach, self.key)
         _wait_for_pending_work_at_exit()
 
@@ -137,6 +152,16 @@ class Communicator:
 
     def __repr__(self) -> str:
         return f"<jaxring.mpi.Communicator {self.name}, rank {self.rank}, {self.transport}>"
+
+
+def _node_communicator(mpi_comm):
+    """The ranks of `mpi_comm` on this rank's node. JAXRING_MPI_RANKS_PER_NODE=k pretends that
+    nodes hold k consecutive ranks each, to exercise the paths between nodes on one machine."""
+    pretend = int(os.environ.get("JAXRING_MPI_RANKS_PER_NODE", "0"))
+    rank = mpi_comm.Get_rank()
+    if pretend > 0:
+        return mpi_comm.Split(rank // pretend, key=rank)
+    return mpi_comm.Split_type(_mpi().COMM_TYPE_SHARED, key=rank)
 
 
 def _detach(key: int) -> None:

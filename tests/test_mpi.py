@@ -16,21 +16,23 @@ MPIEXEC = shutil.which("mpiexec") or str(Path(sys.executable).parent / "mpiexec"
 pytestmark = pytest.mark.skipif(not Path(MPIEXEC).exists(), reason="no mpiexec (pip install mpich)")
 
 
-def mpiexec(n: int, *args: str, timeout: float = 300, launcher=(),
-            transport: str = "auto") -> subprocess.CompletedProcess:
+def mpiexec(n: int, *args: str, timeout: float = 300, launcher=(), transport: str = "auto",
+            ranks_per_node: int = 0) -> subprocess.CompletedProcess:
     env = dict(os.environ, XLA_FLAGS="", JAXRING_TIMEOUT_SECONDS="60",
-               JAXRING_MPI_TRANSPORT=transport)
+               JAXRING_MPI_TRANSPORT=transport, JAXRING_MPI_RANKS_PER_NODE=str(ranks_per_node))
     return subprocess.run([MPIEXEC, *launcher, "-n", str(n), sys.executable, *args],
                           capture_output=True,
                           text=True, timeout=timeout, env=env, cwd=HERE.parent)
 
 
-# "auto" is shared memory here (one node); "mpi" is the transport between nodes.
-@pytest.mark.parametrize("transport", ["auto", "mpi"])
-@pytest.mark.parametrize("n", [2, 3, 4])
-def test_collectives_under_mpiexec(n, transport):
+# "auto" is shared memory here (one node); "mpi" is the transport between nodes; pretending
+# that nodes hold 2 ranks each makes "auto" hierarchical (shared memory within, MPI between).
+@pytest.mark.parametrize("n, transport, ranks_per_node", [
+    (2, "auto", 0), (3, "auto", 0), (4, "auto", 0), (2, "mpi", 0), (3, "mpi", 0), (4, "mpi", 0),
+    (4, "auto", 2)])
+def test_collectives_under_mpiexec(n, transport, ranks_per_node):
     result = mpiexec(n, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", str(HERE / "mpi"),
-                     transport=transport)
+                     transport=transport, ranks_per_node=ranks_per_node)
     assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]
 
 

@@ -9,6 +9,8 @@ from jax._src import core
 from jax.interpreters import ad, batching
 
 from jaxring._src import common
+from jaxring._src.all_gather import all_gather
+from jaxring._src.reduce_scatter import reduce_scatter
 
 # ---- primitive ---------------------------------------------------------------------------------
 
@@ -33,6 +35,9 @@ def all_reduce(x, axis_name, op: str = "sum"):
         comm = common.communicator("all_reduce", axis_name)
         if op == "mean" and jnp.issubdtype(leaf.dtype, jnp.integer):
             return all_reduce(leaf, axis_name, "sum") / comm.size  # as lax.pmean does
+        levels = getattr(axis_name, "levels", None)  # a jaxring.mpi communicator across nodes
+        if levels is not None and leaf.size * leaf.dtype.itemsize > _ring_threshold():
+            return _hierarchical(leaf, *levels, op)
         return _bind(leaf, comm, op)
 
     return jax.tree.map(reduce_leaf, x)
@@ -40,6 +45,25 @@ def all_reduce(x, axis_name, op: str = "sum"):
 
 def _bind(x, comm: common.AxisCommunicator, op: str):
     return common.bind_collective(all_reduce_p, x, comm, op=op)
+
+
+def _ring_threshold() -> int:
+    from jaxring import config
+
+    return config.get().mpi_ring_threshold_bytes
+
+
+def _hierarchical(x, node, across, op: str):
+    """All-reduce over processes on several nodes, as Horovod's and NCCL's hierarchical
+    all-reduce: reduce-scatter within each node (shared memory), all-reduce each shard between
+    the nodes' ranks of the same local rank (MPI), all-gather within each node. Only 1/L of the
+    data crosses the network from each of a node's L ranks. 16-bit floats travel as float32, so
+    they are still rounded once; every rank ends with the same bits."""
+    accumulate = jnp.float32 if x.dtype in (jnp.float16, jnp.bfloat16) else x.dtype
+    flat = x.reshape(-1).astype(accumulate)
+    flat = jnp.pad(flat, (0, -flat.size % node.size))  # padding is reduced only with padding
+    shard = all_reduce(reduce_scatter(flat, node, op), across, op)
+    return all_gather(shard, node)[:x.size].reshape(x.shape).astype(x.dtype)
 
 
 # ---- abstract evaluation -----------------------------------------------------------------------

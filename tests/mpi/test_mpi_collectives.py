@@ -2,6 +2,8 @@
 3 and 4 ranks; under plain pytest it runs as one rank). Results are compared against float64
 numpy on the gathered inputs of every rank, and against each other across ranks."""
 
+import os
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -79,16 +81,34 @@ def test_scalars_pytrees_vmap_and_barrier():
     jax.jit(lambda: jaxring.barrier(COMM))()
 
 
-def test_grad_sums_cotangents_over_processes():
+@pytest.mark.parametrize("size", [9, 20_000])  # also above mpi_ring_threshold_bytes
+def test_grad_sums_cotangents_over_processes(size):
     """Each process differentiates its own copy of the result (mpi4jax's convention): the
     gradient of sum over ranks of loss(all_reduce(x)) w.r.t. x is the all-reduced cotangent."""
     rng = np.random.default_rng(COMM.rank + 10)
-    x = rng.standard_normal(9)
-    w = rng.standard_normal(9)
+    x = rng.standard_normal(size)
+    w = rng.standard_normal(size)
     grad = jax.jit(jax.grad(lambda v: jnp.sum(jnp.sin(jaxring.all_reduce(v, COMM)) * w)))(x)
     total = gathered(x).sum(0)
     expected = (np.cos(total) * gathered(w)).sum(0)
-    np.testing.assert_allclose(np.asarray(grad), expected, rtol=1e-12)
+    np.testing.assert_allclose(np.asarray(grad), expected, rtol=1e-9)
+
+
+def test_transport_follows_the_node_layout():
+    asked = os.environ.get("JAXRING_MPI_TRANSPORT", "auto")
+    per_node = int(os.environ.get("JAXRING_MPI_RANKS_PER_NODE", "0")) or COMM.size
+    nodes = -(-COMM.size // per_node)
+    if asked != "auto":
+        expected = asked
+    elif nodes == 1:
+        expected = "shm"
+    else:
+        expected = "hierarchical" if COMM.size % per_node == 0 else "mpi"
+    assert COMM.transport == expected
+    if expected == "hierarchical":
+        node, across = COMM.levels
+        assert (node.size, across.size) == (per_node, nodes)
+        assert (node.transport, across.transport) == ("shm", "mpi")
 
 
 def test_split_communicators_never_mix():
@@ -159,8 +179,11 @@ def test_build_time_and_run_time_mpi_must_agree(monkeypatch):
         with pytest.raises(RuntimeError, match="build-time and run-time MPI differ: .* runs Open "
                                                "MPI v5.0.0, imagined, but mpi4py runs MPICH"):
             jaxring.mpi.Communicator(MPI_COMM, transport="mpi")
-        sub = jaxring.mpi.Communicator(MPI_COMM, transport="shm")  # collectives still work
+        alone = MPI_COMM.Split(COMM.rank)  # one rank, so shared memory serves it on any layout
+        sub = jaxring.mpi.Communicator(alone, transport="shm")  # collectives still work
         assert "differ" in sub.point_to_point_unavailable
+        x = np.arange(3.0)
+        np.testing.assert_array_equal(jax.jit(lambda v: jaxring.all_reduce(v, sub))(x), x)
         with pytest.raises(NotImplementedError, match="ppermute over .* needs jaxring's MPI "
                                                       "transport, but build-time and run-time"):
             jax.jit(lambda v: jaxring.ppermute(v, sub, [(0, 0)]))(np.ones(3))
