@@ -7,6 +7,8 @@ Each process has one CPU device. For float32 messages of 4 B .. 64 MiB per rank 
   with the default wait (brief spin, yield, then sleep) and with pure spinning;
 - the same over jaxring's MPI transport (the one between nodes; transport="mpi"), with its
   automatic choice and with recursive doubling and the ring forced, to place the switch point;
+- with 4 ranks, the hierarchical all-reduce on two pretend nodes of 2 ranks (shared memory
+  within a node, MPI between);
 - mpi4jax.allreduce(x, MPI.SUM) inside jax.jit;
 - mpi4py's comm.Allreduce on numpy buffers.
 Every sample starts after a barrier and counts the slowest rank. Reports time, algbw and busbw
@@ -37,6 +39,9 @@ from common import (RESULTS, bus_factor, environment, human_bytes,  # noqa: E402
 COMM = jaxring.mpi.world()
 WORLD = MPI.COMM_WORLD
 OVER_MPI = jaxring.mpi.Communicator(WORLD.Dup(), label="over MPI", transport="mpi")
+# With 4 ranks: two pretend nodes of 2, shared memory within and MPI between them.
+TWO_NODES = (jaxring.mpi.Communicator(WORLD.Dup(), label="2 nodes", ranks_per_node=WORLD.size // 2)
+             if WORLD.size >= 4 and WORLD.size % 2 == 0 else None)
 SPIN_FOREVER = 1 << 40
 
 
@@ -64,6 +69,7 @@ def implementations():
 
     jaxring_sum = jax.jit(lambda v: jaxring.all_reduce(v, COMM))
     over_mpi_sum = jax.jit(lambda v: jaxring.all_reduce(v, OVER_MPI))
+    two_nodes_sum = jax.jit(lambda v: jaxring.all_reduce(v, TWO_NODES))
     mpi4jax_sum = jax.jit(lambda v: mpi4jax.allreduce(v, MPI.SUM, comm=WORLD))
 
     def mpi4py_sum(x):
@@ -80,6 +86,9 @@ def implementations():
                                    {"algorithm": "direct"}),
         "jaxring[mpi, ring]": (lambda x, xj: over_mpi_sum(xj).block_until_ready(),
                                {"algorithm": "ring"}),
+        **({} if TWO_NODES is None else {
+            "jaxring[2 nodes, hierarchical]": (lambda x, xj: two_nodes_sum(xj).block_until_ready(),
+                                               {})}),
         "mpi4jax.allreduce": (lambda x, xj: mpi4jax_sum(xj).block_until_ready(), {}),
         "mpi4py Allreduce": (lambda x, xj: mpi4py_sum(x), {}),
     }

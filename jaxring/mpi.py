@@ -70,13 +70,14 @@ class Communicator:
     """The processes of an mpi4py communicator. Pass it wherever a collective takes an axis name.
 
     Every rank must create it (it is collective, like MPI_Comm_dup) and then make the same
-    jaxring calls on it in the same order. `transport` is ``"auto"``, ``"shm"`` or ``"mpi"``
-    (see the module docstring); `slot_bytes` is the shared-memory staging area per rank, and
-    messages larger than it move in chunks.
+    jaxring calls on it in the same order. `transport` is ``"auto"``, ``"shm"``, ``"mpi"`` or
+    ``"hierarchical"`` (see the module docstring); `slot_bytes` is the shared-memory staging area
+    per rank, and messages larger than it move in chunks; `ranks_per_node` pretends a node layout
+    (for tests and benchmarks on one machine).
     """
 
     def __init__(self, mpi_comm, *, label: str = "", transport: str | None = None,
-                 slot_bytes: int = DEFAULT_SLOT_BYTES):
+                 slot_bytes: int = DEFAULT_SLOT_BYTES, ranks_per_node: int | None = None):
         MPI = _mpi()
         transport = transport or os.environ.get("JAXRING_MPI_TRANSPORT", "auto")
         if transport not in TRANSPORTS:
@@ -86,7 +87,7 @@ class Communicator:
         self.size = mpi_comm.Get_size()
         self.name = f"MPI communicator {label or hex(id(mpi_comm))} ({self.size} processes)"
         self.levels = None  # (this node's communicator, the one across nodes) when hierarchical
-        node = _node_communicator(mpi_comm)
+        node = _node_communicator(mpi_comm, ranks_per_node)
         node_sizes = mpi_comm.allgather(node.Get_size())
         on_one_node = node_sizes[0] == self.size
         extension, self.point_to_point_unavailable = _mpi_extension()
@@ -154,10 +155,12 @@ class Communicator:
         return f"<jaxring.mpi.Communicator {self.name}, rank {self.rank}, {self.transport}>"
 
 
-def _node_communicator(mpi_comm):
-    """The ranks of `mpi_comm` on this rank's node. JAXRING_MPI_RANKS_PER_NODE=k pretends that
-    nodes hold k consecutive ranks each, to exercise the paths between nodes on one machine."""
-    pretend = int(os.environ.get("JAXRING_MPI_RANKS_PER_NODE", "0"))
+def _node_communicator(mpi_comm, pretend: int | None):
+    """The ranks of `mpi_comm` on this rank's node. `pretend` (or JAXRING_MPI_RANKS_PER_NODE) = k
+    pretends that nodes hold k consecutive ranks each, to exercise the paths between nodes on one
+    machine."""
+    if pretend is None:
+        pretend = int(os.environ.get("JAXRING_MPI_RANKS_PER_NODE", "0"))
     rank = mpi_comm.Get_rank()
     if pretend > 0:
         return mpi_comm.Split(rank // pretend, key=rank)
