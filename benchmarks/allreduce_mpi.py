@@ -10,7 +10,9 @@ Each process has one CPU device. For float32 messages of 4 B .. 64 MiB per rank 
 - with 4 ranks, the hierarchical all-reduce on two pretend nodes of 2 ranks (shared memory
   within a node, MPI between);
 - mpi4jax.allreduce(x, MPI.SUM) inside jax.jit;
-- mpi4py's comm.Allreduce on numpy buffers.
+- mpi4py's comm.Allreduce on numpy buffers;
+- up to 64 KiB, also per all-reduce inside one compiled loop of 64 (mpi4py: a Python loop), which
+  leaves out the program launch that dominates a lone small jitted call.
 Every sample starts after a barrier and counts the slowest rank. Reports time, algbw and busbw
 (nccl-tests definitions) against the copy bandwidth of this machine, and writes
 benchmarks/results/allreduce_mpi-cpu-n{N}.{json,md,png}.
@@ -94,6 +96,39 @@ def implementations():
     }
 
 
+LOOP = 64  # all-reduces per program in the launch-free measurement
+LOOP_MAX_BYTES = 64 << 10
+
+
+def looped(reduce):
+    """`reduce` LOOP times inside one compiled program (scaled so values stay finite)."""
+    scale = 1.0 / WORLD.size
+    return jax.jit(lambda v: jax.lax.fori_loop(0, LOOP, lambda i, c: reduce(c) * scale, v))
+
+
+def loop_implementations():
+    """Per all-reduce inside one compiled loop, up to LOOP_MAX_BYTES: the cost without the
+    program launch (about 0.25 ms for any program with an ordered effect, jaxring's and
+    mpi4jax's alike), which a training step with many collectives pays only once."""
+    import mpi4jax
+
+    ours = looped(lambda c: jaxring.all_reduce(c, COMM))
+    ours_mpi = looped(lambda c: jaxring.all_reduce(c, OVER_MPI))
+    theirs = looped(lambda c: mpi4jax.allreduce(c, MPI.SUM, comm=WORLD))
+
+    def mpi4py_loop(x):
+        out = np.empty_like(x)
+        for _ in range(LOOP):
+            WORLD.Allreduce(x, out, op=MPI.SUM)
+
+    return {
+        "jaxring.all_reduce in a loop": lambda x, xj: ours(xj).block_until_ready(),
+        "jaxring[mpi] in a loop": lambda x, xj: ours_mpi(xj).block_until_ready(),
+        "mpi4jax.allreduce in a loop": lambda x, xj: theirs(xj).block_until_ready(),
+        "mpi4py Allreduce in a loop": lambda x, xj: mpi4py_loop(x),
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true")
@@ -111,6 +146,10 @@ def main() -> None:
             algbw = nbytes / seconds / 1e9
             rows.append({"impl": name, "bytes": nbytes, "seconds": seconds, "algbw_gbps": algbw,
                          "busbw_gbps": algbw * bus_factor("all_reduce", n)})
+        if nbytes <= LOOP_MAX_BYTES:
+            for name, fn in loop_implementations().items():
+                seconds = slowest_rank_median(lambda: fn(x, xj)) / LOOP
+                rows.append({"impl": name, "bytes": nbytes, "seconds": seconds, "per_op": True})
         if COMM.rank == 0:
             line = "  ".join(f"{r['impl']} {r['seconds'] * 1e6:.1f} us"
                              for r in rows if r["bytes"] == nbytes)
@@ -125,7 +164,8 @@ def main() -> None:
 
 
 def markdown(rows, env, n, ceiling) -> str:
-    names = list(dict.fromkeys(r["impl"] for r in rows))
+    names = list(dict.fromkeys(r["impl"] for r in rows if not r.get("per_op")))
+    looped_names = list(dict.fromkeys(r["impl"] for r in rows if r.get("per_op")))
     by = {(r["impl"], r["bytes"]): r for r in rows}
     lines = [
         f"# All-reduce across {n} processes (one CPU device each): jaxring vs mpi4jax vs mpi4py",
@@ -144,7 +184,13 @@ def markdown(rows, env, n, ceiling) -> str:
             f"{by[('mpi4jax.allreduce', nbytes)]['seconds'] / ours['seconds']:.1f}x | "
             f"{by[('mpi4py Allreduce', nbytes)]['seconds'] / ours['seconds']:.1f}x | "
             f"{by[('mpi4py Allreduce', nbytes)]['seconds'] / by[('jaxring[mpi]', nbytes)]['seconds']:.1f}x |")
-    lines += ["", "vs columns: the rival's time over jaxring's (above 1: jaxring is faster)."]
+    lines += ["", "vs columns: the rival's time over jaxring's (above 1: jaxring is faster).", "",
+              f"## Per all-reduce inside one compiled loop of {LOOP} (program launch excluded)", "",
+              "| size | " + " | ".join(f"{m} (us)" for m in looped_names) + " |",
+              "|---|" + "---|" * len(looped_names)]
+    for nbytes in sorted({r["bytes"] for r in rows if r.get("per_op")}):
+        cells = " | ".join(f"{by[(m, nbytes)]['seconds'] * 1e6:.1f}" for m in looped_names)
+        lines.append(f"| {human_bytes(nbytes)} | {cells} |")
     return "\n".join(lines) + "\n"
 
 
@@ -154,7 +200,7 @@ def plot(rows, n, path) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6, 4))
-    for name in dict.fromkeys(r["impl"] for r in rows):
+    for name in dict.fromkeys(r["impl"] for r in rows if not r.get("per_op")):
         sel = [r for r in rows if r["impl"] == name]
         ax.loglog([r["bytes"] for r in sel], [r["seconds"] * 1e6 for r in sel], "o-", label=name)
     ax.set_xlabel("bytes per rank")
