@@ -44,6 +44,11 @@ Status Steps(ShmCommunicator& comm, const Header& header, const Config& config, 
   return Status();
 }
 
+// All-reduce steps up to this many bytes per rank are reduced by every rank on its own; larger
+// ones are shared out (each rank reduces 1/n into the result area, then all copy it out).
+// Measured with benchmarks/allreduce_mpi.py (the in-a-loop rows).
+constexpr int64_t kReduceEverywhereBytes = 16 * 1024;
+
 int64_t StepCount(int64_t elements, int64_t per_step) {
   return std::max<int64_t>(1, (elements + per_step - 1) / per_step);
 }
@@ -69,8 +74,16 @@ Status RunStaged(ShmCommunicator& comm, const Header& h, const CollectiveBuffers
           },
           [&](int64_t step, const Deadline& deadline, int64_t spin) {
             const int64_t len = h.count ? span(step) : 0;
-            const Partition share{len, n, std::max<int64_t>(1, 64 / static_cast<int64_t>(width))};
             std::vector<Operand> srcs(n);
+            if (len * static_cast<int64_t>(width) <= kReduceEverywhereBytes) {
+              // Small: every rank reduces the whole step itself (in the same order, so the bits
+              // agree), which saves the second round of waiting.
+              for (int peer = 0; peer < n; ++peer) srcs[peer] = Operand{comm.Slot(peer)};
+              const Target dst{At(b.output, step * chunk, width)};
+              Reduce(h.dtype, h.op, srcs.data(), n, &dst, 1, len, n);
+              return Status();
+            }
+            const Partition share{len, n, std::max<int64_t>(1, 64 / static_cast<int64_t>(width))};
             for (int peer = 0; peer < n; ++peer)
               srcs[peer] = Operand{At(comm.Slot(peer), share.Begin(me), width)};
             const Target dst{At(comm.Result(), share.Begin(me), width)};
