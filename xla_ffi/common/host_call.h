@@ -1,0 +1,45 @@
+// The C ABI between jaxring's host library (_jaxring, which owns every communicator) and its CUDA
+// library: a GPU handler stages its buffers in pinned host memory and hands them to the host
+// library, which runs the collective or point-to-point call there exactly as a CPU handler would.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+extern "C" {
+
+// What a call does beyond its Collective kind: a collective, or one side of point-to-point.
+enum JaxringHostRole : uint8_t {
+  kJaxringHostCollective = 0,
+  kJaxringHostPermute = 1,
+  kJaxringHostSend = 2,
+  kJaxringHostRecv = 3,
+};
+
+struct JaxringHostCall {
+  uint64_t comm;          // communicator key (the custom call's "comm" attribute)
+  const char* comm_name;  // for error messages; NUL-terminated
+  int32_t rank;
+  int32_t size;
+  int64_t group;          // index along the mesh axes not reduced over (0 for processes)
+  int64_t run_id;
+  int64_t op_id;
+  uint8_t role;           // JaxringHostRole
+  uint8_t kind;           // jaxring::Collective
+  uint8_t op;             // jaxring::ReduceOp
+  uint8_t dtype;          // jaxring::DType
+  int64_t root;
+  const void* input;
+  int64_t input_count;
+  void* output;
+  int64_t output_count;
+  const int64_t* perm;    // point-to-point: flattened (source, destination) pairs
+  int64_t perm_size;
+};
+
+// Runs `call`. Returns 0 on success; otherwise nonzero, with a NUL-terminated message (cut to
+// `error_bytes`) in `error`.
+typedef int (*JaxringHostCallFn)(const JaxringHostCall* call, char* error, size_t error_bytes);
+int JaxringRunHostCall(const JaxringHostCall* call, char* error, size_t error_bytes);
+
+}  // extern "C"

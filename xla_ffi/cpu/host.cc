@@ -1,0 +1,144 @@
+#include "cpu/host.h"
+
+#include <cstdint>
+#include <cstring>
+#include <mutex>
+#include <string>
+
+#include "common/config.h"
+#include "common/types.h"
+#include "p2p/protocol.h"
+#include "ring/algorithms.h"
+#include "ring/staged.h"
+#include "transports/local.h"
+#include "transports/mailbox.h"
+#include "transports/process.h"
+#include "transports/shm.h"
+
+namespace jaxring {
+namespace {
+
+HostResult Invalid(std::string message) { return {Status::Error(std::move(message)), true}; }
+
+// What every call must satisfy before any peer is contacted.
+HostResult Check(const JaxringHostCall& c, Collective kind) {
+  const std::string name = "jaxring " + std::string(CollectiveName(kind));
+  if (c.rank < 0 || c.rank >= c.size)
+    return Invalid(name + ": rank " + std::to_string(c.rank) + " is outside [0, " +
+                   std::to_string(c.size) + ")");
+  if (!IsSupported(static_cast<DType>(c.dtype)))
+    return Invalid(name + ": unsupported element type");
+  if (kind == Collective::kReduceScatter && c.output_count * c.size != c.input_count)
+    return Invalid(name + ": output size times world size must equal the input size");
+  if (kind == Collective::kAllGather && c.input_count * c.size != c.output_count)
+    return Invalid(name + ": output size must be the input size times world size");
+  if (kind == Collective::kBroadcast && (c.root < 0 || c.root >= c.size))
+    return Invalid(name + ": root " + std::to_string(c.root) + " is outside [0, " +
+                   std::to_string(c.size) + ")");
+  return {};
+}
+
+// A process transport compiled for one rank must be run by that rank.
+template <typename Transport>
+Status CheckProcess(const Transport& processes, const Header& header, int rank, int size) {
+  if (processes.rank() == rank && processes.size() == size) return Status();
+  return Status::Error(processes.Where(header) + ": compiled for rank " + std::to_string(rank) +
+                       " of " + std::to_string(size));
+}
+
+Status RunCollectiveCall(const JaxringHostCall& c, const Header& header) {
+  const Config config = CurrentConfig();
+  const CollectiveBuffers buffers{c.input, c.output, c.output_count};
+  if (ShmCommunicator* processes = ShmCommunicator::Find(c.comm)) {
+    Status status = CheckProcess(*processes, header, c.rank, c.size);
+    return status.ok() ? RunStaged(*processes, header, buffers, config) : status;
+  }
+  if (ProcessTransport* processes = ProcessTransport::Find(c.comm)) {
+    Status status = CheckProcess(*processes, header, c.rank, c.size);
+    if (!status.ok()) return status;
+    std::lock_guard<std::mutex> lock(processes->mutex());
+    return processes->RunCollective(header, buffers, config);
+  }
+  const Algorithm algorithm = ChooseAlgorithm(header, c.size, config);
+  ScratchLease scratch = ScratchLease::Acquire(ScratchBytes(header, c.size, algorithm));
+  CommunicatorId comm{c.comm, c.group, c.size, c.comm_name};
+  auto transport = LocalTransport::Join(comm, c.run_id, c.rank, header, c.input, c.output,
+                                        scratch.data(), config.timeout_seconds,
+                                        config.spin_iterations);
+  Status status = transport->WaitForPeers();
+  return status.ok() ? RunCollective(*transport, algorithm, config, buffers) : status;
+}
+
+// This rank's partner in `perm` (flattened (source, destination) pairs): whom it sends to, or
+// whom it receives from; -1 if none.
+int Partner(const JaxringHostCall& c, bool sending) {
+  for (int64_t i = 0; i + 1 < c.perm_size; i += 2) {
+    if (sending && c.perm[i] == c.rank) return static_cast<int>(c.perm[i + 1]);
+    if (!sending && c.perm[i + 1] == c.rank) return static_cast<int>(c.perm[i]);
+  }
+  return -1;
+}
+
+Status RunPointToPointCall(const JaxringHostCall& c, const Header& header) {
+  const Config config = CurrentConfig();
+  const size_t bytes = header.count * ByteWidth(header.dtype);
+  auto run = [&](PointToPoint& transport) {
+    switch (c.role) {
+      case kJaxringHostPermute:
+        return Permute(transport, header, Partner(c, true), Partner(c, false), c.input, c.output,
+                       bytes, config);
+      case kJaxringHostSend:
+        return Send(transport, header, Partner(c, true), c.input, bytes);
+      default:
+        return Receive(transport, header, Partner(c, false), c.output, bytes);
+    }
+  };
+  if (ProcessTransport* processes = ProcessTransport::Find(c.comm)) {
+    Status status = CheckProcess(*processes, header, c.rank, c.size);
+    if (!status.ok()) return status;
+    std::lock_guard<std::mutex> lock(processes->mutex());
+    processes->Configure(config);
+    return run(*processes);
+  }
+  if (ShmCommunicator* processes = ShmCommunicator::Find(c.comm))
+    return Status::Error(processes->Where(header) + ": this process communicator has no "
+                         "point-to-point transport (jaxring was built without MPI)");
+  LocalPointToPoint transport(CommunicatorId{c.comm, c.group, c.size, c.comm_name}, c.rank,
+                              config.timeout_seconds, config.spin_iterations);
+  return run(transport);
+}
+
+}  // namespace
+
+HostResult RunHostCall(const JaxringHostCall& c) {
+  const Collective kind = static_cast<Collective>(c.kind);
+  HostResult result = Check(c, kind);
+  if (!result.status.ok()) return result;
+  Header header;
+  header.kind = kind;
+  header.op = static_cast<ReduceOp>(c.op);
+  header.dtype = static_cast<DType>(c.dtype);
+  header.op_id = c.op_id;
+  header.root = c.root;
+  if (c.role == kJaxringHostCollective) {
+    header.count = c.input_count;
+    return {RunCollectiveCall(c, header)};
+  }
+  header.op = ReduceOp::kSum;
+  header.count = c.role == kJaxringHostRecv ? c.output_count : c.input_count;
+  return {RunPointToPointCall(c, header)};
+}
+
+}  // namespace jaxring
+
+extern "C" int JaxringRunHostCall(const JaxringHostCall* call, char* error, size_t error_bytes) {
+  const jaxring::HostResult result = jaxring::RunHostCall(*call);
+  if (result.status.ok()) return 0;
+  if (error_bytes > 0) {
+    const std::string& message = result.status.message();
+    const size_t n = std::min(message.size(), error_bytes - 1);
+    std::memcpy(error, message.data(), n);
+    error[n] = '\0';
+  }
+  return 1;
+}
