@@ -5,6 +5,11 @@
     python -m models.deepspeech.main say "turn on the light" speech.wav   # a test WAV via espeak-ng
 
 `--set key=value` overrides any config field (see configs.py), e.g. ``--set num_devices=2``.
+
+Under ``mpiexec -n N`` (N > 1) training runs data-parallel over the N processes, one JAX device
+each (``num_devices`` is ignored); see models/deepspeech/train.py.
+
+    mpiexec -n 2 python -m models.deepspeech.train --config tiny --workdir workdir/deepspeech-tiny
 """
 
 from __future__ import annotations
@@ -36,13 +41,29 @@ def _use_cpu_devices(count: int):
 
 def train(args):
     from models.deepspeech import configs
+    from models.deepspeech import train as training  # starts no JAX backend yet
 
     config = configs.get_config(args.config, **_parse_overrides(args.set))
-    _use_cpu_devices(config.num_devices)
-    from models.deepspeech import train as training
+    if training.launched_processes() == 1:
+        _use_cpu_devices(config.num_devices)
+        history = training.train_and_evaluate(config, args.workdir, cache_dir=args.cache_dir)
+        print(json.dumps(history[-1] if history else {}, indent=1))
+        return
+    # Under mpiexec -n N: one device per process. An error on one rank aborts the job (as
+    # `python -m mpi4py` does) instead of leaving the others waiting for it.
+    from mpi4py import MPI
 
-    history = training.train_and_evaluate(config, args.workdir, cache_dir=args.cache_dir)
-    print(json.dumps(history[-1] if history else {}, indent=1))
+    try:
+        history = training.train_and_evaluate(config, args.workdir, cache_dir=args.cache_dir)
+    except BaseException:
+        import sys
+        import traceback
+
+        traceback.print_exc()
+        sys.stderr.flush()
+        MPI.COMM_WORLD.Abort(1)
+    if MPI.COMM_WORLD.Get_rank() == 0:
+        print(json.dumps(history[-1] if history else {}, indent=1))
 
 
 def transcribe(args):

@@ -1,15 +1,23 @@
 """Deep Speech 2 training, data-parallel over jaxring: `train_and_evaluate(config, workdir)`.
 
-One training step runs inside ``jax.shard_map`` over a 1-D mesh ("data"). Every replica holds the
-full model and a slice of the global batch; batch-norm statistics are summed across replicas in
-the forward pass, and gradients are summed in fused buckets by the jaxring.parallel.data
-distributed optimizer. Parameters are broadcast from replica 0 before the first step.
+Every replica holds the full model and a slice of the global batch; batch-norm statistics are
+summed across replicas in the forward pass, and gradients are summed in fused buckets by the
+jaxring.parallel.data distributed optimizer. Parameters are broadcast from replica 0 before the
+first step. The replicas are either
+
+* the devices of this process (`InProcess`): the step runs inside ``jax.shard_map`` over a 1-D
+  mesh "data" (``--set num_devices=N``); or
+* the processes of an ``mpiexec -n N`` job with N > 1 (`Processes`), one JAX device each: the same
+  step runs in plain ``jax.jit`` with the communicator ``jaxring.mpi.world()`` as its axis, and
+  each rank takes its slice of the global batch. Rank 0 writes the data cache, evaluates, shows
+  progress and writes checkpoints; the others wait for it in a barrier that sleeps.
 """
 
 from __future__ import annotations
 
 import functools
 import json
+import os
 import time
 from pathlib import Path
 
@@ -19,7 +27,7 @@ import numpy as np
 import optax
 import orbax.checkpoint as ocp
 from flax import nnx
-from jax.sharding import NamedSharding
+from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 from tqdm import tqdm
 
@@ -63,34 +71,156 @@ def loss_and_batch_stats(params, batch_stats, graphdef, batch, axis_name):
     return losses.mean(), nnx.state(model, nnx.BatchStat)
 
 
-def make_train_step(graphdef, optimizer: optax.GradientTransformation, mesh, gradient_sync=None):
+# ---- where the replicas live ----------------------------------------------------------------
+#
+# Both kinds answer the same questions: the axis that collectives take, how many replicas there
+# are, whether this process is the main one, how to place a batch and a replicated state, how to
+# compile a per-replica function, and a barrier.
+
+
+class InProcess:
+    """Replicas on the devices of one mesh axis "data" of this process; functions run inside
+    ``jax.shard_map`` with check_vma=False: the gradient of a replicated parameter stays per
+    replica (no implicit psum is inserted), so the distributed optimizer sums it with jaxring."""
+
+    is_main = True
+
+    def __init__(self, mesh: Mesh):
+        self.mesh, self.axis, self.size = mesh, AXIS, mesh.size
+        self._batch_sharding = NamedSharding(mesh, P(AXIS))
+        self._replicated = NamedSharding(mesh, P())
+
+    def place_batch(self, batch: data.Batch) -> dict:
+        return {name: jax.device_put(array, self._batch_sharding)
+                for name, array in _batch_arrays(batch).items()}
+
+    def place_state(self, tree):
+        return jax.device_put(tree, self._replicated)
+
+    def compile(self, fn, num_args: int, batched=(), donate_argnums=()):
+        """`fn` on every replica, jitted: arguments at `batched` are split over the replicas along
+        their first axis, the others and every output are replicated."""
+        in_specs = tuple(P(AXIS) if i in batched else P() for i in range(num_args))
+        return jax.jit(jax.shard_map(fn, mesh=self.mesh, in_specs=in_specs, out_specs=P(),
+                                     check_vma=False), donate_argnums=donate_argnums)
+
+    def barrier(self):
+        pass
+
+
+class Processes:
+    """One replica per process of a jaxring.mpi communicator, on this process's first device.
+    Each process differentiates its own copy of the parameters, and the transpose of all_reduce
+    sums cotangents: the convention of `InProcess`, so the same step serves both."""
+
+    def __init__(self, comm):
+        self.comm, self.axis, self.size = comm, comm, comm.size
+        self.is_main = comm.rank == 0
+        self.device = jax.local_devices()[0]
+
+    def place_batch(self, batch: data.Batch) -> dict:
+        """This rank's contiguous rows of the global batch (the rows replica `rank` of `InProcess`
+        gets), so N processes and N devices train on the same split."""
+        rows = batch.features.shape[0] // self.size
+        mine = slice(self.comm.rank * rows, (self.comm.rank + 1) * rows)
+        return {name: jax.device_put(array[mine], self.device)
+                for name, array in _batch_arrays(batch).items()}
+
+    def place_state(self, tree):
+        return jax.device_put(tree, self.device)
+
+    def compile(self, fn, num_args: int, batched=(), donate_argnums=()):
+        del num_args, batched  # each process already holds only its own rows
+        return jax.jit(fn, donate_argnums=donate_argnums)
+
+    def barrier(self, max_sleep: float = 0.05):
+        """Every rank waits here for every other. MPI's blocking barrier polls at full speed,
+        which would take a core from rank 0 while it writes the data cache or evaluates; this
+        one tests a non-blocking barrier and sleeps in between, and never times out."""
+        request, sleep = self.comm.mpi_comm.Ibarrier(), 1e-4
+        while not request.Test():
+            time.sleep(sleep)
+            sleep = min(2 * sleep, max_sleep)
+
+
+def _batch_arrays(batch: data.Batch) -> dict:
+    return {name: getattr(batch, name)
+            for name in ("features", "feature_mask", "labels", "label_mask")}
+
+
+@functools.cache
+def in_process(devices: tuple) -> InProcess:
+    return InProcess(Mesh(np.array(devices), (AXIS,)))
+
+
+@functools.cache
+def processes(comm) -> Processes:
+    return Processes(comm)
+
+
+# Set by MPI launchers (MPICH/Intel MPI/Slurm PMI, PMIx, Open MPI, MVAPICH) in every rank.
+MPI_LAUNCHER_VARIABLES = ("PMI_RANK", "PMI_SIZE", "PMIX_RANK", "OMPI_COMM_WORLD_SIZE",
+                          "MV2_COMM_WORLD_SIZE")
+
+
+@functools.cache
+def launched_processes() -> int:
+    """The number of processes in this MPI job; 1 when not launched by an MPI launcher. mpi4py
+    (which starts MPI) is imported only when a launcher's variable is set."""
+    if not any(name in os.environ for name in MPI_LAUNCHER_VARIABLES):
+        return 1
+    from mpi4py import MPI
+
+    return MPI.COMM_WORLD.Get_size()
+
+
+def replicas_for(config: Config) -> InProcess | Processes:
+    """The processes of the MPI job when there are several (`config.num_devices` is then
+    ignored), else `config.num_devices` devices of this process."""
+    if launched_processes() > 1:
+        import jaxring.mpi
+
+        return processes(jaxring.mpi.world())
+    devices = jax.devices()[:config.num_devices]
+    if len(devices) < config.num_devices:
+        raise ValueError(f"num_devices={config.num_devices} but only {len(devices)} devices; "
+                         "set XLA_FLAGS=--xla_force_host_platform_device_count=N")
+    return in_process(tuple(devices))
+
+
+def _as_replicas(replicas) -> InProcess | Processes:
+    return InProcess(replicas) if isinstance(replicas, Mesh) else replicas
+
+
+# ---- the step --------------------------------------------------------------------------------
+
+
+def make_train_step(graphdef, optimizer: optax.GradientTransformation, replicas,
+                    gradient_sync=None):
     """A jitted step (params, batch_stats, opt_state, batch) -> (same, loss), data-parallel over
-    the mesh axis "data". `optimizer` must reduce gradients itself (data_parallel.distributed)
-    unless `gradient_sync` does it, e.g. ``lambda g: lax.pmean(g, "data")`` (the benchmark's
-    rival) or ``lambda g: g`` (to time a step without synchronisation)."""
+    `replicas` (`InProcess`, `Processes`, or a mesh with the axis "data"). `optimizer` must reduce
+    gradients itself (data_parallel.distributed) unless `gradient_sync` does it, e.g.
+    ``lambda g: lax.pmean(g, "data")`` (the benchmark's rival) or ``lambda g: g`` (to time a step
+    without synchronisation)."""
+    replicas = _as_replicas(replicas)
 
     def local_step(params, batch_stats, opt_state, batch):
-        # shard_map with check_vma=False: the gradient of a replicated parameter stays per replica
-        # (no implicit psum is inserted); the distributed optimizer then sums it with jaxring.
         (loss, batch_stats), grads = jax.value_and_grad(loss_and_batch_stats, has_aux=True)(
-            params, batch_stats, graphdef, batch, AXIS)
+            params, batch_stats, graphdef, batch, replicas.axis)
         if gradient_sync is not None:
             grads = gradient_sync(grads)
         updates, opt_state = optimizer.update(grads, opt_state, params)
         params = optax.apply_updates(params, updates)
-        return params, batch_stats, opt_state, jaxring.all_reduce(loss, AXIS, "mean")
+        return params, batch_stats, opt_state, jaxring.all_reduce(loss, replicas.axis, "mean")
 
-    sharded = jax.shard_map(local_step, mesh=mesh, in_specs=(P(), P(), P(), P(AXIS)),
-                            out_specs=(P(), P(), P(), P()), check_vma=False)
-    return jax.jit(sharded, donate_argnums=(0, 1, 2))
+    return replicas.compile(local_step, 4, batched=(3,), donate_argnums=(0, 1, 2))
 
 
-def make_broadcast(mesh, bucket_bytes: int):
+def make_broadcast(replicas, bucket_bytes: int):
     """Replica 0's parameters to every replica (the start of Horovod-style training)."""
-    sharded = jax.shard_map(
-        lambda tree: data_parallel.broadcast_parameters(tree, AXIS, 0, bucket_bytes),
-        mesh=mesh, in_specs=P(), out_specs=P(), check_vma=False)
-    return jax.jit(sharded)
+    replicas = _as_replicas(replicas)
+    return replicas.compile(
+        lambda tree: data_parallel.broadcast_parameters(tree, replicas.axis, 0, bucket_bytes), 1)
 
 
 @functools.partial(jax.jit, static_argnums=0)
@@ -130,10 +260,12 @@ def evaluate(graphdef, params, batch_stats, dataset, config: Config, beam: bool 
     return metrics
 
 
-def checkpoint_manager(workdir: Path) -> ocp.CheckpointManager:
-    return ocp.CheckpointManager(
-        (workdir / "checkpoints").absolute(),
-        options=ocp.CheckpointManagerOptions(max_to_keep=2, create=True))
+def checkpoint_manager(workdir: Path, read_only: bool = False) -> ocp.CheckpointManager:
+    """Keeps the last two epochs. `read_only` (the non-main ranks under mpiexec): restores only,
+    creates and deletes nothing."""
+    options = (ocp.CheckpointManagerOptions(read_only=True, create=False, save_interval_steps=0)
+               if read_only else ocp.CheckpointManagerOptions(max_to_keep=2, create=True))
+    return ocp.CheckpointManager((workdir / "checkpoints").absolute(), options=options)
 
 
 def save_checkpoint(manager, epoch: int, state: dict, history: list):
@@ -153,61 +285,64 @@ def restore_checkpoint(manager, template: dict):
     return epoch, restored["state"], restored["history"]
 
 
-def shard_batch(batch: data.Batch, sharding) -> dict:
-    return {name: jax.device_put(getattr(batch, name), sharding)
-            for name in ("features", "feature_mask", "labels", "label_mask")}
-
-
 @functools.cache
-def _training_functions(config: Config, steps_per_epoch: int, devices: tuple):
+def _training_functions(config: Config, steps_per_epoch: int, replicas):
     """The model's structure and initial state, the optimizer, and the jitted step and broadcast:
     cached, so that training again in this process (a resumed run, a test) does not recompile.
     `config` comes with epochs=0: the number of epochs changes none of these."""
-    mesh = jax.sharding.Mesh(np.array(devices), (AXIS,))
     graphdef, params, batch_stats = nnx.split(create_model(config, config.seed), nnx.Param,
                                               nnx.BatchStat)
-    optimizer = data_parallel.distributed(create_optimizer(config, steps_per_epoch), AXIS,
-                                          bucket_bytes=config.bucket_bytes)
-    return (graphdef, params, batch_stats, optimizer, make_train_step(graphdef, optimizer, mesh),
-            make_broadcast(mesh, config.bucket_bytes))
+    optimizer = data_parallel.distributed(create_optimizer(config, steps_per_epoch),
+                                          replicas.axis, bucket_bytes=config.bucket_bytes)
+    return (graphdef, params, batch_stats, optimizer,
+            make_train_step(graphdef, optimizer, replicas),
+            make_broadcast(replicas, config.bucket_bytes))
 
 
 def train_and_evaluate(config: Config, workdir: str | Path, cache_dir: str | Path | None = None,
                        progress: bool = True) -> list[dict]:
     """Trains `config` and evaluates on held-out voices after every epoch. Resumes from the
-    latest checkpoint in `workdir`. Returns the history: one dict of metrics per epoch."""
-    workdir = Path(workdir)
-    workdir.mkdir(parents=True, exist_ok=True)
-    (workdir / "config.json").write_text(config.to_json())
-    train_set = data.load("train", config.train_utterances, config.data_seed, config.sample_rate,
-                          cache_dir)
-    test_set = data.load("test", config.test_utterances, config.data_seed, config.sample_rate,
-                         cache_dir)
+    latest checkpoint in `workdir`. Returns the history: one dict of metrics per epoch (under
+    mpiexec, only rank 0's records have the evaluation metrics)."""
+    return train(config, workdir, cache_dir, progress)[0]
 
-    if config.batch_size % config.num_devices:
-        raise ValueError(f"batch_size {config.batch_size} is not divisible by num_devices "
-                         f"{config.num_devices}")
-    devices = jax.devices()[:config.num_devices]
-    if len(devices) < config.num_devices:
-        raise ValueError(f"num_devices={config.num_devices} but only {len(devices)} devices; "
-                         "set XLA_FLAGS=--xla_force_host_platform_device_count=N")
-    mesh = jax.sharding.Mesh(np.array(devices), (AXIS,))
-    batch_sharding = NamedSharding(mesh, P(AXIS))
-    replicated = NamedSharding(mesh, P())
+
+def train(config: Config, workdir: str | Path, cache_dir: str | Path | None = None,
+          progress: bool = True) -> tuple[list[dict], dict]:
+    """`train_and_evaluate`, which also returns this process's final state (params,
+    batch_stats, opt_state). Under ``mpiexec -n N`` (N > 1) every rank calls it; see
+    `replicas_for`. With no `cache_dir`, every rank synthesises the data itself."""
+    replicas = replicas_for(config)
+    if config.batch_size % replicas.size:
+        raise ValueError(f"batch_size {config.batch_size} is not divisible by the {replicas.size} "
+                         "replicas")
+    workdir = Path(workdir)
+    if replicas.is_main:
+        workdir.mkdir(parents=True, exist_ok=True)
+        (workdir / "config.json").write_text(config.to_json())
+        manager = checkpoint_manager(workdir)
+        train_set = data.load("train", config.train_utterances, config.data_seed,
+                              config.sample_rate, cache_dir)
+        test_set = data.load("test", config.test_utterances, config.data_seed,
+                             config.sample_rate, cache_dir)
+    replicas.barrier()  # the others read the cache (and checkpoints) that the main one wrote
+    if not replicas.is_main:
+        manager = checkpoint_manager(workdir, read_only=True)
+        train_set = data.load("train", config.train_utterances, config.data_seed,
+                              config.sample_rate, cache_dir)
 
     steps_per_epoch = len(train_set) // config.batch_size
     graphdef, params, batch_stats, optimizer, train_step, broadcast = _training_functions(
-        config.replace(epochs=0), steps_per_epoch, tuple(devices))
+        config.replace(epochs=0), steps_per_epoch, replicas)
     state = {"params": params, "batch_stats": batch_stats, "opt_state": optimizer.init(params)}
     # Copies: the step donates its inputs, and the cached initial state must survive.
-    state = jax.tree.map(jnp.copy, jax.device_put(state, replicated))
+    state = jax.tree.map(jnp.copy, replicas.place_state(state))
 
-    manager = checkpoint_manager(workdir)
     history, first_epoch = [], 0
-    restored = restore_checkpoint(manager, state)
+    restored = restore_checkpoint(manager, state)  # every replica reads the same checkpoint
     if restored is not None:
         last_epoch, state, history = restored
-        state = jax.device_put(state, replicated)
+        state = replicas.place_state(state)
         first_epoch = last_epoch + 1
     else:
         state["params"] = broadcast(state["params"])
@@ -220,30 +355,37 @@ def train_and_evaluate(config: Config, workdir: str | Path, cache_dir: str | Pat
                                      config.frame_multiple, config.max_label_length,
                                      config.sortagrad)
         bar = tqdm(batches, total=steps_per_epoch, desc=f"epoch {epoch + 1}/{config.epochs}",
-                   unit="step", disable=not progress, leave=False)
+                   unit="step", disable=not (progress and replicas.is_main), leave=False)
         params, batch_stats, opt_state = state["params"], state["batch_stats"], state["opt_state"]
         for batch in bar:
             params, batch_stats, opt_state, loss = train_step(
-                params, batch_stats, opt_state, shard_batch(batch, batch_sharding))
+                params, batch_stats, opt_state, replicas.place_batch(batch))
             losses.append(loss)
             utterances += config.batch_size
-            if len(losses) % 10 == 0:
+            if len(losses) % 10 == 0 and not bar.disable:
                 bar.set_postfix(loss=f"{float(loss):.3f}",
                                 utt_per_s=f"{utterances / (time.perf_counter() - start):.0f}")
         state = {"params": params, "batch_stats": batch_stats, "opt_state": opt_state}
+        train_loss = float(np.mean([float(x) for x in losses]))
         train_seconds = time.perf_counter() - start
         is_last = epoch == config.epochs - 1
-        metrics = evaluate(graphdef, params, batch_stats, test_set, config, beam=is_last)
+        metrics = (evaluate(graphdef, params, batch_stats, test_set, config, beam=is_last)
+                   if replicas.is_main else {})
         elapsed += time.perf_counter() - start
-        record = {"epoch": epoch + 1, "train_loss": float(np.mean([float(x) for x in losses])),
-                  "utterances_per_second": utterances / train_seconds,
-                  "elapsed_seconds": elapsed, **metrics}
-        history.append(record)
-        print(json.dumps(record), flush=True)
-        save_checkpoint(manager, epoch, state, history)
+        history.append({"epoch": epoch + 1, "train_loss": train_loss,
+                        "utterances_per_second": utterances / train_seconds,
+                        "elapsed_seconds": elapsed, **metrics})
+        if replicas.is_main:
+            print(json.dumps(history[-1]), flush=True)
+            save_checkpoint(manager, epoch, state, history)
+        # The others sleep while the main one evaluates: a jaxring collective would wait for it
+        # too, but gives up after jaxring's timeout, which a long evaluation could outlast.
+        replicas.barrier()
     manager.close()
-    write_learning_curve(history, workdir)
-    return history
+    if replicas.is_main:
+        write_learning_curve(history, workdir)
+    replicas.barrier()  # every rank leaves together, none spinning in MPI_Finalize meanwhile
+    return history, state
 
 
 def write_learning_curve(history: list[dict], workdir: Path):
