@@ -132,9 +132,11 @@ def loop_implementations():
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--sizes", type=int, nargs="*", help="bytes per rank (default: 4 B..64 MiB)")
     args = parser.parse_args()
     n = COMM.size
-    sizes = [4, 4096, 1 << 20, 4 << 20] if args.quick else [4 ** k for k in range(1, 14)]
+    sizes = args.sizes or ([4, 4096, 1 << 20, 4 << 20] if args.quick else
+                           [4 ** k for k in range(1, 14)])
     ceiling = memory_bandwidth_gbps() if COMM.rank == 0 else 0.0
     rows = []
     for nbytes in sizes:

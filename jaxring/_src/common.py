@@ -298,6 +298,23 @@ def lower_collective(target: str, ctx, *operands, comm: AxisCommunicator, op_id:
 
 def register_lowering_rule(primitive, rule) -> None:
     mlir.register_lowering(primitive, rule, platform="cpu")
+    mlir.register_lowering(primitive, _one_process_per_gpu(rule), platform="cuda")
+
+
+def _one_process_per_gpu(rule):
+    """On GPUs jaxring runs one process per GPU (xla_ffi/cuda/handlers.cc stages each call
+    through the host transports); the devices of one process are not its communicators."""
+
+    def gpu_rule(ctx, *args, comm: AxisCommunicator, **params):
+        if comm.process_rank is None:
+            raise NotImplementedError(
+                f"jaxring over {comm.name} on GPUs: jaxring runs one process per GPU. Launch "
+                "one process per GPU with mpiexec and pass jaxring.mpi.world() (or a split of "
+                "it) where the axis name goes; between the GPUs of one process use jax.lax "
+                "collectives (NCCL)")
+        return rule(ctx, *args, comm=comm, **params)
+
+    return gpu_rule
 
 
 def move_batch_axis(x, batch_dim, to: int = 0):

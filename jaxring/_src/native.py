@@ -1,8 +1,11 @@
-"""Loads the native extension and registers its FFI targets with XLA (once)."""
+"""Loads the native extension and registers its FFI targets with XLA (once): the CPU handlers
+from _jaxring, and, where JAX has a CUDA backend, the GPU handlers from libjaxring_cuda.so."""
 
 from __future__ import annotations
 
+import ctypes
 import functools
+import os
 
 import jax
 
@@ -14,8 +17,42 @@ except ImportError as error:  # pragma: no cover - only when the build is missin
     ) from error
 
 
+# FFI target -> exported symbol suffix, for the handlers both platforms have.
+COLLECTIVE_TARGETS = {
+    "jaxring_all_reduce": "AllReduce", "jaxring_reduce_scatter": "ReduceScatter",
+    "jaxring_all_gather": "AllGather", "jaxring_broadcast": "Broadcast",
+    "jaxring_barrier": "Barrier", "jaxring_ppermute": "Ppermute", "jaxring_send": "Send",
+    "jaxring_recv": "Recv",
+}
+CUDA_LIBRARY = os.path.join(os.path.dirname(extension.__file__), "libjaxring_cuda.so")
+
+
 @functools.cache
 def register_targets() -> None:
     targets = {**extension.cpu_targets(), **extension.model_cpu_targets()}
     for name, capsule in targets.items():
         jax.ffi.register_ffi_target(name, capsule, platform="cpu")
+    if _has_cuda_backend():
+        library = cuda_library()
+        for name, symbol in COLLECTIVE_TARGETS.items():
+            handler = getattr(library, f"Jaxring{symbol}Cuda")
+            jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(handler), platform="CUDA")
+
+
+def _has_cuda_backend() -> bool:
+    try:
+        return bool(jax.devices("cuda"))
+    except RuntimeError:
+        return False
+
+
+@functools.cache
+def cuda_library() -> ctypes.CDLL:
+    """libjaxring_cuda.so, connected to this process's host library."""
+    if not os.path.exists(CUDA_LIBRARY):
+        raise RuntimeError("jaxring was built without CUDA (no nvcc at build time), so it has no "
+                           "GPU handlers; rebuild with nvcc on the PATH")
+    library = ctypes.CDLL(CUDA_LIBRARY)
+    library.JaxringCudaSetHostCall.argtypes = [ctypes.c_void_p]
+    library.JaxringCudaSetHostCall(extension.host_call_address())
+    return library

@@ -5,6 +5,7 @@
 #include <nanobind/stl/string.h>
 
 #include "common/config.h"
+#include "common/host_call.h"
 #include "kernels/reduce_cpu.h"
 #include "models/targets.h"
 #include "transports/mailbox.h"
@@ -124,6 +125,9 @@ NB_MODULE(_jaxring, m) {
       nb::arg("key"), nb::arg("transport"),
       "Adopts a process transport (from another extension module) for communicator `key`.");
   m.def("process_unregister", &jaxring::ProcessTransport::Unregister, nb::arg("key"));
+
+  m.def("host_call_address", []() { return reinterpret_cast<uintptr_t>(&JaxringRunHostCall); },
+        "Address of JaxringRunHostCall, which the CUDA library calls on staged host buffers.");
 
   m.def("reset_point_to_point", &jaxring::LocalPointToPoint::ResetAll,
         "Empties every point-to-point mailbox (after an error).");
