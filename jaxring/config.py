@@ -2,7 +2,7 @@
 
 Environment variables (JAXRING_TIMEOUT_SECONDS, JAXRING_RING_THRESHOLD_BYTES, JAXRING_ALGORITHM,
 JAXRING_PIPELINE_SLICE_BYTES, JAXRING_SPIN_ITERATIONS, JAXRING_P2P_EAGER_BYTES,
-JAXRING_MPI_RING_THRESHOLD_BYTES) override the defaults at import time;
+JAXRING_MPI_RING_THRESHOLD_BYTES, JAXRING_MPI_DIRECT_HEADER_RANKS) override the defaults at import time;
 ``update`` and ``override`` change them at run time. Values are read when a collective runs.
 """
 
@@ -35,6 +35,9 @@ class Config:
     # Process communicators over MPI (jaxring.mpi): all_reduce by recursive doubling up to this
     # many bytes per rank, the pipelined ring above it.
     mpi_ring_threshold_bytes: int = 64 * 1024
+    # The MPI transport's header exchange: direct (one round; timeouts name exactly the absent
+    # ranks) up to this many ranks, Bruck's log2 n rounds above.
+    mpi_direct_header_ranks: int = 64
 
 
 _ENV = {
@@ -45,6 +48,7 @@ _ENV = {
     "spin_iterations": ("JAXRING_SPIN_ITERATIONS", int),
     "p2p_eager_bytes": ("JAXRING_P2P_EAGER_BYTES", int),
     "mpi_ring_threshold_bytes": ("JAXRING_MPI_RING_THRESHOLD_BYTES", int),
+    "mpi_direct_header_ranks": ("JAXRING_MPI_DIRECT_HEADER_RANKS", int),
 }
 
 

@@ -17,9 +17,10 @@ pytestmark = pytest.mark.skipif(not Path(MPIEXEC).exists(), reason="no mpiexec (
 
 
 def mpiexec(n: int, *args: str, timeout: float = 300, launcher=(), transport: str = "auto",
-            ranks_per_node: int = 0) -> subprocess.CompletedProcess:
+            ranks_per_node: int = 0, env=None) -> subprocess.CompletedProcess:
     env = dict(os.environ, XLA_FLAGS="", JAXRING_TIMEOUT_SECONDS="60",
-               JAXRING_MPI_TRANSPORT=transport, JAXRING_MPI_RANKS_PER_NODE=str(ranks_per_node))
+               JAXRING_MPI_TRANSPORT=transport, JAXRING_MPI_RANKS_PER_NODE=str(ranks_per_node),
+               **(env or {}))
     return subprocess.run([MPIEXEC, *launcher, "-n", str(n), sys.executable, *args],
                           capture_output=True,
                           text=True, timeout=timeout, env=env, cwd=HERE.parent)
@@ -27,12 +28,14 @@ def mpiexec(n: int, *args: str, timeout: float = 300, launcher=(), transport: st
 
 # "auto" is shared memory here (one node); "mpi" is the transport between nodes; pretending
 # that nodes hold 2 ranks each makes "auto" hierarchical (shared memory within, MPI between).
-@pytest.mark.parametrize("n, transport, ranks_per_node", [
-    (2, "auto", 0), (3, "auto", 0), (4, "auto", 0), (2, "mpi", 0), (3, "mpi", 0), (4, "mpi", 0),
-    (4, "auto", 2)])
-def test_collectives_under_mpiexec(n, transport, ranks_per_node):
+# One MPI run exchanges headers by Bruck's rounds, as communicators of over 64 ranks do.
+@pytest.mark.parametrize("n, transport, ranks_per_node, bruck", [
+    (2, "auto", 0, False), (3, "auto", 0, False), (4, "auto", 0, False), (2, "mpi", 0, False),
+    (3, "mpi", 0, True), (4, "mpi", 0, False), (4, "auto", 2, False)])
+def test_collectives_under_mpiexec(n, transport, ranks_per_node, bruck):
     result = mpiexec(n, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", str(HERE / "mpi"),
-                     transport=transport, ranks_per_node=ranks_per_node)
+                     transport=transport, ranks_per_node=ranks_per_node,
+                     env={"JAXRING_MPI_DIRECT_HEADER_RANKS": "1"} if bruck else {})
     assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]
 
 

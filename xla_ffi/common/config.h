@@ -32,6 +32,10 @@ struct Config {
   // rank, the pipelined ring above it (broadcast: binomial tree, then a chain). Measured in
   // benchmarks/allreduce_mpi.py.
   int64_t mpi_ring_threshold_bytes = 64 * 1024;
+  // The MPI transport's header exchange: communicators up to this size exchange headers
+  // directly (one round, n-1 messages per rank; a timeout names exactly the absent ranks);
+  // larger ones by Bruck's all-gather (log2 n rounds).
+  int64_t mpi_direct_header_ranks = 64;
 };
 
 // A snapshot of the current configuration; cheap enough to take once per collective.

@@ -23,8 +23,6 @@ constexpr int kP2PTag = 0x6a74;     // point-to-point messages (matched in order
 constexpr size_t kMaxPiece = size_t{1} << 30;
 // Eager point-to-point sends in flight before a sender waits for its oldest to be received.
 constexpr size_t kMaxEagerInFlight = 64;
-// Communicators up to this size exchange headers directly (one round, n-1 messages per rank).
-constexpr int kDirectHeaderRanks = 64;
 
 // Prefix of every point-to-point message.
 struct WireHeader {
@@ -267,7 +265,7 @@ Status MpiTransport::RunCollective(const Header& h, const CollectiveBuffers& b,
 
 // Every rank learns every rank's header before data moves, so every rank finds the same
 // mismatch, and nobody can leave before everybody arrived (which makes this the barrier too).
-// Up to kDirectHeaderRanks ranks each sends its header to all others in one round, and a
+// Up to mpi_direct_header_ranks ranks each sends its header to all others in one round, and a
 // timeout names exactly the ranks that never arrived. Above that, Bruck's all-gather (round k
 // passes everything known to rank - 2^k) keeps it to log2 n rounds, but a timeout can then
 // only name the rank a waiter heard nothing from, which may itself be waiting for another.
@@ -276,7 +274,7 @@ Status MpiTransport::ExchangeHeaders(const Header& h, const Deadline& deadline) 
   known.assign(size_, Header{});
   known[0] = h;
   const char* what = "arrive at this collective";
-  if (size_ <= kDirectHeaderRanks) {
+  if (size_ <= config_.mpi_direct_header_ranks) {
     recvs_.Clear();
     Status status;
     for (int i = 1; i < size_ && status.ok(); ++i)
