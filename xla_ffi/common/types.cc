@@ -79,6 +79,21 @@ std::string Describe(const Header& h) {
   return s.str();
 }
 
+Status CheckHeadersAgree(const std::string& where, int size,
+                         const std::function<const Header&(int)>& header_of) {
+  const Header& reference = header_of(0);
+  for (int peer = 1; peer < size; ++peer) {
+    const Header& other = header_of(peer);
+    if (other == reference) continue;
+    std::ostringstream s;
+    s << where << ": mismatched collectives: rank 0 called " << Describe(reference) << " but rank "
+      << peer << " called " << Describe(other)
+      << ". Every rank must make the same collective calls in the same order.";
+    return Status::Error(s.str());
+  }
+  return Status();
+}
+
 std::string Where(const Header& h, const std::string& comm_name, int rank, int size) {
   std::ostringstream s;
   s << "jaxring " << Describe(h) << " on " << comm_name << " (rank " << rank << " of " << size

@@ -4,7 +4,10 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <string>
+
+#include "common/status.h"
 
 namespace jaxring {
 
@@ -53,6 +56,10 @@ bool operator==(const Header& a, const Header& b);
 // Whether a point-to-point message with header `a` matches a receive expecting `b`.
 bool SameMessage(const Header& a, const Header& b);
 std::string Describe(const Header& h);  // e.g. "all_reduce(sum) op 3 float32[1024]"
+// Every rank's header (`header_of(rank)`) must equal rank 0's. Otherwise an error after `where`
+// that names the first rank that differs and both calls: the same text on every rank.
+Status CheckHeadersAgree(const std::string& where, int size,
+                         const std::function<const Header&(int)>& header_of);
 // Error text prefix naming the call, the communicator and the rank, e.g.
 // "jaxring all_reduce(sum) op 3 float32[1024] on mesh axis 'i' (rank 2 of 4)".
 std::string Where(const Header& h, const std::string& comm_name, int rank, int size);

@@ -301,18 +301,9 @@ Status MpiTransport::ExchangeHeaders(const Header& h, const Deadline& deadline) 
   }
   sends_.Clear();
   recvs_.Clear();
-  const Header& reference = known[(size_ - rank_) % size_];
-  for (int peer = 1; peer < size_; ++peer) {
-    const Header& other = known[(peer - rank_ + size_) % size_];
-    if (!(other == reference)) {
-      std::ostringstream s;
-      s << Where(h) << ": mismatched collectives: rank 0 called " << Describe(reference)
-        << " but rank " << peer << " called " << Describe(other)
-        << ". Every rank must make the same collective calls in the same order.";
-      return Status::Error(s.str());
-    }
-  }
-  return Status();
+  return CheckHeadersAgree(Where(h), size_, [&](int rank) -> const Header& {
+    return known[(rank - rank_ + size_) % size_];
+  });
 }
 
 // All-reduce by recursive doubling: log2(p) exchanges of the whole (accumulator-typed) vector

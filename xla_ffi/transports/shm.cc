@@ -151,18 +151,9 @@ void ShmCommunicator::PostHeader(const Header& header) {
 
 Status ShmCommunicator::CheckHeaders(const Header& mine) const {
   const int parity = static_cast<int>((step_ - 1) & 1);
-  const Header& reference = segment_->ranks[0].headers[parity];
-  for (int peer = 1; peer < size_; ++peer) {
-    const Header& other = segment_->ranks[peer].headers[parity];
-    if (!(other == reference)) {
-      std::ostringstream s;
-      s << Where(mine) << ": mismatched collectives: rank 0 called " << Describe(reference)
-        << " but rank " << peer << " called " << Describe(other)
-        << ". Every rank must make the same collective calls in the same order.";
-      return Status::Error(s.str());
-    }
-  }
-  return Status();
+  return CheckHeadersAgree(Where(mine), size_, [&](int rank) -> const Header& {
+    return segment_->ranks[rank].headers[parity];
+  });
 }
 
 void ShmCommunicator::Publish(Phase phase) {
