@@ -22,6 +22,7 @@ import numpy as np
 import optax
 
 import jaxring
+from jaxring._src import common
 
 DEFAULT_BUCKET_BYTES = 64 << 20  # Horovod's default fusion threshold (HOROVOD_FUSION_THRESHOLD)
 
@@ -79,9 +80,11 @@ def unfuse(buckets, plan: FusionPlan):
     return jax.tree.unflatten(plan.treedef, leaves)
 
 
-def _apply_fused(collective, tree, bucket_bytes):
+def _apply_fused(collective, tree, bucket_bytes, axis_name):
     if not jax.tree.leaves(tree):
         return tree
+    if common.communicator("fusion", axis_name).size == 1:
+        return collective(tree)  # one replica: nothing moves, so nothing to fuse
     plan = fusion_plan(tree, bucket_bytes)
     return unfuse([collective(bucket) for bucket in fuse(tree, plan)], plan)
 
@@ -93,14 +96,16 @@ def all_reduce_gradients(grads, axis_name, op: str = "mean",
                          bucket_bytes: int = DEFAULT_BUCKET_BYTES):
     """Reduces a pytree of gradients over `axis_name` in fused buckets: one `jaxring.all_reduce`
     per bucket instead of one per leaf. Equal to ``jaxring.all_reduce(grads, axis_name, op)``."""
-    return _apply_fused(lambda b: jaxring.all_reduce(b, axis_name, op), grads, bucket_bytes)
+    return _apply_fused(lambda b: jaxring.all_reduce(b, axis_name, op), grads, bucket_bytes,
+                        axis_name)
 
 
 def broadcast_parameters(params, axis_name, root: int = 0,
                          bucket_bytes: int = DEFAULT_BUCKET_BYTES):
     """Every replica gets replica `root`'s copy of `params` (Horovod's broadcast_parameters), so
     replicas start identical however they were initialised."""
-    return _apply_fused(lambda b: jaxring.broadcast(b, axis_name, root), params, bucket_bytes)
+    return _apply_fused(lambda b: jaxring.broadcast(b, axis_name, root), params, bucket_bytes,
+                        axis_name)
 
 
 def masked_moments(x, mask, axis_name=None):
