@@ -12,7 +12,6 @@ Two transports carry the data:
   (``xla_ffi/transports/mpi``): recursive doubling for small all-reduces, a sliced, pipelined
   ring for large ones. It needs jaxring's MPI extension, built against the same MPI that mpi4py
   uses (checked here, with a clear error if they differ).
-
 * ``"hierarchical"``: ranks on several nodes, each with the same number of ranks. Large
   all-reduces run as a reduce-scatter within each node (shared memory), an all-reduce of each
   shard between nodes (MPI), and an all-gather within each node; everything else goes over MPI.
@@ -81,7 +80,8 @@ class Communicator:
         MPI = _mpi()
         transport = transport or os.environ.get("JAXRING_MPI_TRANSPORT", "auto")
         if transport not in TRANSPORTS:
-            raise ValueError(f"jaxring.mpi: transport must be one of {TRANSPORTS}, got {transport!r}")
+            raise ValueError(f"jaxring.mpi: transport must be one of {TRANSPORTS}, "
+                             f"got {transport!r}")
         self.mpi_comm = mpi_comm
         self.rank = mpi_comm.Get_rank()
         self.size = mpi_comm.Get_size()
@@ -106,8 +106,14 @@ class Communicator:
         self.transport = transport
         self.key = mpi_comm.bcast(secrets.randbits(63) if self.rank == 0 else None, root=0)
         if extension is not None:
-            native.extension.process_register(
-                self.key, extension.create(MPI._addressof(mpi_comm), self.name))
+            try:
+                transport_capsule = extension.create(MPI._addressof(mpi_comm), self.name)
+            except RuntimeError as error:  # e.g. MPI initialised without MPI_THREAD_MULTIPLE
+                if transport != "shm":
+                    raise
+                self.point_to_point_unavailable = str(error)
+            else:
+                native.extension.process_register(self.key, transport_capsule)
         if transport == "shm":
             self._attach_shared_memory(slot_bytes)
         if transport == "hierarchical":

@@ -3,9 +3,7 @@ lowering for CUDA emits jaxring's custom calls for process communicators and ref
 of one process. With a GPU: the multi-process suite of tests/mpi runs on GPU processes."""
 
 import os
-import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import jax
@@ -17,6 +15,7 @@ import jaxring
 import jaxring.mpi
 from jaxring._src import native
 from helpers import mesh, shard
+from test_mpi import mpiexec
 
 HERE = Path(__file__).resolve().parent
 
@@ -65,11 +64,7 @@ def test_lowering_for_cuda_refuses_the_devices_of_one_process():
 @pytest.mark.skipif(not has_gpu(), reason="no CUDA GPU visible")
 @pytest.mark.parametrize("n", [1, 2, 4])
 def test_the_multiprocess_suite_on_gpu_processes_sharing_one_gpu(n):
-    mpiexec = shutil.which("mpiexec") or str(Path(sys.executable).parent / "mpiexec")
-    env = dict(os.environ, XLA_FLAGS="", JAX_PLATFORMS="cuda", JAXRING_TIMEOUT_SECONDS="60",
-               XLA_PYTHON_CLIENT_MEM_FRACTION=str(round(0.8 / n, 2)))
-    result = subprocess.run([mpiexec, "-n", str(n), sys.executable, "-m", "pytest", "-q", "-x",
-                             "-p", "no:cacheprovider", str(HERE / "mpi")],
-                            capture_output=True, text=True, timeout=900, env=env,
-                            cwd=HERE.parent)
+    result = mpiexec(n, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", str(HERE / "mpi"),
+                     timeout=900, env={"JAX_PLATFORMS": "cuda",
+                                       "XLA_PYTHON_CLIENT_MEM_FRACTION": str(round(0.8 / n, 2))})
     assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]

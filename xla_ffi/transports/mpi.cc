@@ -21,6 +21,8 @@ constexpr int kP2PTag = 0x6a74;     // point-to-point messages (matched in order
 
 // MPI counts are ints: larger messages travel as several pieces of at most this many bytes.
 constexpr size_t kMaxPiece = size_t{1} << 30;
+// Ring slices in flight to the right neighbour before a rank waits for its oldest to arrive.
+constexpr size_t kRingSendsInFlight = 8;
 // Eager point-to-point sends in flight before a sender waits for its oldest to be received.
 constexpr size_t kMaxEagerInFlight = 64;
 
@@ -397,7 +399,16 @@ Status MpiTransport::Ring(const Header& h, const CollectiveBuffers& b, const Dea
   auto slices = [&](int64_t count) { return (count + slice - 1) / slice; };
 
   // Slice k of the region that `step` (right's) reads from this rank.
+  // At most kRingSendsInFlight slices are on their way to right at any time: a large message
+  // would otherwise post all of a step's slices at once and hold MPI's buffers for all of them.
+  size_t oldest = 0;  // sends_ before this index have completed
   auto send = [&](const RingStep& step, int64_t k) {
+    while (sends_.requests.size() - oldest >= kRingSendsInFlight) {
+      Status status = Wait(h, &sends_, static_cast<int>(oldest), deadline,
+                           "receive this rank's data");
+      if (!status.ok()) return status;
+      ++oldest;
+    }
     const int64_t first = k * slice;
     const int64_t len = std::min(slice, step.count - first);
     const size_t w = element(step.source);
