@@ -91,7 +91,7 @@ class Communicator:
         node_sizes = mpi_comm.allgather(node.Get_size())
         on_one_node = node_sizes[0] == self.size
         extension, self.point_to_point_unavailable = _mpi_extension()
-        self._requested = transport
+        self._requested = (transport, ranks_per_node)
         if transport == "auto":
             transport = "shm" if on_one_node else "hierarchical"
         if transport == "hierarchical" and (on_one_node or len(set(node_sizes)) > 1):
@@ -150,8 +150,9 @@ class Communicator:
 
     def split(self, color: int, key: int = 0) -> "Communicator":
         """Ranks with the same `color` form a new communicator, ordered by `key` (MPI_Comm_split)."""
+        transport, ranks_per_node = self._requested
         return Communicator(self.mpi_comm.Split(color, key), label=f"split(color={color})",
-                            transport=self._requested)
+                            transport=transport, ranks_per_node=ranks_per_node)
 
     def axis_communicator(self) -> common.AxisCommunicator:
         return common.AxisCommunicator(axes=(), size=self.size, key=self.key, name=self.name,
