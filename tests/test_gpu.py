@@ -20,13 +20,6 @@ from test_mpi import mpiexec
 HERE = Path(__file__).resolve().parent
 
 
-def has_gpu() -> bool:
-    try:
-        return bool(jax.devices("cuda"))
-    except RuntimeError:
-        return False
-
-
 @pytest.mark.skipif(not os.path.exists(native.CUDA_LIBRARY),
                     reason="jaxring was built without nvcc: no CUDA library")
 def test_cuda_library_exports_every_handler():
@@ -61,7 +54,7 @@ def test_lowering_for_cuda_refuses_the_devices_of_one_process():
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not has_gpu(), reason="no CUDA GPU visible")
+@pytest.mark.skipif(not native.has_cuda_backend(), reason="no CUDA GPU visible")
 @pytest.mark.parametrize("n", [1, 2, 4])
 def test_the_multiprocess_suite_on_gpu_processes_sharing_one_gpu(n):
     result = mpiexec(n, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", str(HERE / "mpi"),

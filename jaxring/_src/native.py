@@ -32,14 +32,15 @@ def register_targets() -> None:
     targets = {**extension.cpu_targets(), **extension.model_cpu_targets()}
     for name, capsule in targets.items():
         jax.ffi.register_ffi_target(name, capsule, platform="cpu")
-    if _has_cuda_backend():
+    if has_cuda_backend():
         library = cuda_library()
         for name, symbol in COLLECTIVE_TARGETS.items():
             handler = getattr(library, f"Jaxring{symbol}Cuda")
             jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(handler), platform="CUDA")
 
 
-def _has_cuda_backend() -> bool:
+def has_cuda_backend() -> bool:
+    """Whether JAX has a CUDA backend with at least one GPU in this process."""
     try:
         return bool(jax.devices("cuda"))
     except RuntimeError:

@@ -11,7 +11,6 @@
 #pragma once
 
 #include <cstdint>
-#include <string>
 #include <string_view>
 #include <utility>
 
@@ -32,10 +31,10 @@ ffi::Error RunCall(typename Runner::CtxValue ctx, Collective kind, JaxringHostRo
                    ffi::AnyBuffer* y, int64_t comm, std::string_view comm_name, int64_t size,
                    int64_t op_id, int64_t op = 0, int64_t root = 0,
                    ffi::Span<const int64_t> perm = {}) {
-  const std::string name(comm_name);
   JaxringHostCall call{};
   call.comm = static_cast<uint64_t>(comm);
-  call.comm_name = name.c_str();
+  call.comm_name = comm_name.data();
+  call.comm_name_size = comm_name.size();
   call.size = static_cast<int32_t>(size);
   call.op_id = op_id;
   call.role = role;
@@ -56,22 +55,14 @@ ffi::Error RunCall(typename Runner::CtxValue ctx, Collective kind, JaxringHostRo
   return Runner::Run(ctx, call, rank, group, x, y);
 }
 
-template <typename R>
-ffi::Error AllReduce(typename R::CtxValue ctx, ffi::Token, ffi::AnyBuffer rank,
+// all_reduce and reduce_scatter: the same binding, told apart by their kind.
+template <typename R, Collective kKind>
+ffi::Error Reduction(typename R::CtxValue ctx, ffi::Token, ffi::AnyBuffer rank,
                      ffi::AnyBuffer group, ffi::AnyBuffer x, ffi::Result<ffi::Token>,
                      ffi::Result<ffi::AnyBuffer> y, int64_t comm, std::string_view comm_name,
                      int64_t size, int64_t op_id, int64_t op) {
-  return RunCall<R>(ctx, Collective::kAllReduce, kJaxringHostCollective, rank, group, &x, &*y,
-                    comm, comm_name, size, op_id, op);
-}
-
-template <typename R>
-ffi::Error ReduceScatter(typename R::CtxValue ctx, ffi::Token, ffi::AnyBuffer rank,
-                         ffi::AnyBuffer group, ffi::AnyBuffer x, ffi::Result<ffi::Token>,
-                         ffi::Result<ffi::AnyBuffer> y, int64_t comm, std::string_view comm_name,
-                         int64_t size, int64_t op_id, int64_t op) {
-  return RunCall<R>(ctx, Collective::kReduceScatter, kJaxringHostCollective, rank, group, &x,
-                    &*y, comm, comm_name, size, op_id, op);
+  return RunCall<R>(ctx, kKind, kJaxringHostCollective, rank, group, &x, &*y, comm, comm_name,
+                    size, op_id, op);
 }
 
 template <typename R>
@@ -167,10 +158,12 @@ auto Bind() {
 // Defines the exported handler symbols Jaxring<Name><SUFFIX> for one platform's Runner.
 #define JAXRING_DEFINE_HANDLERS(SUFFIX, RUNNER)                                                    \
   XLA_FFI_DEFINE_HANDLER_SYMBOL(                                                                  \
-      JaxringAllReduce##SUFFIX, ::jaxring::handlers::AllReduce<RUNNER>,                          \
+      JaxringAllReduce##SUFFIX,                                                                   \
+      (::jaxring::handlers::Reduction<RUNNER, ::jaxring::Collective::kAllReduce>),               \
       (::jaxring::handlers::Bind<RUNNER::Ctx, true, true>().Attr<int64_t>("op")));               \
   XLA_FFI_DEFINE_HANDLER_SYMBOL(                                                                  \
-      JaxringReduceScatter##SUFFIX, ::jaxring::handlers::ReduceScatter<RUNNER>,                  \
+      JaxringReduceScatter##SUFFIX,                                                               \
+      (::jaxring::handlers::Reduction<RUNNER, ::jaxring::Collective::kReduceScatter>),           \
       (::jaxring::handlers::Bind<RUNNER::Ctx, true, true>().Attr<int64_t>("op")));               \
   XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxringAllGather##SUFFIX,                                         \
                                 ::jaxring::handlers::AllGather<RUNNER>,                           \

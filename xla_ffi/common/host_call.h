@@ -18,7 +18,8 @@ enum JaxringHostRole : uint8_t {
 
 struct JaxringHostCall {
   uint64_t comm;          // communicator key (the custom call's "comm" attribute)
-  const char* comm_name;  // for error messages; NUL-terminated
+  const char* comm_name;  // for error messages: comm_name_size bytes, not NUL-terminated
+  size_t comm_name_size;
   int32_t rank;
   int32_t size;
   int64_t group;          // index along the mesh axes not reduced over (0 for processes)

@@ -38,6 +38,10 @@ HostResult Check(const JaxringHostCall& c, Collective kind) {
   return {};
 }
 
+std::string CommName(const JaxringHostCall& c) {
+  return std::string(c.comm_name, c.comm_name_size);
+}
+
 // A process transport compiled for one rank must be run by that rank.
 template <typename Transport>
 Status CheckProcess(const Transport& processes, const Header& header, int rank, int size) {
@@ -61,7 +65,7 @@ Status RunCollectiveCall(const JaxringHostCall& c, const Header& header) {
   }
   const Algorithm algorithm = ChooseAlgorithm(header, c.size, config);
   ScratchLease scratch = ScratchLease::Acquire(ScratchBytes(header, c.size, algorithm));
-  CommunicatorId comm{c.comm, c.group, c.size, c.comm_name};
+  CommunicatorId comm{c.comm, c.group, c.size, CommName(c)};
   auto transport = LocalTransport::Join(comm, c.run_id, c.rank, header, c.input, c.output,
                                         scratch.data(), config.timeout_seconds,
                                         config.spin_iterations);
@@ -103,7 +107,7 @@ Status RunPointToPointCall(const JaxringHostCall& c, const Header& header) {
   if (ShmCommunicator* processes = ShmCommunicator::Find(c.comm))
     return Status::Error(processes->Where(header) + ": this process communicator has no "
                          "point-to-point transport (jaxring was built without MPI)");
-  LocalPointToPoint transport(CommunicatorId{c.comm, c.group, c.size, c.comm_name}, c.rank,
+  LocalPointToPoint transport(CommunicatorId{c.comm, c.group, c.size, CommName(c)}, c.rank,
                               config.timeout_seconds, config.spin_iterations);
   return run(transport);
 }

@@ -150,36 +150,36 @@ Status MpiTransport::Call(const Header& h, int code, const char* what) {
   return Status::Error(Where(h) + ": MPI failed to " + what + ": " + std::string(text, length));
 }
 
-Status MpiTransport::Isend(const Header& h, const void* data, size_t bytes, int peer, int tag,
-                           Requests* r) {
+// Starts `bytes` as pieces of at most kMaxPiece bytes (a zero-byte message is still one
+// message): start(offset, piece bytes, request) posts one and returns its MPI code.
+template <typename Start>
+Status MpiTransport::Pieces(const Header& h, size_t bytes, int peer, Requests* r,
+                            const char* what, Start start) {
   size_t done = 0;
-  do {  // a zero-byte message is still one message
+  do {
     const size_t piece = std::min(bytes - done, kMaxPiece);
     r->requests.push_back(MPI_REQUEST_NULL);
     r->peers.push_back(peer);
-    Status status = Call(h, MPI_Isend(static_cast<const char*>(data) + done, static_cast<int>(piece),
-                                      MPI_BYTE, peer, tag, comm_, &r->requests.back()),
-                         "send");
+    Status status = Call(h, start(done, static_cast<int>(piece), &r->requests.back()), what);
     if (!status.ok()) return status;
     done += piece;
   } while (done < bytes);
   return Status();
 }
 
+Status MpiTransport::Isend(const Header& h, const void* data, size_t bytes, int peer, int tag,
+                           Requests* r) {
+  return Pieces(h, bytes, peer, r, "send", [&](size_t offset, int n, MPI_Request* request) {
+    return MPI_Isend(static_cast<const char*>(data) + offset, n, MPI_BYTE, peer, tag, comm_,
+                     request);
+  });
+}
+
 Status MpiTransport::Irecv(const Header& h, void* data, size_t bytes, int peer, int tag,
                            Requests* r) {
-  size_t done = 0;
-  do {
-    const size_t piece = std::min(bytes - done, kMaxPiece);
-    r->requests.push_back(MPI_REQUEST_NULL);
-    r->peers.push_back(peer);
-    Status status = Call(h, MPI_Irecv(static_cast<char*>(data) + done, static_cast<int>(piece),
-                                      MPI_BYTE, peer, tag, comm_, &r->requests.back()),
-                         "receive");
-    if (!status.ok()) return status;
-    done += piece;
-  } while (done < bytes);
-  return Status();
+  return Pieces(h, bytes, peer, r, "receive", [&](size_t offset, int n, MPI_Request* request) {
+    return MPI_Irecv(static_cast<char*>(data) + offset, n, MPI_BYTE, peer, tag, comm_, request);
+  });
 }
 
 Status MpiTransport::Wait(const Header& h, Requests* r, int index, const Deadline& deadline,

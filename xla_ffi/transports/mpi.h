@@ -65,6 +65,9 @@ class MpiTransport final : public ProcessTransport {
   MpiTransport(MPI_Comm comm, std::string name);
 
   Status Call(const Header& header, int code, const char* what);  // MPI return code -> Status
+  template <typename Start>
+  Status Pieces(const Header& h, size_t bytes, int peer, Requests* r, const char* what,
+                Start start);
   Status Isend(const Header& h, const void* data, size_t bytes, int peer, int tag, Requests* r);
   Status Irecv(const Header& h, void* data, size_t bytes, int peer, int tag, Requests* r);
   // Waits for request `index` of `r` (or all of them when index < 0).
