@@ -15,7 +15,7 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 import jaxring
-from jaxring._src import native
+from jaxring._src import common, native, runtime_tokens
 from helpers import assert_close, mesh, random_array, shard, shmap
 
 # ---- determinism -------------------------------------------------------------------------------
@@ -68,6 +68,45 @@ def test_many_collectives_in_one_program_and_back_to_back():
         for a, e in zip(out, expected):
             assert_close(np.asarray(a), e.astype(np.float64), np.float32, count=2 * n,
                          exact_reference=False)
+
+
+@pytest.mark.skipif(not runtime_tokens.install(common.CollectiveEffect),
+                    reason="JAX's token hand-over differs from what runtime_tokens expects")
+def test_token_hand_over_orders_programs_over_changing_device_lists():
+    """Programs over 8 devices, the first 4, and the 8 in reverse order, dispatched back to back
+    without waiting: the token must follow each program onto its devices (resharded by JAX where
+    the list changes, reused where it does not), or the programs' collectives interleave on the
+    devices' threads and time out. Also mixes in a program with a second ordered effect, which
+    JAX's own code handles."""
+    from jax.experimental import io_callback
+
+    rng = np.random.default_rng(3)
+    meshes = [mesh(8), mesh(4), jax.make_mesh((8,), ("i",), devices=jax.devices()[:8][::-1])]
+    seen = []
+
+    def record(v):
+        seen.append(np.asarray(v))
+        return np.zeros((), np.float32)
+
+    def with_callback(v):
+        total = jaxring.all_reduce(v, "i")
+        return total + io_callback(record, jax.ShapeDtypeStruct((), np.float32), total[0],
+                                   ordered=True)
+
+    programs, expected = [], []
+    for k in range(48):
+        m = meshes[k % 3]
+        x = random_array(rng, (m.size * 5,), np.float32)
+        body = with_callback if k == 20 else (lambda v: jaxring.all_reduce(v, "i"))
+        programs.append(shmap(body, m, out_specs=P())(shard(x, m)))
+        expected.append(x.astype(np.float64).reshape(m.size, 5).sum(0))
+    for got, want in zip(programs, expected):
+        assert_close(np.asarray(got), want, np.float32, count=8)
+    assert len(seen) == 8  # the callback runs on each device of the program
+    np.testing.assert_allclose(seen, expected[20][0], rtol=1e-5)
+    token = jax._src.dispatch.runtime_tokens.current_tokens[common.collective_effect]
+    devices = tuple(meshes[47 % 3].devices.flat)
+    assert token._buf.sharding is runtime_tokens._token_layout(devices)[0]
 
 
 _MANY_DEVICES = textwrap.dedent("""

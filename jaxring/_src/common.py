@@ -24,7 +24,7 @@ from jax._src import config as jax_config
 from jax._src import core, effects
 from jax._src.interpreters import mlir
 
-from jaxring._src import native
+from jaxring._src import native, runtime_tokens
 
 # ---- tables (one place for each fact) ----------------------------------------------------------
 
@@ -71,6 +71,7 @@ for _effect_set in (
     effects.remat_allowed_effects,
 ):
     _effect_set.add_type(CollectiveEffect)
+runtime_tokens.install(CollectiveEffect)
 
 def reset_after_error() -> None:
     """Lets later programs run after a jaxring collective raised (a timeout or a mismatch).

@@ -1,0 +1,89 @@
+"""Cheaper hand-over of the ordered effect's token between programs.
+
+jaxring's collectives carry an ordered effect, so JAX passes a token from each program to the
+next: program k+1 on a device starts only once program k has finished there. That is what keeps
+two programs' collectives from occupying the same CPU devices' threads at once, which deadlocks
+XLA's own `psum` when programs are dispatched back to back without blocking (PJRT CPU runs each
+device of a program on a pool with one thread per device).
+
+JAX (0.10/0.11) rebuilds the token's sharding on every dispatch: `get_token_input` builds a
+`Mesh` and `NamedSharding` and `device_put`s the token onto them, and `_handle_token_bufs` builds
+them again to reassemble the returned per-device tokens. At 8 CPU devices that is about half a
+millisecond per call, more than the collective. This module keeps the sharding per device list
+and reuses the returned token array as the next input when it already sits on the right devices,
+which is what `device_put` would conclude after its checks. The token buffers that flow from
+program to program, and so the ordering, are exactly JAX's.
+
+Only jaxring's own effect takes this path; every other effect is handled by JAX's code. If JAX's
+internals differ from what this expects, nothing is patched and dispatch stays JAX's (correct,
+slower). `JAXRING_FAST_TOKENS=0` turns the patch off.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import os
+
+import numpy as np
+from jax._src import array, core, dispatch
+from jax._src.interpreters import pxla
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+_installed = False
+
+
+@functools.lru_cache(maxsize=256)
+def _token_layout(devices: tuple) -> tuple[NamedSharding, core.ShapedArray]:
+    """The sharding JAX gives an ordered-effect token over `devices`, and its aval."""
+    sharding = NamedSharding(Mesh(np.asarray(devices, dtype=object), "x"), PartitionSpec("x"))
+    aval = core.update_aval_with_sharding(core.ShapedArray((0,), np.bool_), sharding)
+    return sharding, aval
+
+
+def _expected_signatures() -> bool:
+    try:
+        get = inspect.signature(dispatch.RuntimeTokenSet.get_token_input).parameters
+        handle = inspect.signature(pxla.ExecuteReplicated._handle_token_bufs).parameters
+    except (AttributeError, TypeError, ValueError):
+        return False
+    return (list(get) == ["self", "eff", "devices"]
+            and list(handle) == ["self", "token_bufs", "sharded_token"]
+            and hasattr(dispatch.runtime_tokens, "current_tokens")
+            and hasattr(dispatch.runtime_tokens, "output_runtime_tokens"))
+
+
+def install(effect_type: type) -> bool:
+    """Routes tokens of `effect_type` through the cached layouts. Returns whether it did."""
+    global _installed
+    if _installed:
+        return True
+    if os.environ.get("JAXRING_FAST_TOKENS", "1") == "0" or not _expected_signatures():
+        return False
+    jax_get_token_input = dispatch.RuntimeTokenSet.get_token_input
+    jax_handle_token_bufs = pxla.ExecuteReplicated._handle_token_bufs
+
+    def get_token_input(self, eff, devices):
+        if isinstance(eff, effect_type):
+            token = self.current_tokens.get(eff)
+            if (isinstance(token, core.Token)
+                    and token._buf.sharding is _token_layout(tuple(devices))[0]):
+                return token
+        return jax_get_token_input(self, eff, devices)
+
+    def handle_token_bufs(self, token_bufs, sharded_token):
+        if not all(isinstance(eff, effect_type) for eff in self.ordered_effects):
+            return jax_handle_token_bufs(self, token_bufs, sharded_token)
+        tokens = dispatch.runtime_tokens
+        for i, device in enumerate(self._local_devices):
+            tokens.output_runtime_tokens[device] = sharded_token.get_token(i)
+        for eff, bufs in zip(self.ordered_effects, token_bufs):
+            devices = tuple(b.sharding._device_assignment[0] for b in bufs)
+            sharding, aval = _token_layout(devices)
+            tokens.current_tokens[eff] = core.Token(
+                array.ArrayImpl(aval, sharding, list(bufs), committed=True, _skip_checks=True))
+
+    dispatch.RuntimeTokenSet.get_token_input = get_token_input
+    pxla.ExecuteReplicated._handle_token_bufs = handle_token_bufs
+    _installed = True
+    return True
