@@ -19,6 +19,11 @@ Two transports carry the data:
 ``"auto"`` (the default, or ``JAXRING_MPI_TRANSPORT``) takes shared memory when every rank is on
 one node, hierarchical when nodes hold equal numbers of ranks, and MPI otherwise.
 ``ppermute``/``send``/``recv`` always go over MPI.
+
+Processes with a GPU also get a GPU transport (`gpu_transport`, or ``JAXRING_GPU_TRANSPORT``):
+``"ipc"`` (GPU memory mapped between the processes of one node), ``"staged"`` (pipelined pinned
+staging through the transport above) or ``"host"``; ``"auto"`` is ipc on one node and staged
+across nodes. See jaxring/_src/gpu.py.
 """
 
 from __future__ import annotations
@@ -29,7 +34,7 @@ import os
 import secrets
 import weakref
 
-from jaxring._src import common, native
+from jaxring._src import common, gpu, native
 
 DEFAULT_SLOT_BYTES = 4 << 20  # measured with benchmarks/allreduce_mpi.py: fewer steps pay
 TRANSPORTS = ("auto", "shm", "mpi", "hierarchical")
@@ -72,12 +77,18 @@ class Communicator:
     jaxring calls on it in the same order. `transport` is ``"auto"``, ``"shm"``, ``"mpi"`` or
     ``"hierarchical"`` (see the module docstring); `slot_bytes` is the shared-memory staging area
     per rank, and messages larger than it move in chunks; `ranks_per_node` pretends a node layout
-    (for tests and benchmarks on one machine).
+    (for tests and benchmarks on one machine). `gpu_transport` is ``"auto"``, ``"ipc"``,
+    ``"staged"`` or ``"host"`` (processes with GPUs only); `gpu_workspace_bytes` (cuda-ipc, per
+    rank and parity) and `gpu_staging_bytes` (staged, per pinned chunk) bound one step.
     """
 
     def __init__(self, mpi_comm, *, label: str = "", transport: str | None = None,
-                 slot_bytes: int = DEFAULT_SLOT_BYTES, ranks_per_node: int | None = None):
+                 slot_bytes: int = DEFAULT_SLOT_BYTES, ranks_per_node: int | None = None,
+                 gpu_transport: str | None = None, gpu_workspace_bytes: int | None = None,
+                 gpu_staging_bytes: int | None = None):
         MPI = _mpi()
+        gpu_options = gpu.GpuOptions.resolve(gpu_transport, gpu_workspace_bytes,
+                                              gpu_staging_bytes)
         transport = transport or os.environ.get("JAXRING_MPI_TRANSPORT", "auto")
         if transport not in TRANSPORTS:
             raise ValueError(f"jaxring.mpi: transport must be one of {TRANSPORTS}, "
@@ -118,12 +129,23 @@ class Communicator:
             self._attach_shared_memory(slot_bytes)
         if transport == "hierarchical":
             across = mpi_comm.Split(node.Get_rank(), key=self.rank)
+            gpu_levels = dict(gpu_transport=gpu_options.transport,
+                              gpu_workspace_bytes=gpu_options.workspace_bytes,
+                              gpu_staging_bytes=gpu_options.staging_bytes)
             self.levels = (
-                Communicator(node, label=f"{label} node", transport="shm", slot_bytes=slot_bytes),
-                Communicator(across, label=f"{label} across nodes", transport="mpi"))
+                Communicator(node, label=f"{label} node", transport="shm", slot_bytes=slot_bytes,
+                             **gpu_levels),
+                Communicator(across, label=f"{label} across nodes", transport="mpi",
+                             **gpu_levels))
         else:
             node.Free()
         weakref.finalize(self, _detach, self.key)
+        self._gpu_requested = gpu_options
+        # The transport GPU calls take ("none" in processes without GPUs), and whether MPI takes
+        # device pointers (with how that was found out).
+        self.gpu_transport, self.cuda_aware_mpi, self.cuda_aware_mpi_source = gpu.attach(
+            mpi_comm, self.key, self.rank, self.size, self.name, gpu_options, on_one_node,
+            extension)
         _wait_for_pending_work_at_exit()
 
     def _attach_shared_memory(self, slot_bytes: int) -> None:
@@ -151,15 +173,21 @@ class Communicator:
     def split(self, color: int, key: int = 0) -> "Communicator":
         """Ranks with the same `color` form a new communicator, ordered by `key` (MPI_Comm_split)."""
         transport, ranks_per_node = self._requested
+        options = self._gpu_requested
         return Communicator(self.mpi_comm.Split(color, key), label=f"split(color={color})",
-                            transport=transport, ranks_per_node=ranks_per_node)
+                            transport=transport, ranks_per_node=ranks_per_node,
+                            gpu_transport=options.transport,
+                            gpu_workspace_bytes=options.workspace_bytes,
+                            gpu_staging_bytes=options.staging_bytes)
 
     def axis_communicator(self) -> common.AxisCommunicator:
         return common.AxisCommunicator(axes=(), size=self.size, key=self.key, name=self.name,
                                        process_rank=self.rank)
 
     def __repr__(self) -> str:
-        return f"<jaxring.mpi.Communicator {self.name}, rank {self.rank}, {self.transport}>"
+        gpu_part = "" if self.gpu_transport == "none" else f", GPU {self.gpu_transport}"
+        return (f"<jaxring.mpi.Communicator {self.name}, rank {self.rank}, "
+                f"{self.transport}{gpu_part}>")
 
 
 def _node_communicator(mpi_comm, pretend: int | None):
@@ -175,6 +203,7 @@ def _node_communicator(mpi_comm, pretend: int | None):
 
 
 def _detach(key: int) -> None:
+    gpu.detach(key)
     native.extension.shm_detach(key)
     native.extension.process_unregister(key)
 

@@ -14,6 +14,10 @@ enum JaxringHostRole : uint8_t {
   kJaxringHostPermute = 1,
   kJaxringHostSend = 2,
   kJaxringHostRecv = 3,
+  // Only the header exchange of a collective: peers agree on the header (a mismatch or a missing
+  // rank is an error, as for any call) and all arrive; no data moves. The GPU transports
+  // (cuda/ipc.cc) synchronise their steps with it and move the data in device memory themselves.
+  kJaxringHostAgree = 4,
 };
 
 struct JaxringHostCall {

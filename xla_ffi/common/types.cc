@@ -73,9 +73,10 @@ std::string Describe(const Header& h) {
   s << CollectiveName(h.kind);
   if (h.kind == Collective::kAllReduce || h.kind == Collective::kReduceScatter)
     s << "(" << ReduceOpName(h.op) << ")";
-  if (h.kind == Collective::kBroadcast) s << "(root=" << h.root << ")";
+  if (h.kind == Collective::kBroadcast) s << "(root=" << (h.root & ~kGpuStepTag) << ")";
   s << " op " << h.op_id;
   if (h.kind != Collective::kBarrier) s << " " << DTypeName(h.dtype) << "[" << h.count << "]";
+  if (h.root & kGpuStepTag) s << " on a GPU transport";
   return s.str();
 }
 

@@ -52,6 +52,11 @@ struct Header {
   int64_t root = 0;    // broadcast root; 0 otherwise
 };
 
+// Set in `root` of the headers a GPU transport exchanges for its steps (kJaxringHostAgree), so
+// that a rank running the same collective on the host transport is reported as a mismatch
+// instead of being paired with a step that moves no data.
+constexpr int64_t kGpuStepTag = int64_t{1} << 40;
+
 bool operator==(const Header& a, const Header& b);
 // Whether a point-to-point message with header `a` matches a receive expecting `b`.
 bool SameMessage(const Header& a, const Header& b);

@@ -73,6 +73,23 @@ Status RunCollectiveCall(const JaxringHostCall& c, const Header& header) {
   return status.ok() ? RunCollective(*transport, algorithm, config, buffers) : status;
 }
 
+// The header exchange alone, on a process communicator (kJaxringHostAgree).
+Status RunAgreeCall(const JaxringHostCall& c, const Header& header) {
+  const Config config = CurrentConfig();
+  if (ShmCommunicator* processes = ShmCommunicator::Find(c.comm)) {
+    Status status = CheckProcess(*processes, header, c.rank, c.size);
+    return status.ok() ? RunAgree(*processes, header, config) : status;
+  }
+  if (ProcessTransport* processes = ProcessTransport::Find(c.comm)) {
+    Status status = CheckProcess(*processes, header, c.rank, c.size);
+    if (!status.ok()) return status;
+    std::lock_guard<std::mutex> lock(processes->mutex());
+    return processes->Agree(header, config);
+  }
+  return Status::Error(Where(header, CommName(c), c.rank, c.size) +
+                       ": a header exchange needs a process communicator (jaxring.mpi)");
+}
+
 // This rank's partner in `perm` (flattened (source, destination) pairs): whom it sends to, or
 // whom it receives from; -1 if none.
 int Partner(const JaxringHostCall& c, bool sending) {
@@ -124,8 +141,12 @@ HostResult RunHostCall(const JaxringHostCall& c) {
   header.dtype = static_cast<DType>(c.dtype);
   header.op_id = c.op_id;
   header.root = c.root;
-  if (c.role == kJaxringHostCollective) {
+  if (c.role == kJaxringHostCollective || c.role == kJaxringHostAgree) {
     header.count = c.input_count;
+    if (c.role == kJaxringHostAgree) {
+      header.root |= kGpuStepTag;
+      return {RunAgreeCall(c, header)};
+    }
     return {RunCollectiveCall(c, header)};
   }
   header.op = ReduceOp::kSum;

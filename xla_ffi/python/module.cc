@@ -1,11 +1,16 @@
 // The Python extension: hands XLA the FFI handlers (as capsules) and exposes the configuration.
 #include <nanobind/nanobind.h>
 
+#include <algorithm>
 #include <stdexcept>
 #include <nanobind/stl/string.h>
+#include <nanobind/stl/tuple.h>
+#include <nanobind/stl/vector.h>
 
 #include "common/config.h"
 #include "common/host_call.h"
+#include "common/types.h"
+#include "gpu/plan.h"
 #include "kernels/reduce_cpu.h"
 #include "models/targets.h"
 #include "transports/mailbox.h"
@@ -130,6 +135,86 @@ NB_MODULE(_jaxring, m) {
 
   m.def("host_call_address", []() { return reinterpret_cast<uintptr_t>(&JaxringRunHostCall); },
         "Address of JaxringRunHostCall, which the CUDA library calls on staged host buffers.");
+
+  // The GPU transports' host side, exposed so that CPU tests check it: the header exchange
+  // they synchronise with, and how they cut a call into steps (gpu/plan.h).
+  m.def(
+      "host_agree",
+      [](uint64_t key, const std::string& name, int rank, int size, int kind, int op, int dtype,
+         int64_t count, int64_t op_id, int64_t root) {
+        JaxringHostCall call{};
+        call.comm = key;
+        call.comm_name = name.data();
+        call.comm_name_size = name.size();
+        call.rank = rank;
+        call.size = size;
+        call.op_id = op_id;
+        call.role = kJaxringHostAgree;
+        call.kind = static_cast<uint8_t>(kind);
+        call.op = static_cast<uint8_t>(op);
+        call.dtype = static_cast<uint8_t>(dtype);
+        call.root = root;
+        call.input_count = count;
+        call.output_count = kind == static_cast<int>(jaxring::Collective::kReduceScatter)
+                                ? count / std::max(size, 1)
+                            : kind == static_cast<int>(jaxring::Collective::kAllGather)
+                                ? count * size
+                                : count;
+        char error[4096];
+        int failed;
+        {
+          nb::gil_scoped_release release;
+          failed = JaxringRunHostCall(&call, error, sizeof(error));
+        }
+        if (failed) throw std::runtime_error(error);
+      },
+      nb::arg("key"), nb::arg("name"), nb::arg("rank"), nb::arg("size"), nb::arg("kind"),
+      nb::arg("op"), nb::arg("dtype"), nb::arg("count"), nb::arg("op_id"), nb::arg("root") = 0,
+      "Runs the header exchange alone (kJaxringHostAgree) on process communicator `key`.");
+  m.def(
+      "gpu_plan",
+      [](const std::string& transport, int kind, int size, int64_t input_count, int64_t bytes,
+         int dtype) {
+        namespace gpu = jaxring::gpu;
+        const gpu::Transport t = transport == "ipc" ? gpu::Transport::kIpc : gpu::Transport::kStaged;
+        if (transport != "ipc" && transport != "staged")
+          throw nb::value_error("transport must be 'ipc' or 'staged'");
+        const jaxring::Collective k = static_cast<jaxring::Collective>(kind);
+        const size_t width = jaxring::ByteWidth(static_cast<jaxring::DType>(dtype));
+        const std::string bad = gpu::CheckSlotBytes(t, bytes, size);
+        if (!bad.empty()) throw nb::value_error(bad.c_str());
+        const int64_t block = gpu::BlockCount(k, input_count, size);
+        std::vector<std::tuple<int64_t, int64_t, std::string>> steps;
+        for (const gpu::Step& s : gpu::PlanSteps(block, gpu::StepElements(t, k, size, bytes, width))) {
+          std::string algorithm;
+          if (t == gpu::Transport::kIpc && k == jaxring::Collective::kAllReduce)
+            algorithm = gpu::ChooseIpcAlgorithm(s.count * static_cast<int64_t>(width), size) ==
+                                gpu::IpcAlgorithm::kOneShot
+                            ? "one-shot"
+                            : "two-shot";
+          steps.emplace_back(s.first, s.count, algorithm);
+        }
+        return steps;
+      },
+      nb::arg("transport"), nb::arg("kind"), nb::arg("size"), nb::arg("input_count"),
+      nb::arg("bytes"), nb::arg("dtype"),
+      "The steps (first, count, algorithm) a GPU transport cuts a call into (gpu/plan.h).");
+  m.def("gpu_share", [](int64_t count, int size, int dtype) {
+    const jaxring::Partition p = jaxring::gpu::ShareOf(
+        count, size, jaxring::ByteWidth(static_cast<jaxring::DType>(dtype)));
+    std::vector<int64_t> begins;
+    for (int r = 0; r <= size; ++r) begins.push_back(p.Begin(r));
+    return begins;
+  }, nb::arg("count"), nb::arg("size"), nb::arg("dtype"),
+     "Two-shot all_reduce: where each rank's share of a step begins (size + 1 offsets).");
+  m.def("gpu_defaults", []() {
+    nb::dict d;
+    d["ipc_slot_bytes"] = jaxring::gpu::kDefaultIpcSlotBytes;
+    d["staging_bytes"] = jaxring::gpu::kDefaultStagingBytes;
+    d["ipc_one_shot_bytes"] = jaxring::gpu::kIpcOneShotBytes;
+    d["min_slot_bytes"] = jaxring::gpu::kMinSlotBytes;
+    return d;
+  });
 
   m.def("reset_point_to_point", &jaxring::LocalPointToPoint::ResetAll,
         "Empties every point-to-point mailbox (after an error).");

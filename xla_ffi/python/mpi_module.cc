@@ -2,9 +2,13 @@
 // library: jaxring imports it only after mpi4py has loaded that library, and checks that both
 // are the same one. It hands each transport to _jaxring as a capsule.
 #include <nanobind/nanobind.h>
+#include <nanobind/stl/pair.h>
 #include <nanobind/stl/string.h>
 
 #include <mpi.h>
+#if defined(OPEN_MPI) && OPEN_MPI
+#include <mpi-ext.h>  // Open MPI's MPIX_Query_cuda_support lives in its extensions header
+#endif
 
 #include <cstdint>
 #include <stdexcept>
@@ -27,6 +31,19 @@ std::string HeaderFamily() {
 #endif
 }
 
+// Whether the MPI library accepts CUDA device pointers, and how that was found out. MPICH (4.0+)
+// declares MPIX_Query_cuda_support in mpi.h; Open MPI in mpi-ext.h, when its CUDA extension is
+// built (OMPI_HAVE_MPI_EXT_CUDA). Both must be asked after MPI_Init, which mpi4py has done.
+std::pair<bool, std::string> CudaAware() {
+#if defined(MPICH_NUMVERSION) && MPICH_NUMVERSION >= 40000000
+  return {MPIX_Query_cuda_support() != 0, "MPIX_Query_cuda_support (MPICH)"};
+#elif defined(OMPI_HAVE_MPI_EXT_CUDA) && OMPI_HAVE_MPI_EXT_CUDA
+  return {MPIX_Query_cuda_support() != 0, "MPIX_Query_cuda_support (Open MPI)"};
+#else
+  return {false, "this MPI has no MPIX_Query_cuda_support"};
+#endif
+}
+
 }  // namespace
 
 NB_MODULE(_jaxring_mpi, m) {
@@ -39,6 +56,9 @@ NB_MODULE(_jaxring_mpi, m) {
     MPI_Get_library_version(text, &length);
     return std::string(text, length);
   }, "MPI_Get_library_version of the MPI library this module is linked with.");
+
+  m.def("cuda_aware", &CudaAware,
+        "(whether the MPI library takes CUDA device pointers, how that was determined).");
 
   m.def(
       "create",

@@ -160,4 +160,9 @@ Status RunStaged(ShmCommunicator& comm, const Header& h, const CollectiveBuffers
   }
 }
 
+Status RunAgree(ShmCommunicator& comm, const Header& header, const Config& config) {
+  return Steps(comm, header, config, 1, [](int64_t) {},
+               [](int64_t, const Deadline&, int64_t) { return Status(); });
+}
+
 }  // namespace jaxring

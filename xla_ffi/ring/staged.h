@@ -13,4 +13,8 @@ namespace jaxring {
 Status RunStaged(ShmCommunicator& comm, const Header& header, const CollectiveBuffers& buffers,
                  const Config& config);
 
+// One step that moves no data: every rank posts `header`, all wait for all, and the headers
+// must agree (the header exchange of RunStaged, on its own).
+Status RunAgree(ShmCommunicator& comm, const Header& header, const Config& config);
+
 }  // namespace jaxring

@@ -265,6 +265,15 @@ Status MpiTransport::RunCollective(const Header& h, const CollectiveBuffers& b,
   return status.ok() ? status : Fail(status);
 }
 
+Status MpiTransport::Agree(const Header& h, const Config& config) {
+  if (!broken_.empty()) return Broken(h);
+  config_ = config;
+  sends_.Clear();
+  recvs_.Clear();
+  Status status = ExchangeHeaders(h, Deadline(config.timeout_seconds));
+  return status.ok() ? status : Fail(status);
+}
+
 // Every rank learns every rank's header before data moves, so every rank finds the same
 // mismatch, and nobody can leave before everybody arrived (which makes this the barrier too).
 // Up to mpi_direct_header_ranks ranks each sends its header to all others in one round, and a

@@ -43,6 +43,7 @@ class MpiTransport final : public ProcessTransport {
 
   Status RunCollective(const Header& header, const CollectiveBuffers& buffers,
                        const Config& config) override;
+  Status Agree(const Header& header, const Config& config) override;
   void Configure(const Config& config) override { config_ = config; }
 
   Status SendCopy(int dest, const Header& header, const void* data, size_t bytes) override;

@@ -22,6 +22,9 @@ class ProcessTransport : public PointToPoint {
   // calls in the same order (jaxring's ordered effect sees to that within a process).
   virtual Status RunCollective(const Header& header, const CollectiveBuffers& buffers,
                                const Config& config) = 0;
+  // Exchanges and checks `header` with every rank, moving no data (a barrier with the checks of
+  // a collective): the GPU transports synchronise their steps with it.
+  virtual Status Agree(const Header& header, const Config& config) = 0;
   // The timeout and spin count that point-to-point calls (which take no config) use next.
   virtual void Configure(const Config& config) = 0;
   // Held by a handler for the whole of one call.

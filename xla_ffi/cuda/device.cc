@@ -1,0 +1,108 @@
+#include "cuda/device.h"
+
+#include <map>
+#include <mutex>
+
+#include "gpu/plan.h"
+
+namespace jaxring {
+namespace gpu {
+namespace {
+
+JaxringHostCallFn host_call = nullptr;
+std::mutex registry_mutex;
+
+std::map<uint64_t, std::unique_ptr<GpuCommunicator>>& Registry() {
+  static auto* registry = new std::map<uint64_t, std::unique_ptr<GpuCommunicator>>();
+  return *registry;
+}
+
+}  // namespace
+
+JaxringHostCallFn HostCall() { return host_call; }
+void SetHostCall(JaxringHostCallFn fn) { host_call = fn; }
+
+Status RunOnHost(const JaxringHostCall& call) {
+  if (host_call == nullptr)
+    return Status::Error("jaxring (CUDA): the CUDA library was loaded without jaxring's host "
+                         "library; import jaxring to register it");
+  char message[4096];
+  if (host_call(&call, message, sizeof(message)) != 0) return Status::Error(message);
+  return Status();
+}
+
+Status CudaError(const std::string& where, cudaError_t error) {
+  return Status::Error(where + ": CUDA error " + cudaGetErrorName(error) + ": " +
+                       cudaGetErrorString(error));
+}
+
+Status UseDevice(int device, const std::string& where) {
+  int current = -1;
+  JAXRING_CUDA_RETURN(where + ": querying the current device", cudaGetDevice(&current));
+  if (current != device)
+    JAXRING_CUDA_RETURN(where + ": selecting device " + std::to_string(device),
+                        cudaSetDevice(device));
+  return Status();
+}
+
+Header HeaderOf(const JaxringHostCall& call) {
+  Header header;
+  header.kind = static_cast<Collective>(call.kind);
+  header.op = static_cast<ReduceOp>(call.op);
+  header.dtype = static_cast<DType>(call.dtype);
+  header.op_id = call.op_id;
+  header.count = call.input_count;
+  header.root = call.root;
+  return header;
+}
+
+Status CheckCall(const JaxringHostCall& call, int rank, int size, const std::string& where) {
+  const Collective kind = static_cast<Collective>(call.kind);
+  if (call.size != size)
+    return Status::Error(where + ": compiled for " + std::to_string(call.size) +
+                         " ranks, but the communicator has " + std::to_string(size));
+  if (!IsSupported(static_cast<DType>(call.dtype)))
+    return Status::Error(where + ": unsupported element type");
+  if (size > 16 && (kind == Collective::kAllReduce || kind == Collective::kReduceScatter))
+    return Status::Error(where + ": the GPU reduce kernels take at most 16 ranks; use "
+                         "gpu_transport='staged' for larger communicators");
+  const int64_t expected_output =
+      kind == Collective::kReduceScatter ? call.input_count / size
+      : kind == Collective::kAllGather   ? call.input_count * size
+                                         : call.input_count;
+  if (kind == Collective::kReduceScatter && call.input_count % size != 0)
+    return Status::Error(where + ": input size " + std::to_string(call.input_count) +
+                         " is not divisible by the world size " + std::to_string(size));
+  if (call.output_count != expected_output)
+    return Status::Error(where + ": output has " + std::to_string(call.output_count) +
+                         " elements, expected " + std::to_string(expected_output));
+  if (kind == Collective::kBroadcast && (call.root < 0 || call.root >= size))
+    return Status::Error(where + ": root " + std::to_string(call.root) + " is outside [0, " +
+                         std::to_string(size) + ")");
+  (void)rank;
+  return Status();
+}
+
+void Register(uint64_t key, std::unique_ptr<GpuCommunicator> comm) {
+  std::lock_guard<std::mutex> lock(registry_mutex);
+  std::unique_ptr<GpuCommunicator>& slot = Registry()[key];
+  if (slot) (void)slot.release();  // leaked on purpose, see Unregister
+  slot = std::move(comm);
+}
+
+void Unregister(uint64_t key) {
+  std::lock_guard<std::mutex> lock(registry_mutex);
+  auto it = Registry().find(key);
+  if (it == Registry().end()) return;
+  (void)it->second.release();
+  Registry().erase(it);
+}
+
+GpuCommunicator* Find(uint64_t key) {
+  std::lock_guard<std::mutex> lock(registry_mutex);
+  auto it = Registry().find(key);
+  return it == Registry().end() ? nullptr : it->second.get();
+}
+
+}  // namespace gpu
+}  // namespace jaxring

@@ -1,0 +1,66 @@
+// What the CUDA library's transports share: the host library's entry point, CUDA error text,
+// the reduce kernels' launcher, and the registry of GPU communicators by communicator key.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "common/host_call.h"
+#include "common/status.h"
+#include "common/types.h"
+
+extern "C" cudaError_t JaxringCudaReduce(uint8_t dtype, uint8_t op, const void* const* srcs,
+                                         int num_srcs, void* const* dsts, int num_dsts,
+                                         int64_t count, int64_t mean_divisor,
+                                         cudaStream_t stream);
+
+namespace jaxring {
+namespace gpu {
+
+// Set once by jaxring (native.py) to _jaxring's JaxringRunHostCall.
+JaxringHostCallFn HostCall();
+void SetHostCall(JaxringHostCallFn fn);
+
+// Runs `call` on the host library; its error message as a Status.
+Status RunOnHost(const JaxringHostCall& call);
+
+// `where`: what failed, e.g. "copying the input to the workspace".
+Status CudaError(const std::string& where, cudaError_t error);
+#define JAXRING_CUDA_RETURN(where, expr)                         \
+  do {                                                           \
+    const cudaError_t jaxring_error_ = (expr);                   \
+    if (jaxring_error_ != cudaSuccess)                           \
+      return ::jaxring::gpu::CudaError((where), jaxring_error_); \
+  } while (0)
+
+// Makes `device` current on this thread (XLA's threads may have another one current).
+Status UseDevice(int device, const std::string& where);
+
+// The call's header, as every rank posts it.
+Header HeaderOf(const JaxringHostCall& call);
+// The checks every GPU collective makes before touching data (the host library's, for the
+// calls that do not reach it): rank, size, counts.
+Status CheckCall(const JaxringHostCall& call, int rank, int size, const std::string& where);
+
+// A GPU communicator: runs all_reduce, reduce_scatter, all_gather and broadcast for one process
+// communicator on XLA's stream. Everything else goes through the host-staged path.
+class GpuCommunicator {
+ public:
+  virtual ~GpuCommunicator() = default;
+  virtual Status Run(cudaStream_t stream, const JaxringHostCall& call, const void* x,
+                     void* y) = 0;
+  virtual const char* transport() const = 0;
+};
+
+// Takes ownership of `comm` under `key`, replacing any earlier one.
+void Register(uint64_t key, std::unique_ptr<GpuCommunicator> comm);
+// Forgets `key`. Its device and pinned memory is leaked on purpose: peers may still have work
+// queued that reads it, and nothing orders a free after that work.
+void Unregister(uint64_t key);
+GpuCommunicator* Find(uint64_t key);
+
+}  // namespace gpu
+}  // namespace jaxring

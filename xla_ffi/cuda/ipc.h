@@ -1,0 +1,99 @@
+// The cuda-ipc transport: GPU processes on one node reduce in device memory, with no host copy
+// (the Baidu point).
+//
+// Set-up (collective, at communicator creation): every rank cudaMallocs one workspace of two
+// parities of `slot_bytes` and creates interprocess events; their cudaIpc handles are exchanged
+// over MPI (jaxring/_src/gpu.py) and every peer's workspace and events are opened once. Nothing
+// is allocated inside a collective.
+//
+// A collective runs as the steps of gpu/plan.h. Step s (parity p = s % 2) on XLA's stream:
+//
+//   1. wait for every peer's `done[p]` event (it finished reading this rank's parity p in step
+//      s - 2), then copy this rank's piece of the input into its workspace; record `staged[p]`;
+//   2. host: agree on the header with every rank (the host transport's header exchange, so a
+//      mismatch or a missing rank is the same error as on CPU; it is the barrier that tells each
+//      rank that every peer has *recorded* `staged[p]`);
+//   3. wait for every peer's `staged[p]`, then read the peers' workspaces directly: reduce
+//      kernels (all_reduce, reduce_scatter) or copies (all_gather, broadcast) into the output;
+//      a two-shot all_reduce reduces its share in place, records `reduced[p]`, agrees again,
+//      waits for the peers' `reduced[p]` and copies their shares out;
+//   4. record `done[p]`.
+//
+// Processes may share one GPU without MPS, so no kernel ever waits for another process's kernel:
+// cross-process ordering is only cudaStreamWaitEvent on interprocess events, whose record the
+// host exchange has ordered before the wait. An event of parity p is recorded again two steps
+// later, after the next step's exchange, which every peer reaches only after issuing its waits on
+// the earlier record: a wait never sees a newer record than the one it is meant for. The handler
+// never waits for the device; XLA's stream carries the whole call.
+//
+// Determinism: every element is reduced by one kernel, over ranks 0..n-1 in order, and every rank
+// copies the same bits (one-shot: every rank runs the same reduction of the same data).
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <array>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "cuda/device.h"
+
+namespace jaxring {
+namespace gpu {
+
+enum IpcEvent { kStagedEvent = 0, kReducedEvent = 1, kDoneEvent = 2, kIpcEventKinds = 3 };
+
+// What each rank publishes at set-up; plain bytes, exchanged by the Python side.
+struct IpcHandles {
+  uint32_t magic;
+  uint32_t version;
+  int32_t rank;
+  int32_t device;
+  int64_t slot_bytes;
+  int64_t pid;
+  char uuid[16];  // the GPU, so that ranks on different GPUs are reported, not mis-mapped
+  cudaIpcMemHandle_t memory;
+  cudaIpcEventHandle_t events[kIpcEventKinds][2];
+};
+
+class IpcCommunicator final : public GpuCommunicator {
+ public:
+  // Allocates this rank's workspace and events on `device` and fills `mine`.
+  static Status Create(int rank, int size, int device, int64_t slot_bytes, std::string name,
+                       std::unique_ptr<IpcCommunicator>* out, IpcHandles* mine);
+  // Opens every peer's workspace and events (`all`: `size` handles in rank order).
+  Status Open(const IpcHandles* all);
+
+  Status Run(cudaStream_t stream, const JaxringHostCall& call, const void* x, void* y) override;
+  const char* transport() const override { return "ipc"; }
+
+ private:
+  IpcCommunicator(int rank, int size, int device, int64_t slot_bytes, std::string name);
+  char* Slot(int rank, int parity) const {
+    return bases_[rank] + static_cast<int64_t>(parity) * slot_bytes_;
+  }
+  Status Agree(const JaxringHostCall& call);
+  Status WaitForPeers(cudaStream_t stream, IpcEvent kind, int parity, int only_rank,
+                      const std::string& where);
+  Status Record(cudaStream_t stream, IpcEvent kind, int parity, const std::string& where);
+  Status RunStep(cudaStream_t stream, const JaxringHostCall& call, const Header& h, const void* x,
+              void* y, int64_t block, int64_t first, int64_t count, const std::string& where);
+
+  int rank_;
+  int size_;
+  int device_;
+  int64_t slot_bytes_;
+  std::string name_;
+  std::mutex mutex_;
+  std::vector<char*> bases_;  // every rank's workspace, mapped into this process
+  // events_[rank][kind][parity]; this rank's are its own, the others opened from handles
+  std::vector<std::array<std::array<cudaEvent_t, 2>, kIpcEventKinds>> events_;
+  uint64_t step_ = 0;         // steps begun on this communicator (the same on every rank)
+  std::string broken_;        // the first error; the communicator refuses calls after it
+};
+
+}  // namespace gpu
+}  // namespace jaxring

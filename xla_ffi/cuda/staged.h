@@ -1,0 +1,62 @@
+// The staged transport: GPU processes on different nodes (or wherever cuda-ipc is not wanted)
+// run each collective on the host transport (MPI between nodes, shared memory or hierarchical),
+// in chunks, through pinned host buffers allocated once at set-up.
+//
+// A call is cut into the steps of gpu/plan.h, pipelined over two buffers per direction:
+//
+//   XLA's stream:   D2H chunk 0 | D2H chunk 1 | D2H chunk 2 | ...
+//   host thread:                | host call 0 | host call 1 | host call 2 | ...
+//   copy stream:                              | H2D chunk 0 | H2D chunk 1 | ...
+//
+// Chunk k+1 is copied to the host while the host transport runs chunk k and chunk k-1 is copied
+// back, so for large messages the copies hide behind the network. The host thread waits only
+// for the events of the chunk it needs (never drains the device); the result copies run on a
+// stream of their own that XLA's stream waits for at the end, and a buffer still being copied
+// out by the previous call is waited for before it is written again.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <string>
+
+#include "cuda/device.h"
+
+namespace jaxring {
+namespace gpu {
+
+class StagedCommunicator final : public GpuCommunicator {
+ public:
+  // `cuda_aware`: the MPI library takes device pointers (MPIX_Query_cuda_support or the
+  // JAXRING_CUDA_AWARE_MPI override); recorded for reporting, see the README's GPU section.
+  static Status Create(int rank, int size, int device, int64_t chunk_bytes, bool cuda_aware,
+                       std::string name, std::unique_ptr<StagedCommunicator>* out);
+  Status Run(cudaStream_t stream, const JaxringHostCall& call, const void* x, void* y) override;
+  const char* transport() const override { return "staged"; }
+
+ private:
+  StagedCommunicator(int rank, int size, int device, int64_t chunk_bytes, bool cuda_aware,
+                     std::string name);
+
+  int rank_;
+  int size_;
+  int device_;
+  int64_t chunk_bytes_;
+  bool cuda_aware_;
+  std::string name_;
+  std::mutex mutex_;
+  char* to_host_[2] = {nullptr, nullptr};    // pinned: input chunks
+  char* from_host_[2] = {nullptr, nullptr};  // pinned: result chunks
+  cudaStream_t copy_out_ = nullptr;          // result chunks go back on this stream
+  cudaEvent_t copied_in_[2] = {};            // to_host_[b] holds its chunk
+  cudaEvent_t copied_out_[2] = {};           // from_host_[b] is free again
+  bool copying_out_[2] = {false, false};     // copied_out_[b] is pending
+  cudaEvent_t call_start_ = nullptr;         // XLA's stream reached this call
+  cudaEvent_t call_end_ = nullptr;           // the last result chunk is on the device
+  std::string broken_;
+};
+
+}  // namespace gpu
+}  // namespace jaxring
