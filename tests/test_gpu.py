@@ -1,9 +1,16 @@
-"""The GPU side. Without a GPU (CI): the CUDA library is built and exports every handler, and
-lowering for CUDA emits jaxring's custom calls for process communicators and refuses the devices
-of one process. With a GPU: the multi-process suite of tests/mpi runs on GPU processes."""
+"""The GPU side. Without a GPU (CI): the CUDA library is built and exports every handler and
+set-up function; lowering for CUDA emits jaxring's custom calls for process communicators and
+refuses the devices of one process; the host-side logic of the GPU transports (options, transport
+selection, CUDA-aware MPI detection, step planning, two-shot shares) is checked here, and their
+header exchange under mpiexec in tests/mpi/test_mpi_gpu_host.py. With a GPU: the multi-process
+suite of tests/mpi (every op x dtype against float64 numpy, plus tests/mpi/test_mpi_gpu.py:
+determinism, transports against each other, errors) on 1, 2 and 4 processes sharing the GPU, for
+every GPU transport, and the kernels under compute-sanitizer."""
 
 import os
+import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import jax
@@ -13,11 +20,14 @@ from jax.sharding import PartitionSpec as P
 
 import jaxring
 import jaxring.mpi
-from jaxring._src import native
-from helpers import mesh, shard
+from jaxring._src import gpu, native
+from helpers import DTYPES, mesh, shard
 from test_mpi import mpiexec
 
 HERE = Path(__file__).resolve().parent
+COLLECTIVES = {"all_reduce": 0, "reduce_scatter": 1, "all_gather": 2, "broadcast": 3}
+DTYPE_CODES = {np.dtype(np.int32): 4, np.dtype(np.int64): 5, np.dtype(np.float16): 10,
+               np.dtype(np.float32): 11, np.dtype(np.float64): 12, np.dtype(jax.numpy.bfloat16): 16}
 
 
 @pytest.mark.skipif(not os.path.exists(native.CUDA_LIBRARY),
@@ -27,7 +37,10 @@ def test_cuda_library_exports_every_handler():
                              capture_output=True, text=True, check=True).stdout
     exported = {line.split()[-1] for line in symbols.splitlines() if line.strip()}
     expected = {f"Jaxring{name}Cuda" for name in native.COLLECTIVE_TARGETS.values()}
-    assert expected | {"JaxringCudaSetHostCall", "JaxringCudaReduce"} <= exported
+    set_up = {"JaxringCudaSetHostCall", "JaxringCudaReduce", "JaxringCudaIpcHandleBytes",
+              "JaxringCudaIpcCreate", "JaxringCudaIpcOpen", "JaxringCudaStagedCreate",
+              "JaxringCudaDetach"}
+    assert expected | set_up <= exported
 
 
 def lowered_for_cuda(f, *args) -> str:
@@ -53,11 +66,227 @@ def test_lowering_for_cuda_refuses_the_devices_of_one_process():
         lowered_for_cuda(f, shard(np.ones(4, np.float32), m))
 
 
+
+
+# ---- host-side logic of the GPU transports (no GPU needed) ------------------------------------
+
+def test_gpu_options_come_from_arguments_then_environment_then_defaults():
+    defaults = native.extension.gpu_defaults()
+    options = gpu.GpuOptions.resolve(environ={})
+    assert options == gpu.GpuOptions("auto", defaults["ipc_slot_bytes"],
+                                     defaults["staging_bytes"], "auto")
+    env = {"JAXRING_GPU_TRANSPORT": "staged", "JAXRING_GPU_WORKSPACE_BYTES": "65536",
+           "JAXRING_GPU_STAGING_BYTES": "8192", "JAXRING_CUDA_AWARE_MPI": "1"}
+    assert gpu.GpuOptions.resolve(environ=env) == gpu.GpuOptions("staged", 65536, 8192, "1")
+    assert gpu.GpuOptions.resolve("ipc", 1 << 20, None, environ=env) == gpu.GpuOptions(
+        "ipc", 1 << 20, 8192, "1")
+
+
+@pytest.mark.parametrize("kwargs, env, message", [
+    ({"transport": "nccl"}, {}, r"gpu_transport must be one of \('auto', 'ipc', 'staged', "
+                                r"'host'\), got 'nccl'"),
+    ({}, {"JAXRING_GPU_TRANSPORT": "IPC"}, "got 'IPC'"),
+    ({}, {"JAXRING_CUDA_AWARE_MPI": "yes"}, r"JAXRING_CUDA_AWARE_MPI must be one of"),
+    ({"workspace_bytes": 100}, {}, "gpu_workspace_bytes must be a multiple of 16 and at least"),
+    ({"staging_bytes": 4096 + 8}, {}, "gpu_staging_bytes must be a multiple of 16"),
+    ({}, {"JAXRING_GPU_WORKSPACE_BYTES": "lots"}, "must be an integer number of bytes, got 'lots'"),
+])
+def test_bad_gpu_options_are_refused_with_the_allowed_values(kwargs, env, message):
+    with pytest.raises(ValueError, match=message):
+        gpu.GpuOptions.resolve(environ=env, **kwargs)
+
+
+def test_a_communicator_refuses_an_unknown_gpu_transport():
+    with pytest.raises(ValueError, match="gpu_transport must be one of"):
+        jaxring.mpi.Communicator(jaxring.mpi.world().mpi_comm, gpu_transport="nvlink")
+
+
+@pytest.mark.parametrize("requested, one_node, gpus, chosen", [
+    ("auto", True, [True, True], "ipc"),
+    ("auto", False, [True, True], "staged"),
+    ("staged", True, [True, True], "staged"),
+    ("host", True, [True, True], "host"),
+    ("ipc", True, [True, True, True], "ipc"),
+    ("auto", True, [False, False], "none"),
+    ("ipc", False, [False], "none"),           # no GPU anywhere: nothing to set up
+    ("auto", True, [True, False], "host"),     # CPU ranks run whole host collectives
+    ("staged", False, [False, True], "host"),
+])
+def test_gpu_transport_selection(requested, one_node, gpus, chosen):
+    assert gpu.choose_transport(requested, one_node, gpus) == chosen
+
+
+def test_ipc_across_nodes_and_unknown_transports_are_refused():
+    with pytest.raises(ValueError, match="needs every rank on one node"):
+        gpu.choose_transport("ipc", False, [True, True])
+    with pytest.raises(ValueError, match="gpu_transport must be one of"):
+        gpu.choose_transport("shm", True, [True])
+
+
+def test_cuda_aware_mpi_detection_and_override():
+    assert gpu.cuda_aware_mpi("1", None) == (True, "JAXRING_CUDA_AWARE_MPI=1")
+    assert gpu.cuda_aware_mpi("0", object()) == (False, "JAXRING_CUDA_AWARE_MPI=0")
+    assert gpu.cuda_aware_mpi("auto", None) == (False, "no MPI extension to ask")
+    with pytest.raises(ValueError, match="must be one of"):
+        gpu.cuda_aware_mpi("maybe", None)
+    extension, why_not = jaxring.mpi._mpi_extension()
+    if extension is None:
+        pytest.skip(why_not)
+    aware, how = gpu.cuda_aware_mpi("auto", extension)
+    assert isinstance(aware, bool) and "MPIX_Query_cuda_support" in how
+
+
+def test_a_cpu_process_communicator_has_no_gpu_transport():
+    comm = jaxring.mpi.world()
+    expected = "none" if not native.has_cuda_backend() else comm.gpu_transport
+    assert comm.gpu_transport == expected
+    if expected == "none":
+        assert "GPU" not in repr(comm)
+
+
+STEP_SIZES = [0, 1, 7, 8, 1001, 4096, 65_537, 300_001]
+
+
+def capacity_elements(transport, kind, n, nbytes, width):
+    """What one step may move per block, from the buffer layout in xla_ffi/gpu/plan.h."""
+    pieces = n if kind == "reduce_scatter" or (transport == "staged" and kind == "all_gather") else 1
+    return nbytes // width // pieces
+
+
+@pytest.mark.parametrize("transport", ["ipc", "staged"])
+@pytest.mark.parametrize("kind", list(COLLECTIVES))
+@pytest.mark.parametrize("n", [1, 2, 3, 4, 7])
+def test_steps_cover_every_element_once_and_fit_their_buffers(transport, kind, n):
+    for dtype in DTYPES:
+        width = dtype.itemsize
+        for nbytes in (4096, 4096 + 16, 1 << 16, 1 << 20):
+            for block in STEP_SIZES:
+                count = block * n if kind == "reduce_scatter" else block
+                steps = native.extension.gpu_plan(transport, COLLECTIVES[kind], n, count, nbytes,
+                                                  DTYPE_CODES[dtype])
+                assert len(steps) >= 1
+                covered = 0
+                capacity = capacity_elements(transport, kind, n, nbytes, width)
+                for i, (first, length, _) in enumerate(steps):
+                    assert first == covered, (steps, i)
+                    assert 0 <= length <= capacity
+                    if i + 1 < len(steps):  # every step but the last keeps 16-byte alignment
+                        assert length * width % 16 == 0 and length > 0
+                    covered += length
+                assert covered == block
+
+
+def test_an_empty_call_still_takes_one_step_so_that_headers_are_exchanged():
+    for kind in COLLECTIVES.values():
+        assert native.extension.gpu_plan("ipc", kind, 4, 0, 4096, 11) == [(0, 0, "one-shot"
+                                                                           if kind == 0 else "")]
+
+
+def test_one_shot_for_small_steps_and_two_ranks_two_shot_for_large_steps():
+    one_shot = native.extension.gpu_defaults()["ipc_one_shot_bytes"]
+    f32 = DTYPE_CODES[np.dtype(np.float32)]
+    big = 8 << 20
+    assert {a for *_, a in native.extension.gpu_plan("ipc", 0, 4, one_shot // 4, big, f32)} == {
+        "one-shot"}
+    assert {a for *_, a in native.extension.gpu_plan("ipc", 0, 4, one_shot // 4 + 4, big, f32)} == {
+        "two-shot"}
+    assert {a for *_, a in native.extension.gpu_plan("ipc", 0, 2, big // 4, big, f32)} == {
+        "one-shot"}
+    # A large call in small slots: two-shot steps with a one-shot remainder.
+    plan = native.extension.gpu_plan("ipc", 0, 4, (1 << 20) + 5, 1 << 20, f32)
+    assert [a for *_, a in plan] == ["two-shot", "two-shot", "two-shot", "two-shot", "one-shot"]
+
+
+def test_bad_slot_sizes_are_refused_by_the_planner():
+    with pytest.raises(ValueError, match="at least 4096"):
+        native.extension.gpu_plan("ipc", 0, 2, 10, 1024, 11)
+    with pytest.raises(ValueError, match="multiple of 16"):
+        native.extension.gpu_plan("staged", 0, 2, 10, 4100, 11)
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4, 5, 8, 16])
+def test_two_shot_shares_partition_a_step_on_16_byte_boundaries(n):
+    for dtype in DTYPES:
+        for count in STEP_SIZES:
+            begins = native.extension.gpu_share(count, n, DTYPE_CODES[dtype])
+            assert begins[0] == 0 and begins[-1] == count and len(begins) == n + 1
+            assert all(a <= b for a, b in zip(begins, begins[1:]))
+            assert all(b * dtype.itemsize % 16 == 0 for b in begins[:-1] if b < count)
+
+
+def test_gpu_errors_are_explained_without_a_cuda_library():
+    if os.path.exists(native.CUDA_LIBRARY):
+        pytest.skip("this build has the CUDA library")
+    with pytest.raises(RuntimeError, match="built without CUDA"):
+        native.cuda_library()
+
+
+# ---- on a GPU ----------------------------------------------------------------------------------
+
+GPU_CONFIGS = {
+    # transport, extra environment: default slots (one step; two-shot above 256 KiB with 4
+    # ranks), slots small enough to cut the suite's larger sizes into many steps, and staging.
+    "ipc": ("ipc", {}),
+    "ipc-small-slots": ("ipc", {"JAXRING_GPU_WORKSPACE_BYTES": str(512 << 10)}),
+    "ipc-tiny-slots": ("ipc", {"JAXRING_GPU_WORKSPACE_BYTES": "4096"}),
+    "staged": ("staged", {"JAXRING_GPU_STAGING_BYTES": str(256 << 10)}),
+    "staged-over-mpi": ("staged", {"JAXRING_GPU_STAGING_BYTES": str(64 << 10),
+                                   "JAXRING_MPI_TRANSPORT": "mpi"}),
+    "host": ("host", {}),
+}
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not native.has_cuda_backend(), reason="no CUDA GPU visible")
+@pytest.mark.parametrize("config", list(GPU_CONFIGS))
 @pytest.mark.parametrize("n", [1, 2, 4])
-def test_the_multiprocess_suite_on_gpu_processes_sharing_one_gpu(n):
+def test_the_multiprocess_suite_on_gpu_processes_sharing_one_gpu(n, config):
+    transport, extra = GPU_CONFIGS[config]
+    env = {"JAX_PLATFORMS": "cuda", "XLA_PYTHON_CLIENT_MEM_FRACTION": str(round(0.6 / n, 2)),
+           "JAXRING_GPU_TRANSPORT": transport, "JAXRING_EXPECT_GPU_TRANSPORT": transport, **extra}
+    mpi_transport = env.pop("JAXRING_MPI_TRANSPORT", "auto")
     result = mpiexec(n, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", str(HERE / "mpi"),
-                     timeout=900, env={"JAX_PLATFORMS": "cuda",
-                                       "XLA_PYTHON_CLIENT_MEM_FRACTION": str(round(0.8 / n, 2))})
+                     timeout=1800, transport=mpi_transport, env=env)
     assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]
+
+
+SANITIZER = shutil.which("compute-sanitizer") or (
+    "/usr/local/cuda/bin/compute-sanitizer"
+    if os.path.exists("/usr/local/cuda/bin/compute-sanitizer") else None)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not native.has_cuda_backend(), reason="no CUDA GPU visible")
+@pytest.mark.skipif(SANITIZER is None, reason="no compute-sanitizer on the PATH or in /usr/local/cuda")
+@pytest.mark.parametrize("tool", ["memcheck", "racecheck", "initcheck", "synccheck"])
+def test_reduce_kernels_under_compute_sanitizer(tool):
+    """Every op x dtype x operand count of JaxringCudaReduce, aligned and misaligned, against
+    numpy (tests/gpu_kernels_check.py), with the sanitizer's error exit code."""
+    result = subprocess.run(
+        [SANITIZER, "--tool", tool, "--error-exitcode", "99", "--target-processes", "all",
+         sys.executable, str(HERE / "gpu_kernels_check.py"), "--quick"],
+        capture_output=True, text=True, timeout=1800,
+        env=dict(os.environ, JAX_PLATFORMS="cuda", XLA_PYTHON_CLIENT_PREALLOCATE="false"))
+    assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-6000:]
+    assert "kernels agree with numpy" in result.stdout
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not native.has_cuda_backend(), reason="no CUDA GPU visible")
+@pytest.mark.skipif(SANITIZER is None, reason="no compute-sanitizer on the PATH or in /usr/local/cuda")
+@pytest.mark.parametrize("transport", ["ipc", "staged"])
+def test_two_gpu_processes_under_memcheck(transport):
+    """The transports' copies and kernels (including reads of a peer's mapped workspace) under
+    memcheck, 2 processes, a few calls of every collective (tests/gpu_collectives_check.py)."""
+    result = mpiexec(2, "-c", "import sys; sys.exit(0)", timeout=60)  # mpiexec works at all
+    assert result.returncode == 0, result.stderr
+    env = dict(os.environ, JAX_PLATFORMS="cuda", XLA_PYTHON_CLIENT_PREALLOCATE="false",
+               JAXRING_GPU_TRANSPORT=transport, JAXRING_GPU_WORKSPACE_BYTES="65536",
+               JAXRING_GPU_STAGING_BYTES="65536", JAXRING_TIMEOUT_SECONDS="600")
+    from test_mpi import MPIEXEC
+    result = subprocess.run(
+        [MPIEXEC, "-n", "2", SANITIZER, "--tool", "memcheck", "--error-exitcode", "99",
+         sys.executable, str(HERE / "gpu_collectives_check.py")],
+        capture_output=True, text=True, timeout=1800, env=env, cwd=HERE.parent)
+    assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-6000:]
+    assert "collectives agree with numpy" in result.stdout

@@ -76,7 +76,6 @@ std::string Describe(const Header& h) {
   if (h.kind == Collective::kBroadcast) s << "(root=" << (h.root & ~kGpuStepTag) << ")";
   s << " op " << h.op_id;
   if (h.kind != Collective::kBarrier) s << " " << DTypeName(h.dtype) << "[" << h.count << "]";
-  if (h.root & kGpuStepTag) s << " on a GPU transport";
   return s.str();
 }
 
@@ -90,6 +89,9 @@ Status CheckHeadersAgree(const std::string& where, int size,
     s << where << ": mismatched collectives: rank 0 called " << Describe(reference) << " but rank "
       << peer << " called " << Describe(other)
       << ". Every rank must make the same collective calls in the same order.";
+    if ((reference.root ^ other.root) & kGpuStepTag)
+      s << " One of them ran it on a GPU transport and the other on the host: on a communicator "
+           "with a GPU transport every rank must run its collectives on its GPU.";
     return Status::Error(s.str());
   }
   return Status();

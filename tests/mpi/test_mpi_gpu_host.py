@@ -1,0 +1,87 @@
+"""The host side of the GPU transports, on CPU processes (runs in every tests/mpi job): the
+header-only exchange (kJaxringHostAgree) that cuda-ipc synchronises its steps with must pass when
+ranks agree, name both sides when they do not, name a missing rank, and refuse to pair with a rank
+that runs the same collective on the host transport."""
+
+import jax
+import numpy as np
+import pytest
+
+import jaxring
+import jaxring.mpi
+from jaxring._src import native
+
+COMM = jaxring.mpi.world()
+MPI_COMM = COMM.mpi_comm
+ALL_REDUCE, REDUCE_SCATTER, ALL_GATHER, BROADCAST = 0, 1, 2, 3
+SUM, MAX = 0, 2
+F32, F16 = 11, 10
+
+
+def agree(comm, kind=ALL_REDUCE, op=SUM, dtype=F32, count=8, op_id=1, root=0):
+    native.extension.host_agree(comm.key, comm.name, comm.rank, comm.size, kind, op, dtype, count,
+                                op_id, root)
+
+
+def test_ranks_that_agree_pass_and_the_communicator_goes_on():
+    sub = COMM.split(0, key=COMM.rank)
+    n = COMM.size
+    for step in range(5):  # more steps than the shared-memory transport's two parities
+        agree(sub, ALL_REDUCE, MAX, F16, count=1001, op_id=step)
+        agree(sub, REDUCE_SCATTER, SUM, F32, count=7 * n, op_id=step)
+        agree(sub, ALL_GATHER, SUM, F32, count=0, op_id=step)
+        agree(sub, BROADCAST, SUM, F32, count=3, op_id=step, root=n - 1)
+    x = np.arange(5.0) + COMM.rank
+    y = jax.jit(lambda v: jaxring.all_reduce(v, sub))(x)
+    np.testing.assert_array_equal(np.asarray(y), n * np.arange(5.0) + n * (n - 1) / 2)
+
+
+@pytest.mark.skipif(COMM.size < 2, reason="needs two ranks")
+def test_a_mismatch_is_named_on_every_rank():
+    sub = COMM.split(0, key=COMM.rank)
+    with jaxring.config.override(timeout_seconds=30.0):
+        with pytest.raises(RuntimeError, match=r"mismatched collectives: rank 0 called "
+                                               r"all_reduce\(sum\) op 4 float32\[8\] but rank 1 "
+                                               r"called all_reduce\(sum\) op 4 float32\[9\]"):
+            agree(sub, count=8 if COMM.rank == 0 else 9, op_id=4)
+
+
+@pytest.mark.skipif(COMM.size < 2, reason="needs two ranks")
+def test_a_broadcast_root_mismatch_shows_the_roots_without_the_gpu_tag():
+    sub = COMM.split(0, key=COMM.rank)
+    with pytest.raises(RuntimeError, match=r"rank 0 called broadcast\(root=0\) op 2 float32\[3\] "
+                                           r"but rank 1 called broadcast\(root=1\)"):
+        agree(sub, BROADCAST, count=3, op_id=2, root=min(COMM.rank, 1))
+
+
+@pytest.mark.skipif(COMM.size < 2, reason="needs two ranks")
+def test_a_missing_rank_is_named():
+    sub = COMM.split(0, key=COMM.rank)
+    last = COMM.size - 1
+    if COMM.rank != last:
+        with jaxring.config.override(timeout_seconds=2.0):
+            with pytest.raises(RuntimeError, match=rf"timed out after 2 s waiting for rank\(s\) "
+                                                   rf"\[{last}\]"):
+                agree(sub, op_id=9)
+    MPI_COMM.Barrier()
+
+
+@pytest.mark.skipif(COMM.size < 2, reason="needs two ranks")
+def test_a_gpu_step_never_pairs_with_a_host_collective():
+    """Rank 0 takes a cuda-ipc step, the others run the same all_reduce on the host transport:
+    an error on every rank that says so, never a step paired with data that was not moved."""
+    sub = COMM.split(0, key=COMM.rank)
+    x = np.ones(8, np.float32)
+    with jaxring.config.override(timeout_seconds=30.0):
+        with pytest.raises(Exception, match="One of them ran it on a GPU transport and the other "
+                                            "on the host"):
+            if COMM.rank == 0:
+                agree(sub, count=8, op_id=0)
+            else:
+                np.asarray(jax.jit(lambda v: jaxring.all_reduce(v, sub))(x))
+    jaxring.reset_after_error()
+
+
+def test_a_header_exchange_needs_a_process_communicator():
+    with pytest.raises(RuntimeError, match="needs a process communicator"):
+        native.extension.host_agree(12345, "nothing", 0, 1, ALL_REDUCE, SUM, F32, 4, 0, 0)
