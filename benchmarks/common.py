@@ -79,3 +79,24 @@ def write_results(name: str, payload: dict, markdown: str) -> Path:
     json_path.write_text(json.dumps(payload, indent=1))
     (RESULTS / f"{name}.md").write_text(markdown)
     return json_path
+
+
+def slowest_rank_median(fn, world, budget_seconds: float = 0.5, min_repeats: int = 8) -> float:
+    """Median over repetitions of the slowest MPI rank's time of fn(); every repetition starts
+    after a barrier, and rank 0's clock decides when to stop, so that all ranks stop together."""
+    from mpi4py import MPI
+
+    fn()
+    fn()
+    samples = []
+    deadline = time.perf_counter() + budget_seconds
+    while True:
+        world.Barrier()
+        start = time.perf_counter()
+        fn()
+        samples.append(world.allreduce(time.perf_counter() - start, op=MPI.MAX))
+        done = len(samples) >= 300 or (len(samples) >= min_repeats and
+                                       time.perf_counter() >= deadline)
+        if world.bcast(done, root=0):
+            break
+    return statistics.median(samples)

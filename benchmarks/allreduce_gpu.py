@@ -1,0 +1,275 @@
+"""All-reduce between GPU processes: jaxring's GPU transports against mpi4jax, in one run.
+
+    mpiexec -n 2 python benchmarks/allreduce_gpu.py      # then -n 4; --quick for a short run
+
+Every process uses the same GPU (or one each, if the node has several). It measures
+- the reduce kernel (JaxringCudaReduce: 2 and 4 operands into 1) against a device-to-device copy
+  (cudaMemcpyAsync) of the same size, in the same run, on rank 0 alone; bandwidth counts the
+  bytes read and written (a copy moves 2x its size, a k-operand reduce (k+1)x);
+- jaxring.all_reduce inside jax.jit on GPU arrays over the cuda-ipc transport (no host copy),
+  the staged transport (pinned, pipelined host staging) and the host path (the whole call copied
+  to the host and back);
+- mpi4jax.allreduce(x, MPI.SUM) inside jax.jit (host-staged unless MPI is CUDA-aware);
+- mpi4py's comm.Allreduce on numpy buffers (host memory, the floor of any host-staged method),
+for float32 messages of 4 KiB .. 256 MiB per rank. Every sample starts after a barrier and counts
+the slowest rank. Writes benchmarks/results/allreduce_gpu-<gpu>-n{N}.{json,md,png}.
+
+Without a visible CUDA GPU it exits with status 2 and says so.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import os
+import re
+import sys
+
+# Several processes share one GPU: none may take XLA's default 75% of its memory up front.
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+
+
+def gpu_or_exit():
+    try:
+        return jax.devices("cuda")[0]
+    except RuntimeError:
+        platforms = sorted({d.platform for d in jax.devices()})
+        print("allreduce_gpu.py: no CUDA GPU visible (JAX sees "
+              f"{', '.join(platforms)}); run it on a machine with a GPU and jax[cuda13], see the "
+              "README's GPU section", file=sys.stderr)
+        sys.exit(2)
+
+
+GPU = gpu_or_exit()
+
+from mpi4py import MPI  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import jaxring  # noqa: E402
+import jaxring.mpi  # noqa: E402
+from common import (RESULTS, bus_factor, environment, human_bytes,  # noqa: E402
+                    slowest_rank_median, write_results)
+
+WORLD = MPI.COMM_WORLD
+TRANSPORTS = {
+    "jaxring[ipc]": "ipc",
+    "jaxring[staged]": "staged",
+    "jaxring[host]": "host",
+}
+COMMS = {name: jaxring.mpi.Communicator(WORLD.Dup(), label=name, gpu_transport=transport)
+         for name, transport in TRANSPORTS.items()}
+
+
+# ---- the reduce kernel against a copy ---------------------------------------------------------
+
+class Cuda:
+    """The few CUDA runtime calls the kernel measurement needs, through ctypes."""
+
+    def __init__(self):
+        from jaxring._src import native
+
+        self.jaxring = native.cuda_library()
+        self.jaxring.JaxringCudaReduce.restype = ctypes.c_int
+        self.jaxring.JaxringCudaReduce.argtypes = [
+            ctypes.c_uint8, ctypes.c_uint8, ctypes.POINTER(ctypes.c_void_p), ctypes.c_int,
+            ctypes.POINTER(ctypes.c_void_p), ctypes.c_int, ctypes.c_int64, ctypes.c_int64,
+            ctypes.c_void_p]
+        self.rt = ctypes.CDLL("libcudart.so.13")  # already loaded by JAX's CUDA plugin
+        self.rt.cudaMemcpyAsync.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t,
+                                            ctypes.c_int, ctypes.c_void_p]
+        self.rt.cudaEventElapsedTime.argtypes = [ctypes.POINTER(ctypes.c_float), ctypes.c_void_p,
+                                                 ctypes.c_void_p]
+        self.rt.cudaEventRecord.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
+        self.rt.cudaEventSynchronize.argtypes = [ctypes.c_void_p]
+
+    def check(self, code, what):
+        if code != 0:
+            raise RuntimeError(f"{what}: CUDA error {code}")
+
+    def seconds(self, launch, repeats: int) -> float:
+        """Median time of `launch()` on the default stream, by CUDA events."""
+        start, stop = ctypes.c_void_p(), ctypes.c_void_p()
+        self.check(self.rt.cudaEventCreate(ctypes.byref(start)), "cudaEventCreate")
+        self.check(self.rt.cudaEventCreate(ctypes.byref(stop)), "cudaEventCreate")
+        launch()
+        samples = []
+        for _ in range(repeats):
+            self.rt.cudaEventRecord(start, None)
+            launch()
+            self.rt.cudaEventRecord(stop, None)
+            self.check(self.rt.cudaEventSynchronize(stop), "cudaEventSynchronize")
+            ms = ctypes.c_float()
+            self.rt.cudaEventElapsedTime(ctypes.byref(ms), start, stop)
+            samples.append(ms.value / 1e3)
+        return float(np.median(samples))
+
+
+def kernel_rows(sizes, repeats: int) -> list[dict]:
+    cuda = Cuda()
+    rows = []
+    for nbytes in sizes:
+        count = nbytes // 4
+        buffers = [jax.device_put(np.random.default_rng(k).standard_normal(count, np.float32), GPU)
+                   for k in range(5)]
+        for b in buffers:
+            b.block_until_ready()
+        ptrs = [b.unsafe_buffer_pointer() for b in buffers]
+        out = ptrs[4]
+
+        def copy():
+            cuda.check(cuda.rt.cudaMemcpyAsync(out, ptrs[0], nbytes, 3, None), "cudaMemcpyAsync")
+
+        seconds = cuda.seconds(copy, repeats)
+        rows.append({"impl": "device-to-device copy", "bytes": nbytes, "seconds": seconds,
+                     "bandwidth_gbps": 2 * nbytes / seconds / 1e9})
+        for operands in (2, 4):
+            srcs = (ctypes.c_void_p * operands)(*ptrs[:operands])
+            dsts = (ctypes.c_void_p * 1)(out)
+
+            def reduce():
+                cuda.check(cuda.jaxring.JaxringCudaReduce(11, 0, srcs, operands, dsts, 1, count,
+                                                          0, None), "JaxringCudaReduce")
+
+            seconds = cuda.seconds(reduce, repeats)
+            rows.append({"impl": f"reduce kernel, {operands} operands", "bytes": nbytes,
+                         "seconds": seconds,
+                         "bandwidth_gbps": (operands + 1) * nbytes / seconds / 1e9})
+        del buffers
+    return rows
+
+
+# ---- all-reduce between processes -------------------------------------------------------------
+
+def implementations():
+    import mpi4jax
+
+    jitted = {name: jax.jit(lambda v, c=comm: jaxring.all_reduce(v, c))
+              for name, comm in COMMS.items()}
+    theirs = jax.jit(lambda v: mpi4jax.allreduce(v, MPI.SUM, comm=WORLD))
+
+    def mpi4py_sum(x):
+        out = np.empty_like(x)
+        WORLD.Allreduce(x, out, op=MPI.SUM)
+
+    impls = {name: (lambda x, xj, f=f: f(xj).block_until_ready()) for name, f in jitted.items()}
+    impls["mpi4jax.allreduce"] = lambda x, xj: theirs(xj).block_until_ready()
+    impls["mpi4py Allreduce (host memory)"] = lambda x, xj: mpi4py_sum(x)
+    return impls
+
+
+def check_results(xj, n, checked: int = 1 << 18):
+    """Every transport's answer against float64 numpy before it is timed (the first and last
+    `checked` elements, which covers the first and last step of every plan)."""
+    x = np.asarray(xj)
+    ends = lambda v: np.concatenate([v[:checked], v[-checked:]])  # noqa: E731
+    everyone = np.stack(WORLD.allgather(ends(x))).astype(np.float64).sum(0)
+    for name, comm in COMMS.items():
+        y = ends(np.asarray(jax.jit(lambda v: jaxring.all_reduce(v, comm))(xj), np.float64))
+        np.testing.assert_allclose(y, everyone, rtol=1e-5 * n, atol=1e-5 * n, err_msg=name)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--sizes", type=int, nargs="*", help="bytes per rank (default 4 KiB..256 MiB)")
+    args = parser.parse_args()
+    n, rank = WORLD.size, WORLD.rank
+    sizes = args.sizes or ([4 << 10, 1 << 20, 16 << 20] if args.quick else
+                           [4 ** k * 1024 for k in range(1, 10)])  # 4 KiB .. 256 MiB
+    kernels = []
+    if rank == 0:  # alone on the GPU: the others wait
+        kernels = kernel_rows(sorted({max(s, 1 << 20) for s in sizes} | {64 << 20, 256 << 20}),
+                              repeats=10 if args.quick else 30)
+        for r in kernels:
+            print(f"{r['impl']:>28s} {human_bytes(r['bytes']):>9s}: {r['bandwidth_gbps']:.0f} GB/s",
+                  flush=True)
+    WORLD.Barrier()
+    rows = []
+    for nbytes in sizes:
+        x = np.random.default_rng(rank).standard_normal(nbytes // 4).astype(np.float32)
+        xj = jax.device_put(x, GPU)
+        check_results(xj, n)
+        for name, fn in implementations().items():
+            seconds = slowest_rank_median(lambda: fn(x, xj), WORLD, budget_seconds=0.5)
+            algbw = nbytes / seconds / 1e9
+            rows.append({"impl": name, "bytes": nbytes, "seconds": seconds, "algbw_gbps": algbw,
+                         "busbw_gbps": algbw * bus_factor("all_reduce", n)})
+        if rank == 0:
+            line = "  ".join(f"{r['impl']} {r['seconds'] * 1e6:.0f} us"
+                             for r in rows if r["bytes"] == nbytes)
+            print(f"n={n} {human_bytes(nbytes):>9s}: {line}", flush=True)
+    if rank == 0:
+        env = environment()
+        env["device"] = GPU.device_kind
+        env["mpi"] = MPI.Get_library_version().splitlines()[0]
+        env["cuda_aware_mpi"] = [COMMS["jaxring[staged]"].cuda_aware_mpi,
+                                 COMMS["jaxring[staged]"].cuda_aware_mpi_source]
+        slug = re.sub(r"[^a-z0-9]+", "-", GPU.device_kind.lower()).strip("-")
+        name = f"allreduce_gpu-{slug}-n{n}"
+        write_results(name, {"environment": env, "ranks": n, "kernels": kernels, "rows": rows},
+                      markdown(kernels, rows, env, n))
+        plot(rows, n, env["device"], RESULTS / f"{name}.png")
+        print(f"wrote {RESULTS / name}.{{json,md,png}}")
+
+
+def markdown(kernels, rows, env, n) -> str:
+    lines = [f"# All-reduce between {n} GPU processes on one {env['device']}", "",
+             f"python {env['python']}, jax {env['jax']}; {env['mpi']}; CUDA-aware MPI: "
+             f"{env['cuda_aware_mpi'][0]} ({env['cuda_aware_mpi'][1]}); {env['date']}.", ""]
+    if kernels:
+        copy = {r["bytes"]: r for r in kernels if r["impl"] == "device-to-device copy"}
+        lines += ["## Reduce kernel against a device-to-device copy (rank 0 alone)", "",
+                  "Bandwidth counts bytes read and written: a copy moves 2x its size, a k-operand "
+                  "reduce (k+1)x.", "",
+                  "| size | kernel | GB/s | copy GB/s | of copy |", "|---|---|---|---|---|"]
+        for r in kernels:
+            if r["impl"] == "device-to-device copy":
+                continue
+            c = copy[r["bytes"]]
+            lines.append(f"| {human_bytes(r['bytes'])} | {r['impl']} | {r['bandwidth_gbps']:.0f} "
+                         f"| {c['bandwidth_gbps']:.0f} | "
+                         f"{r['bandwidth_gbps'] / c['bandwidth_gbps']:.0%} |")
+        lines.append("")
+    names = list(dict.fromkeys(r["impl"] for r in rows))
+    by = {(r["impl"], r["bytes"]): r for r in rows}
+    lines += ["## all_reduce, float32, median of the slowest rank", "",
+              "| size | " + " | ".join(f"{m} (us)" for m in names) +
+              " | ipc busbw (GB/s) | ipc vs mpi4jax | staged vs mpi4jax | ipc vs staged |",
+              "|---|" + "---|" * (len(names) + 4)]
+    for nbytes in sorted({r["bytes"] for r in rows}):
+        ipc, staged = by[("jaxring[ipc]", nbytes)], by[("jaxring[staged]", nbytes)]
+        rival = by[("mpi4jax.allreduce", nbytes)]
+        cells = " | ".join(f"{by[(m, nbytes)]['seconds'] * 1e6:.0f}" for m in names)
+        lines.append(f"| {human_bytes(nbytes)} | {cells} | {ipc['busbw_gbps']:.1f} | "
+                     f"{rival['seconds'] / ipc['seconds']:.1f}x | "
+                     f"{rival['seconds'] / staged['seconds']:.1f}x | "
+                     f"{staged['seconds'] / ipc['seconds']:.1f}x |")
+    lines += ["", "vs columns: the rival's time over ours (above 1: ours is faster). busbw = "
+              "algbw x 2(n-1)/n (nccl-tests). All processes share one GPU: its memory bandwidth "
+              "is the ceiling of the ipc transport, measured above as the copy bandwidth."]
+    return "\n".join(lines) + "\n"
+
+
+def plot(rows, n, device, path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.5, 4.2))
+    for name in dict.fromkeys(r["impl"] for r in rows):
+        sel = [r for r in rows if r["impl"] == name]
+        ax.loglog([r["bytes"] for r in sel], [r["seconds"] * 1e6 for r in sel], "o-", label=name)
+    ax.set_xlabel("bytes per rank")
+    ax.set_ylabel("time (us)")
+    ax.set_title(f"all-reduce, {n} processes on one {device}")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+if __name__ == "__main__":
+    main()
