@@ -243,20 +243,28 @@ GPU_CONFIGS = {
     "staged-over-mpi": ("staged", {"JAXRING_GPU_STAGING_BYTES": str(64 << 10),
                                    "JAXRING_MPI_TRANSPORT": "mpi"}),
     "host": ("host", {}),
+    # Pretend nodes of 2 ranks: "auto" is staged across them, ipc within (hierarchical levels).
+    "auto-two-nodes": ("auto", {"JAXRING_MPI_RANKS_PER_NODE": "2"}),
 }
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not native.has_cuda_backend(), reason="no CUDA GPU visible")
 @pytest.mark.parametrize("config", list(GPU_CONFIGS))
-@pytest.mark.parametrize("n", [1, 2, 4])
+@pytest.mark.parametrize("n", [1, 2, 4], ids=["n1", "n2", "n4"])
 def test_the_multiprocess_suite_on_gpu_processes_sharing_one_gpu(n, config):
     transport, extra = GPU_CONFIGS[config]
+    extra = dict(extra)
+    ranks_per_node = int(extra.pop("JAXRING_MPI_RANKS_PER_NODE", "0"))
+    expected = transport
+    if transport == "auto":
+        expected = "staged" if 0 < ranks_per_node < n else "ipc"
     env = {"JAX_PLATFORMS": "cuda", "XLA_PYTHON_CLIENT_MEM_FRACTION": str(round(0.6 / n, 2)),
-           "JAXRING_GPU_TRANSPORT": transport, "JAXRING_EXPECT_GPU_TRANSPORT": transport, **extra}
+           "JAXRING_GPU_TRANSPORT": transport, "JAXRING_EXPECT_GPU_TRANSPORT": expected, **extra}
     mpi_transport = env.pop("JAXRING_MPI_TRANSPORT", "auto")
     result = mpiexec(n, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", str(HERE / "mpi"),
-                     timeout=1800, transport=mpi_transport, env=env)
+                     timeout=1800, transport=mpi_transport, ranks_per_node=ranks_per_node,
+                     env=env)
     assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]
 
 
