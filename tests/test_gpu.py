@@ -111,6 +111,7 @@ def test_a_communicator_refuses_an_unknown_gpu_transport():
     ("ipc", False, [False], "none"),           # no GPU anywhere: nothing to set up
     ("auto", True, [True, False], "host"),     # CPU ranks run whole host collectives
     ("staged", False, [False, True], "host"),
+    ("auto", True, [True] * 17, "staged"),     # more ranks than one reduce kernel reads
 ])
 def test_gpu_transport_selection(requested, one_node, gpus, chosen):
     assert gpu.choose_transport(requested, one_node, gpus) == chosen
@@ -121,6 +122,8 @@ def test_ipc_across_nodes_and_unknown_transports_are_refused():
         gpu.choose_transport("ipc", False, [True, True])
     with pytest.raises(ValueError, match="gpu_transport must be one of"):
         gpu.choose_transport("shm", True, [True])
+    with pytest.raises(ValueError, match="takes at most 16 ranks, this communicator has 17"):
+        gpu.choose_transport("ipc", True, [True] * 17)
 
 
 def test_cuda_aware_mpi_detection_and_override():

@@ -89,11 +89,15 @@ def choose_transport(requested: str, on_one_node: bool, gpus: list[bool]) -> str
     if not all(gpus):
         # Ranks on CPUs run whole host collectives; only the host path moves data the same way.
         return "host"
+    max_ranks = native.extension.gpu_defaults()["ipc_max_ranks"]
     if requested == "auto":
-        return "ipc" if on_one_node else "staged"
+        return "ipc" if on_one_node and len(gpus) <= max_ranks else "staged"
     if requested == "ipc" and not on_one_node:
         raise ValueError("jaxring.mpi: gpu_transport='ipc' needs every rank on one node (cudaIpc "
                          "handles cannot cross nodes); use 'staged' or 'auto'")
+    if requested == "ipc" and len(gpus) > max_ranks:
+        raise ValueError(f"jaxring.mpi: gpu_transport='ipc' takes at most {max_ranks} ranks, "
+                         f"this communicator has {len(gpus)}; use 'staged' or 'auto'")
     return requested
 
 

@@ -63,9 +63,6 @@ Status CheckCall(const JaxringHostCall& call, int rank, int size, const std::str
                          " ranks, but the communicator has " + std::to_string(size));
   if (!IsSupported(static_cast<DType>(call.dtype)))
     return Status::Error(where + ": unsupported element type");
-  if (size > 16 && (kind == Collective::kAllReduce || kind == Collective::kReduceScatter))
-    return Status::Error(where + ": the GPU reduce kernels take at most 16 ranks; use "
-                         "gpu_transport='staged' for larger communicators");
   const int64_t expected_output =
       kind == Collective::kReduceScatter ? call.input_count / size
       : kind == Collective::kAllGather   ? call.input_count * size

@@ -50,6 +50,9 @@ Status IpcCommunicator::Create(int rank, int size, int device, int64_t slot_byte
                             std::to_string(rank) + " of " + std::to_string(size) + ")";
   const std::string bad = CheckSlotBytes(Transport::kIpc, slot_bytes, size);
   if (!bad.empty()) return Status::Error(where + ": " + bad);
+  if (size > kIpcMaxRanks)
+    return Status::Error(where + ": cuda-ipc takes at most " + std::to_string(kIpcMaxRanks) +
+                         " ranks (one reduce kernel reads them all); use gpu_transport='staged'");
   Status status = UseDevice(device, where);
   if (!status.ok()) return status;
   std::unique_ptr<IpcCommunicator> comm(
@@ -124,6 +127,8 @@ Status IpcCommunicator::Open(const IpcHandles* all) {
 
 Status IpcCommunicator::Agree(const JaxringHostCall& call) {
   JaxringHostCall agree = call;
+  agree.rank = rank_;  // the handler does not read the rank operand back from the device
+  agree.group = 0;
   agree.role = kJaxringHostAgree;
   agree.input = nullptr;
   agree.output = nullptr;
@@ -219,7 +224,7 @@ Status IpcCommunicator::RunStep(cudaStream_t stream, const JaxringHostCall& call
   status = WaitForPeers(stream, kStagedEvent, parity,
                         h.kind == Collective::kBroadcast ? root : -1, where);
   if (!status.ok()) return status;
-  const void* srcs[16];
+  const void* srcs[kIpcMaxRanks];
   void* dsts[1];
   if (count > 0) {
     switch (h.kind) {

@@ -10,11 +10,13 @@
 #include <cstdint>
 
 #include "common/types.h"
+#include "gpu/plan.h"
 
 namespace jaxring {
 namespace cuda {
 
 constexpr int kMaxOperands = 16;
+static_assert(kMaxOperands >= gpu::kIpcMaxRanks, "cuda-ipc reduces every rank in one kernel");
 
 template <typename T> struct Pointers {
   const T* srcs[kMaxOperands];

@@ -34,6 +34,9 @@ constexpr int64_t kDefaultIpcSlotBytes = 32 << 20;
 constexpr int64_t kDefaultStagingBytes = 4 << 20;
 // Smallest accepted slot/chunk: a 16-byte vector for each of up to 64 ranks.
 constexpr int64_t kMinSlotBytes = 4096;
+// cuda-ipc reduces all ranks' pieces in one kernel, which takes at most this many operands
+// (kMaxOperands in cuda/reduce_kernels.cu); larger node communicators use the staged transport.
+constexpr int kIpcMaxRanks = 16;
 // Reduce kernels move 16 bytes per load: step and share boundaries fall on 16 bytes.
 constexpr int64_t kVectorBytes = 16;
 

@@ -213,6 +213,7 @@ NB_MODULE(_jaxring, m) {
     d["staging_bytes"] = jaxring::gpu::kDefaultStagingBytes;
     d["ipc_one_shot_bytes"] = jaxring::gpu::kIpcOneShotBytes;
     d["min_slot_bytes"] = jaxring::gpu::kMinSlotBytes;
+    d["ipc_max_ranks"] = jaxring::gpu::kIpcMaxRanks;
     return d;
   });
 
