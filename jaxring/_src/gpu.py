@@ -5,7 +5,8 @@
   (``xla_ffi/cuda/ipc.h``).
 * ``"staged"``: between nodes, each collective runs on the host transport in chunks through
   pinned buffers allocated once, the copies to and from the device overlapping the network
-  (``xla_ffi/cuda/staged.h``).
+  (``xla_ffi/cuda/staged.h``); with a CUDA-aware MPI (MPIX_Query_cuda_support, or
+  ``JAXRING_CUDA_AWARE_MPI=1``) MPI gets device pointers instead (``xla_ffi/gpu/direct.h``).
 * ``"host"``: the baseline: the whole call copied to the host and back, synchronously.
 
 ``"auto"`` (the default, or ``JAXRING_GPU_TRANSPORT``) is ipc on one node and staged across
@@ -103,7 +104,8 @@ def choose_transport(requested: str, on_one_node: bool, gpus: list[bool]) -> str
 
 def cuda_aware_mpi(choice: str, extension) -> tuple[bool, str]:
     """Whether MPI takes device pointers, and why we think so: the JAXRING_CUDA_AWARE_MPI
-    override ("0"/"1"), else MPIX_Query_cuda_support through jaxring's MPI extension."""
+    override ("0"/"1"), else MPIX_Query_cuda_support through jaxring's MPI extension. Every rank
+    must reach the same answer (the staged transport's set-up is collective either way)."""
     if choice not in CUDA_AWARE_CHOICES:
         raise ValueError(f"jaxring.mpi: {ENV_CUDA_AWARE} must be one of {CUDA_AWARE_CHOICES}, "
                          f"got {choice!r}")
@@ -130,8 +132,8 @@ def _library():
     library.JaxringCudaIpcOpen.argtypes = [ctypes.c_uint64, ctypes.c_char_p, ctypes.c_char_p,
                                            ctypes.c_size_t]
     library.JaxringCudaStagedCreate.argtypes = [
-        ctypes.c_uint64, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int,
-        ctypes.c_char_p, ctypes.c_char_p, ctypes.c_size_t]
+        ctypes.c_uint64, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int64,
+        ctypes.c_void_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_size_t]
     library.JaxringCudaDetach.argtypes = [ctypes.c_uint64]
     return library
 
@@ -163,6 +165,8 @@ def attach(mpi_comm, key: int, rank: int, size: int, name: str, options: GpuOpti
     transport = choose_transport(options.transport, on_one_node, gpus)
     aware, how = (cuda_aware_mpi(options.cuda_aware, extension) if transport != "none"
                   else (False, "no GPU"))
+    if not all(mpi_comm.allgather(aware)):
+        aware = False  # device pointers only if every rank's MPI takes them
     if transport in ("none", "host"):
         return transport, aware, how
     library = _library()
@@ -184,8 +188,15 @@ def attach(mpi_comm, key: int, rank: int, size: int, name: str, options: GpuOpti
             _collective(mpi_comm, lambda: _check(library.JaxringCudaIpcOpen(
                 key, everyone, error, _ERROR_BYTES), error), "cuda-ipc", name, rank)
         else:
+            # A CUDA-aware MPI gets device pointers, over messages of its own (collective).
+            messages = None
+            if aware and extension is not None:
+                from mpi4py import MPI
+
+                messages = _collective(mpi_comm, lambda: extension.message_ops(
+                    MPI._addressof(mpi_comm), name), "staged", name, rank)
             _collective(mpi_comm, lambda: _check(library.JaxringCudaStagedCreate(
-                key, rank, size, local_device(), options.staging_bytes, int(aware), encoded,
+                key, rank, size, local_device(), options.staging_bytes, messages, encoded,
                 error, _ERROR_BYTES), error), "staged", name, rank)
     except Exception:
         library.JaxringCudaDetach(key)

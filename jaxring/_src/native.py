@@ -56,4 +56,6 @@ def cuda_library() -> ctypes.CDLL:
     library = ctypes.CDLL(CUDA_LIBRARY)
     library.JaxringCudaSetHostCall.argtypes = [ctypes.c_void_p]
     library.JaxringCudaSetHostCall(extension.host_call_address())
+    library.JaxringCudaSetHostTimeout.argtypes = [ctypes.c_void_p]
+    library.JaxringCudaSetHostTimeout(extension.host_timeout_address())
     return library

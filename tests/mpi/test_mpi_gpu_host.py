@@ -85,3 +85,70 @@ def test_a_gpu_step_never_pairs_with_a_host_collective():
 def test_a_header_exchange_needs_a_process_communicator():
     with pytest.raises(RuntimeError, match="needs a process communicator"):
         native.extension.host_agree(12345, "nothing", 0, 1, ALL_REDUCE, SUM, F32, 4, 0, 0)
+
+
+# ---- the CUDA-aware path's algorithm (gpu/direct.h), on host memory over plain MPI --------------
+
+DIRECT_DTYPES = {np.dtype(np.float32): 11, np.dtype(np.float64): 12, np.dtype(np.float16): 10,
+                 np.dtype(jax.numpy.bfloat16): 16, np.dtype(np.int32): 4, np.dtype(np.int64): 5}
+OPS = {"sum": 0, "mean": 1, "max": 2, "min": 3}
+REFERENCE = {"sum": lambda a: a.sum(0), "mean": lambda a: a.mean(0),
+             "max": lambda a: a.max(0), "min": lambda a: a.min(0)}
+
+
+def direct(ops, kind, op, x, output_count, root=0, scratch=4096, timeout=60.0):
+    code = DIRECT_DTYPES[x.dtype]
+    out = jaxring.mpi._mpi_extension()[0].direct_collective(
+        ops, COMM.rank, COMM.size, kind, OPS[op], code, x.tobytes(), output_count, root, scratch,
+        timeout)
+    return np.frombuffer(out, x.dtype)
+
+
+def message_ops():
+    extension, why_not = jaxring.mpi._mpi_extension()
+    if extension is None:
+        pytest.skip(why_not)
+    from mpi4py import MPI
+    return extension.message_ops(MPI._addressof(MPI_COMM), "direct test")
+
+
+@pytest.mark.parametrize("dtype", list(DIRECT_DTYPES), ids=str)
+def test_the_cuda_aware_algorithm_against_float64(dtype):
+    from helpers import assert_close, random_array
+
+    ops = message_ops()
+    n, me = COMM.size, COMM.rank
+    rng = np.random.default_rng([me, dtype.num, 3])
+    for size in (0, 1, 7, 1001, 5000):  # 4 KiB scratch: 5000 elements take several steps
+        x = random_array(rng, (size,), dtype)
+        everyone = np.stack(MPI_COMM.allgather(x)).astype(np.float64)
+        for op in OPS:
+            if op == "mean" and dtype.kind == "i":
+                continue  # jaxring divides integers in float (as lax.pmean) before the kernel
+            y = direct(ops, ALL_REDUCE, op, x, size)
+            assert_close(y, REFERENCE[op](everyone), dtype, count=n)
+            mine = y.tobytes()
+            assert all(other == mine for other in MPI_COMM.allgather(mine)), "ranks disagree"
+        block = x[: size // n * n] if size >= n else x[:0]
+        b = len(block) // n
+        everyone = np.stack(MPI_COMM.allgather(block)).astype(np.float64)
+        y = direct(ops, REDUCE_SCATTER, "max", block, b)
+        np.testing.assert_array_equal(y, everyone.max(0)[me * b:(me + 1) * b].astype(dtype))
+        y = direct(ops, REDUCE_SCATTER, "sum", block, b)
+        assert_close(y, everyone.sum(0)[me * b:(me + 1) * b], dtype, count=n)
+        y = direct(ops, ALL_GATHER, "sum", x, size * n)
+        np.testing.assert_array_equal(y, np.concatenate(MPI_COMM.allgather(x)))
+        for root in sorted({0, n - 1}):
+            y = direct(ops, BROADCAST, "sum", x, size, root=root)
+            np.testing.assert_array_equal(y, MPI_COMM.bcast(x, root=root))
+
+
+@pytest.mark.skipif(COMM.size < 2, reason="needs two ranks")
+def test_the_cuda_aware_algorithm_names_a_missing_rank():
+    ops = message_ops()
+    last = COMM.size - 1
+    if COMM.rank != last:
+        with pytest.raises(RuntimeError, match=rf"timed out after 1 s waiting for rank\(s\) "
+                                               rf"\[.*{last}\]"):
+            direct(ops, ALL_GATHER, "sum", np.ones(4, np.float32), 4 * COMM.size, timeout=1.0)
+    MPI_COMM.Barrier()

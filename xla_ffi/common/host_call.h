@@ -47,4 +47,7 @@ struct JaxringHostCall {
 typedef int (*JaxringHostCallFn)(const JaxringHostCall* call, char* error, size_t error_bytes);
 int JaxringRunHostCall(const JaxringHostCall* call, char* error, size_t error_bytes);
 
+// jaxring.config's timeout_seconds (for waits the CUDA library makes itself).
+double JaxringHostTimeoutSeconds(void);
+
 }  // extern "C"

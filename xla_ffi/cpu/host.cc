@@ -156,6 +156,10 @@ HostResult RunHostCall(const JaxringHostCall& c) {
 
 }  // namespace jaxring
 
+extern "C" double JaxringHostTimeoutSeconds(void) {
+  return jaxring::CurrentConfig().timeout_seconds;
+}
+
 extern "C" int JaxringRunHostCall(const JaxringHostCall* call, char* error, size_t error_bytes) {
   const jaxring::HostResult result = jaxring::RunHostCall(*call);
   if (result.status.ok()) return 0;

@@ -10,6 +10,7 @@ namespace gpu {
 namespace {
 
 JaxringHostCallFn host_call = nullptr;
+double (*host_timeout)() = nullptr;
 std::mutex registry_mutex;
 
 std::map<uint64_t, std::unique_ptr<GpuCommunicator>>& Registry() {
@@ -20,6 +21,8 @@ std::map<uint64_t, std::unique_ptr<GpuCommunicator>>& Registry() {
 }  // namespace
 
 JaxringHostCallFn HostCall() { return host_call; }
+double HostTimeoutSeconds() { return host_timeout != nullptr ? host_timeout() : 300.0; }
+void SetHostTimeout(double (*fn)()) { host_timeout = fn; }
 void SetHostCall(JaxringHostCallFn fn) { host_call = fn; }
 
 Status RunOnHost(const JaxringHostCall& call) {

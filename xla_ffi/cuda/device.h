@@ -24,6 +24,10 @@ namespace gpu {
 JaxringHostCallFn HostCall();
 void SetHostCall(JaxringHostCallFn fn);
 
+// jaxring.config's timeout_seconds, which lives in the host library.
+double HostTimeoutSeconds();
+void SetHostTimeout(double (*fn)());
+
 // Runs `call` on the host library; its error message as a Status.
 Status RunOnHost(const JaxringHostCall& call);
 

@@ -161,6 +161,7 @@ int Report(const Status& status, T* error, size_t error_bytes) {
 
 // Called once by jaxring (native.py) with _jaxring's JaxringRunHostCall.
 extern "C" void JaxringCudaSetHostCall(JaxringHostCallFn fn) { jaxring::gpu::SetHostCall(fn); }
+extern "C" void JaxringCudaSetHostTimeout(double (*fn)()) { jaxring::gpu::SetHostTimeout(fn); }
 
 extern "C" size_t JaxringCudaIpcHandleBytes() { return sizeof(jaxring::gpu::IpcHandles); }
 
@@ -215,12 +216,15 @@ extern "C" int JaxringCudaIpcOpen(uint64_t key, const void* all_handles, char* e
   return jaxring::Report(status, error, error_bytes);
 }
 
+// `message_ops`: a JaxringMessageOps over a CUDA-aware MPI (from _jaxring_mpi.message_ops), or
+// null to stage through pinned memory.
 extern "C" int JaxringCudaStagedCreate(uint64_t key, int rank, int size, int device,
-                                       int64_t chunk_bytes, int cuda_aware, const char* name,
-                                       char* error, size_t error_bytes) {
+                                       int64_t chunk_bytes, const void* message_ops,
+                                       const char* name, char* error, size_t error_bytes) {
   std::unique_ptr<jaxring::gpu::StagedCommunicator> comm;
   jaxring::Status status = jaxring::gpu::StagedCommunicator::Create(
-      rank, size, device, chunk_bytes, cuda_aware != 0, name, &comm);
+      rank, size, device, chunk_bytes, static_cast<const JaxringMessageOps*>(message_ops), name,
+      &comm);
   if (status.ok()) jaxring::gpu::Register(key, std::move(comm));
   return jaxring::Report(status, error, error_bytes);
 }

@@ -18,17 +18,44 @@ const char* At(const void* base, int64_t elements, size_t width) {
 
 }  // namespace
 
+// XLA's stream as gpu/direct.h's device.
+class StreamMemory final : public DeviceOps {
+ public:
+  StreamMemory(cudaStream_t stream, const std::string& where) : stream_(stream), where_(where) {}
+  Status Copy(void* dst, const void* src, size_t bytes) override {
+    JAXRING_CUDA_RETURN(where_ + ": copying on the device",
+                        cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, stream_));
+    return Status();
+  }
+  Status Reduce(DType dtype, ReduceOp op, const void* const* srcs, int n, void* dst,
+                int64_t count, int64_t divisor) override {
+    void* dsts[1] = {dst};
+    JAXRING_CUDA_RETURN(where_ + ": launching the reduce kernel",
+                        JaxringCudaReduce(static_cast<uint8_t>(dtype), static_cast<uint8_t>(op),
+                                          srcs, n, dsts, 1, count, divisor, stream_));
+    return Status();
+  }
+  Status Synchronize() override {
+    JAXRING_CUDA_RETURN(where_ + ": waiting for the device", cudaStreamSynchronize(stream_));
+    return Status();
+  }
+
+ private:
+  cudaStream_t stream_;
+  const std::string& where_;
+};
+
 StagedCommunicator::StagedCommunicator(int rank, int size, int device, int64_t chunk_bytes,
-                                       bool cuda_aware, std::string name)
+                                       const JaxringMessageOps* messages, std::string name)
     : rank_(rank),
       size_(size),
       device_(device),
       chunk_bytes_(chunk_bytes),
-      cuda_aware_(cuda_aware),
+      messages_(messages),
       name_(std::move(name)) {}
 
 Status StagedCommunicator::Create(int rank, int size, int device, int64_t chunk_bytes,
-                                  bool cuda_aware, std::string name,
+                                  const JaxringMessageOps* messages, std::string name,
                                   std::unique_ptr<StagedCommunicator>* out) {
   const std::string where = "jaxring.mpi: setting up the staged GPU transport for " + name +
                             " (rank " + std::to_string(rank) + " of " + std::to_string(size) +
@@ -38,7 +65,13 @@ Status StagedCommunicator::Create(int rank, int size, int device, int64_t chunk_
   Status status = UseDevice(device, where);
   if (!status.ok()) return status;
   std::unique_ptr<StagedCommunicator> comm(
-      new StagedCommunicator(rank, size, device, chunk_bytes, cuda_aware, std::move(name)));
+      new StagedCommunicator(rank, size, device, chunk_bytes, messages, std::move(name)));
+  if (messages != nullptr && size > kIpcMaxRanks)
+    return Status::Error(where + ": the CUDA-aware path reduces every rank in one kernel, at most " +
+                         std::to_string(kIpcMaxRanks) + " ranks; set JAXRING_CUDA_AWARE_MPI=0");
+  if (messages != nullptr)
+    JAXRING_CUDA_RETURN(where + ": allocating the device scratch",
+                        cudaMalloc(&comm->device_scratch_, chunk_bytes));
   for (int b = 0; b < 2; ++b) {
     void* in = nullptr;
     void* result = nullptr;
@@ -75,12 +108,38 @@ Status StagedCommunicator::Run(cudaStream_t stream, const JaxringHostCall& call,
   if (!status.ok()) return status;
   status = UseDevice(device_, where);
   if (!status.ok()) return status;
+  status = messages_ != nullptr ? RunCudaAware(stream, call, h, x, y, where)
+                                : RunPipelined(stream, call, h, x, y, where);
+  if (!status.ok()) broken_ = status.message();
+  return status;
+}
+
+Status StagedCommunicator::RunCudaAware(cudaStream_t stream, const JaxringHostCall& call,
+                                        const Header& h, const void* x, void* y,
+                                        const std::string& where) {
+  JaxringHostCall agree = call;
+  agree.rank = rank_;
+  agree.group = 0;
+  agree.role = kJaxringHostAgree;
+  agree.input = nullptr;
+  agree.output = nullptr;
+  Status status = RunOnHost(agree);
+  if (!status.ok()) return status;
+  StreamMemory memory(stream, where);
+  return RunDirect(h, x, y, rank_, size_, device_scratch_, chunk_bytes_, memory, *messages_,
+                   HostTimeoutSeconds(), where);
+}
+
+Status StagedCommunicator::RunPipelined(cudaStream_t stream, const JaxringHostCall& call,
+                                        const Header& h, const void* x, void* y,
+                                        const std::string& where) {
   const int n = size_;
   const size_t width = ByteWidth(h.dtype);
   const int64_t block = BlockCount(h.kind, h.count, n);
   const int64_t step_elements = StepElements(Transport::kStaged, h.kind, n, chunk_bytes_, width);
   const std::vector<Step> steps = PlanSteps(block, step_elements);
   const bool root_only = h.kind == Collective::kBroadcast;
+  Status status;
   auto pipeline = [&]() -> Status {
     // The result copies must not start before XLA's stream reaches this call: the output buffer
     // may still be in use by earlier work on it.
@@ -157,9 +216,7 @@ Status StagedCommunicator::Run(cudaStream_t stream, const JaxringHostCall& call,
                         cudaStreamWaitEvent(stream, call_end_, 0));
     return Status();
   };
-  status = pipeline();
-  if (!status.ok()) broken_ = status.message();
-  return status;
+  return pipeline();
 }
 
 }  // namespace gpu

@@ -13,6 +13,10 @@
 // for the events of the chunk it needs (never drains the device); the result copies run on a
 // stream of their own that XLA's stream waits for at the end, and a buffer still being copied
 // out by the previous call is waited for before it is written again.
+//
+// With a CUDA-aware MPI (MPIX_Query_cuda_support, or JAXRING_CUDA_AWARE_MPI=1) the calls skip
+// the pinned copies: gpu/direct.h hands device pointers to MPI and reduces with the GPU kernels;
+// the header exchange is still the host transport's, once per call.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -23,28 +27,36 @@
 #include <string>
 
 #include "cuda/device.h"
+#include "gpu/direct.h"
 
 namespace jaxring {
 namespace gpu {
 
 class StagedCommunicator final : public GpuCommunicator {
  public:
-  // `cuda_aware`: the MPI library takes device pointers (MPIX_Query_cuda_support or the
-  // JAXRING_CUDA_AWARE_MPI override); recorded for reporting, see the README's GPU section.
-  static Status Create(int rank, int size, int device, int64_t chunk_bytes, bool cuda_aware,
-                       std::string name, std::unique_ptr<StagedCommunicator>* out);
+  // `messages`: point-to-point over a CUDA-aware MPI (gpu/direct.h), or null. With them, calls
+  // hand device pointers to MPI (RunDirect, through a device scratch of `chunk_bytes`) instead of
+  // staging through pinned memory.
+  static Status Create(int rank, int size, int device, int64_t chunk_bytes,
+                       const JaxringMessageOps* messages, std::string name,
+                       std::unique_ptr<StagedCommunicator>* out);
   Status Run(cudaStream_t stream, const JaxringHostCall& call, const void* x, void* y) override;
   const char* transport() const override { return "staged"; }
 
  private:
-  StagedCommunicator(int rank, int size, int device, int64_t chunk_bytes, bool cuda_aware,
-                     std::string name);
+  StagedCommunicator(int rank, int size, int device, int64_t chunk_bytes,
+                     const JaxringMessageOps* messages, std::string name);
+  Status RunPipelined(cudaStream_t stream, const JaxringHostCall& call, const Header& h,
+                      const void* x, void* y, const std::string& where);
+  Status RunCudaAware(cudaStream_t stream, const JaxringHostCall& call, const Header& h,
+                      const void* x, void* y, const std::string& where);
 
   int rank_;
   int size_;
   int device_;
   int64_t chunk_bytes_;
-  bool cuda_aware_;
+  const JaxringMessageOps* messages_;  // CUDA-aware MPI, or null
+  void* device_scratch_ = nullptr;      // RunDirect's, with `messages_`
   std::string name_;
   std::mutex mutex_;
   char* to_host_[2] = {nullptr, nullptr};    // pinned: input chunks

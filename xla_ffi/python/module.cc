@@ -135,6 +135,9 @@ NB_MODULE(_jaxring, m) {
 
   m.def("host_call_address", []() { return reinterpret_cast<uintptr_t>(&JaxringRunHostCall); },
         "Address of JaxringRunHostCall, which the CUDA library calls on staged host buffers.");
+  m.def("host_timeout_address",
+        []() { return reinterpret_cast<uintptr_t>(&JaxringHostTimeoutSeconds); },
+        "Address of JaxringHostTimeoutSeconds (jaxring.config's timeout, for the CUDA library).");
 
   // The GPU transports' host side, exposed so that CPU tests check it: the header exchange
   // they synchronise with, and how they cut a call into steps (gpu/plan.h).

@@ -11,9 +11,14 @@
 #endif
 
 #include <cstdint>
+#include <cstring>
 #include <stdexcept>
+#include <vector>
 
+#include "gpu/direct.h"
+#include "kernels/reduce_cpu.h"
 #include "transports/mpi.h"
+#include "transports/mpi_messages.h"
 
 namespace nb = nanobind;
 
@@ -44,6 +49,24 @@ std::pair<bool, std::string> CudaAware() {
 #endif
 }
 
+// Host memory in place of the device: the CUDA-aware path's algorithm, tested on CPU processes.
+class HostMemory final : public jaxring::gpu::DeviceOps {
+ public:
+  jaxring::Status Copy(void* dst, const void* src, size_t bytes) override {
+    if (bytes > 0) std::memcpy(dst, src, bytes);
+    return jaxring::Status();
+  }
+  jaxring::Status Reduce(jaxring::DType dtype, jaxring::ReduceOp op, const void* const* srcs,
+                         int n, void* dst, int64_t count, int64_t divisor) override {
+    std::vector<jaxring::Operand> operands(n);
+    for (int i = 0; i < n; ++i) operands[i] = jaxring::Operand{srcs[i]};
+    const jaxring::Target target{dst};
+    jaxring::Reduce(dtype, op, operands.data(), n, &target, 1, count, divisor);
+    return jaxring::Status();
+  }
+  jaxring::Status Synchronize() override { return jaxring::Status(); }
+};
+
 }  // namespace
 
 NB_MODULE(_jaxring_mpi, m) {
@@ -59,6 +82,48 @@ NB_MODULE(_jaxring_mpi, m) {
 
   m.def("cuda_aware", &CudaAware,
         "(whether the MPI library takes CUDA device pointers, how that was determined).");
+
+  m.def(
+      "message_ops",
+      [](uintptr_t comm_address, const std::string& name) {
+        const MPI_Comm parent = *reinterpret_cast<const MPI_Comm*>(comm_address);
+        JaxringMessageOps* ops = nullptr;
+        jaxring::Status status = jaxring::CreateMpiMessages(parent, name, &ops);
+        if (!status.ok()) throw std::runtime_error(status.message());
+        return reinterpret_cast<uintptr_t>(ops);
+      },
+      nb::arg("comm_address"), nb::arg("name"),
+      "Duplicates the communicator (collective) and returns the address of a JaxringMessageOps "
+      "table over it, for the staged GPU transport on a CUDA-aware MPI.");
+  m.def(
+      "direct_collective",
+      [](uintptr_t ops_address, int rank, int size, int kind, int op, int dtype,
+         const nb::bytes& input, int64_t output_count, int64_t root, int64_t scratch_bytes,
+         double timeout_seconds) {
+        jaxring::Header h;
+        h.kind = static_cast<jaxring::Collective>(kind);
+        h.op = static_cast<jaxring::ReduceOp>(op);
+        h.dtype = static_cast<jaxring::DType>(dtype);
+        h.root = root;
+        const size_t width = jaxring::ByteWidth(h.dtype);
+        h.count = static_cast<int64_t>(input.size() / width);
+        std::vector<char> output(output_count * width), scratch(scratch_bytes);
+        HostMemory memory;
+        jaxring::Status status;
+        {
+          nb::gil_scoped_release release;
+          status = jaxring::gpu::RunDirect(
+              h, input.c_str(), output.data(), rank, size, scratch.data(), scratch_bytes, memory,
+              *reinterpret_cast<const JaxringMessageOps*>(ops_address), timeout_seconds,
+              "jaxring direct " + jaxring::Describe(h));
+        }
+        if (!status.ok()) throw std::runtime_error(status.message());
+        return nb::bytes(output.data(), output.size());
+      },
+      nb::arg("ops_address"), nb::arg("rank"), nb::arg("size"), nb::arg("kind"), nb::arg("op"),
+      nb::arg("dtype"), nb::arg("input"), nb::arg("output_count"), nb::arg("root"),
+      nb::arg("scratch_bytes"), nb::arg("timeout_seconds"),
+      "Runs the CUDA-aware path's algorithm (gpu/direct.h) on host memory (tests).");
 
   m.def(
       "create",
