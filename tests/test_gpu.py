@@ -271,6 +271,25 @@ def test_the_multiprocess_suite_on_gpu_processes_sharing_one_gpu(n, config):
     assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]
 
 
+def mpi_is_cuda_aware() -> bool:
+    extension, _ = jaxring.mpi._mpi_extension()
+    return extension is not None and extension.cuda_aware()[0]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not native.has_cuda_backend(), reason="no CUDA GPU visible")
+@pytest.mark.skipif(not mpi_is_cuda_aware(), reason="MPIX_Query_cuda_support: this MPI does not "
+                    "take device pointers (e.g. Open MPI built with CUDA/UCX does)")
+@pytest.mark.parametrize("n", [2, 4], ids=["n2", "n4"])
+def test_the_multiprocess_suite_on_the_cuda_aware_path(n):
+    env = {"JAX_PLATFORMS": "cuda", "XLA_PYTHON_CLIENT_MEM_FRACTION": str(round(0.6 / n, 2)),
+           "JAXRING_GPU_TRANSPORT": "staged", "JAXRING_EXPECT_GPU_TRANSPORT": "staged",
+           "JAXRING_CUDA_AWARE_MPI": "1", "JAXRING_GPU_STAGING_BYTES": str(64 << 10)}
+    result = mpiexec(n, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", str(HERE / "mpi"),
+                     timeout=1800, env=env)
+    assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]
+
+
 SANITIZER = shutil.which("compute-sanitizer") or (
     "/usr/local/cuda/bin/compute-sanitizer"
     if os.path.exists("/usr/local/cuda/bin/compute-sanitizer") else None)
