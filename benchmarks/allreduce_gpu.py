@@ -61,6 +61,12 @@ TRANSPORTS = {
 }
 COMMS = {name: jaxring.mpi.Communicator(WORLD.Dup(), label=name, gpu_transport=transport)
          for name, transport in TRANSPORTS.items()}
+if COMMS["jaxring[staged]"].cuda_aware_mpi:
+    # jaxring[staged] hands device pointers to MPI; also time the pinned pipeline it replaces.
+    os.environ["JAXRING_CUDA_AWARE_MPI"] = "0"
+    COMMS["jaxring[staged, pinned]"] = jaxring.mpi.Communicator(
+        WORLD.Dup(), label="staged, pinned", gpu_transport="staged")
+    del os.environ["JAXRING_CUDA_AWARE_MPI"]
 
 
 # ---- the reduce kernel against a copy ---------------------------------------------------------
