@@ -63,10 +63,14 @@ COMMS = {name: jaxring.mpi.Communicator(WORLD.Dup(), label=name, gpu_transport=t
          for name, transport in TRANSPORTS.items()}
 if COMMS["jaxring[staged]"].cuda_aware_mpi:
     # jaxring[staged] hands device pointers to MPI; also time the pinned pipeline it replaces.
+    asked = os.environ.get("JAXRING_CUDA_AWARE_MPI")
     os.environ["JAXRING_CUDA_AWARE_MPI"] = "0"
     COMMS["jaxring[staged, pinned]"] = jaxring.mpi.Communicator(
         WORLD.Dup(), label="staged, pinned", gpu_transport="staged")
-    del os.environ["JAXRING_CUDA_AWARE_MPI"]
+    if asked is None:
+        del os.environ["JAXRING_CUDA_AWARE_MPI"]
+    else:
+        os.environ["JAXRING_CUDA_AWARE_MPI"] = asked
 
 
 # ---- the reduce kernel against a copy ---------------------------------------------------------
