@@ -138,7 +138,8 @@ Status IpcCommunicator::Agree(const JaxringHostCall& call) {
 Status IpcCommunicator::WaitForPeers(cudaStream_t stream, IpcEvent kind, int parity,
                                      int only_rank, const std::string& where) {
   for (int peer = 0; peer < size_; ++peer) {
-    if (peer == rank_ || (only_rank >= 0 && peer != only_rank)) continue;
+    // This rank's own `done` too: XLA may run the next call on another of its streams.
+    if ((peer == rank_ && kind != kDoneEvent) || (only_rank >= 0 && peer != only_rank)) continue;
     JAXRING_CUDA_RETURN(where + ": waiting for rank " + std::to_string(peer) + "'s event",
                         cudaStreamWaitEvent(stream, events_[peer][kind][parity], 0));
   }

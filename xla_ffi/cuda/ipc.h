@@ -8,8 +8,9 @@
 //
 // A collective runs as the steps of gpu/plan.h. Step s (parity p = s % 2) on XLA's stream:
 //
-//   1. wait for every peer's `done[p]` event (it finished reading this rank's parity p in step
-//      s - 2), then copy this rank's piece of the input into its workspace; record `staged[p]`;
+//   1. wait for every rank's `done[p]` event (it finished reading this rank's parity p in step
+//      s - 2; this rank's own too, as XLA may use another stream for the next call), then copy
+//      this rank's piece of the input into its workspace; record `staged[p]`;
 //   2. host: agree on the header with every rank (the host transport's header exchange, so a
 //      mismatch or a missing rank is the same error as on CPU; it is the barrier that tells each
 //      rank that every peer has *recorded* `staged[p]`);

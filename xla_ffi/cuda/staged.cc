@@ -69,9 +69,12 @@ Status StagedCommunicator::Create(int rank, int size, int device, int64_t chunk_
   if (messages != nullptr && size > kIpcMaxRanks)
     return Status::Error(where + ": the CUDA-aware path reduces every rank in one kernel, at most " +
                          std::to_string(kIpcMaxRanks) + " ranks; set JAXRING_CUDA_AWARE_MPI=0");
-  if (messages != nullptr)
+  if (messages != nullptr) {
     JAXRING_CUDA_RETURN(where + ": allocating the device scratch",
                         cudaMalloc(&comm->device_scratch_, chunk_bytes));
+    JAXRING_CUDA_RETURN(where + ": creating events",
+                        cudaEventCreateWithFlags(&comm->scratch_free_, cudaEventDisableTiming));
+  }
   for (int b = 0; b < 2; ++b) {
     void* in = nullptr;
     void* result = nullptr;
@@ -125,9 +128,16 @@ Status StagedCommunicator::RunCudaAware(cudaStream_t stream, const JaxringHostCa
   agree.output = nullptr;
   Status status = RunOnHost(agree);
   if (!status.ok()) return status;
+  // XLA may run this call on another stream than the last one, whose kernels may still read the
+  // scratch that MPI is about to write.
+  JAXRING_CUDA_RETURN(where + ": waiting for the previous call",
+                      cudaEventSynchronize(scratch_free_));
   StreamMemory memory(stream, where);
-  return RunDirect(h, x, y, rank_, size_, device_scratch_, chunk_bytes_, memory, *messages_,
-                   HostTimeoutSeconds(), where);
+  status = RunDirect(h, x, y, rank_, size_, device_scratch_, chunk_bytes_, memory, *messages_,
+                     HostTimeoutSeconds(), where);
+  if (status.ok())
+    JAXRING_CUDA_RETURN(where + ": recording an event", cudaEventRecord(scratch_free_, stream));
+  return status;
 }
 
 Status StagedCommunicator::RunPipelined(cudaStream_t stream, const JaxringHostCall& call,

@@ -57,6 +57,7 @@ class StagedCommunicator final : public GpuCommunicator {
   int64_t chunk_bytes_;
   const JaxringMessageOps* messages_;  // CUDA-aware MPI, or null
   void* device_scratch_ = nullptr;      // RunDirect's, with `messages_`
+  cudaEvent_t scratch_free_ = nullptr;  // the last call's kernels are done with the scratch
   std::string name_;
   std::mutex mutex_;
   char* to_host_[2] = {nullptr, nullptr};    // pinned: input chunks
