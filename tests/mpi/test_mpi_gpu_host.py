@@ -1,7 +1,15 @@
-"""The host side of the GPU transports, on CPU processes (runs in every tests/mpi job): the
-header-only exchange (kJaxringHostAgree) that cuda-ipc synchronises its steps with must pass when
-ranks agree, name both sides when they do not, name a missing rank, and refuse to pair with a rank
-that runs the same collective on the host transport."""
+"""The host side of the GPU transports, on CPU processes (runs in every tests/mpi job):
+
+* the header-only exchange (kJaxringHostAgree) that cuda-ipc synchronises its steps with passes
+  when ranks agree, names both sides when they do not, names a missing rank, and refuses to pair
+  with a rank that runs the same collective on the host transport;
+* cuda-ipc's steps (gpu/ipc_steps.h: staging, one-shot and two-shot reductions, slot layouts,
+  parities, chunking) run on host memory shared by the processes, against float64;
+* the CUDA-aware path's algorithm (gpu/direct.h) runs on host memory over plain MPI.
+
+Only the CUDA operations underneath (copies, kernels, interprocess events) need a GPU."""
+
+import os
 
 import jax
 import numpy as np
@@ -152,3 +160,83 @@ def test_the_cuda_aware_algorithm_names_a_missing_rank():
                                                rf"\[.*{last}\]"):
             direct(ops, ALL_GATHER, "sum", np.ones(4, np.float32), 4 * COMM.size, timeout=1.0)
     MPI_COMM.Barrier()
+
+
+# ---- cuda-ipc's steps (gpu/ipc_steps.h), on host memory shared between the processes ----------
+
+class SharedSlots:
+    """2 * size slots of `slot_bytes` that every rank maps (a file in /dev/shm, as the
+    workspaces cudaIpc maps on the GPU), with the step counter cuda-ipc keeps per communicator."""
+
+    def __init__(self, comm, slot_bytes):
+        import ctypes
+        import mmap
+
+        self.comm, self.slot_bytes, self.step = comm, slot_bytes, 0
+        path = MPI_COMM.bcast(f"/dev/shm/jaxring-ipc-test-{comm.key:016x}", root=0)
+        nbytes = 2 * comm.size * slot_bytes
+        if comm.rank == 0:
+            with open(path, "wb") as f:
+                f.truncate(nbytes)
+        MPI_COMM.Barrier()
+        with open(path, "r+b") as f:
+            self.map = mmap.mmap(f.fileno(), nbytes)
+        MPI_COMM.Barrier()
+        if comm.rank == 0:
+            os.unlink(path)
+        self.address = ctypes.addressof(ctypes.c_char.from_buffer(self.map))
+
+    def run(self, kind, op, x, output_count, root=0, op_id=0):
+        out, self.step = native.extension.ipc_steps_on_host(
+            self.comm.key, self.comm.name, self.comm.rank, self.comm.size, self.address,
+            self.slot_bytes, self.step, kind, OPS[op], DIRECT_DTYPES[x.dtype], x.tobytes(),
+            output_count, root, op_id)
+        return np.frombuffer(out, x.dtype)
+
+
+@pytest.mark.parametrize("slot_bytes", [4096, 512 << 10], ids=["4 KiB slots", "512 KiB slots"])
+@pytest.mark.parametrize("dtype", list(DIRECT_DTYPES), ids=str)
+def test_the_ipc_steps_against_float64(dtype, slot_bytes):
+    """Every collective through cuda-ipc's steps: one-shot and (3+ ranks, steps over 256 KiB)
+    two-shot all-reduces, many steps per call in small slots, several calls (parities)."""
+    from helpers import assert_close, random_array
+
+    sub = COMM.split(0, key=COMM.rank)
+    slots = SharedSlots(sub, slot_bytes)
+    n, me = COMM.size, COMM.rank
+    rng = np.random.default_rng([me, dtype.num, 4])
+    for size in (0, 1, 7, 1001, 150_001):  # 150_001 float32: 600 KB, two-shot with 4 ranks
+        x = random_array(rng, (size,), dtype)
+        everyone = np.stack(MPI_COMM.allgather(x)).astype(np.float64)
+        for op in OPS:
+            if op == "mean" and dtype.kind == "i":
+                continue
+            y = slots.run(ALL_REDUCE, op, x, size)
+            assert_close(y, REFERENCE[op](everyone), dtype, count=n)
+            mine = y.tobytes()
+            assert all(other == mine for other in MPI_COMM.allgather(mine)), "ranks disagree"
+        b = size // n
+        block = x[:b * n]
+        everyone = np.stack(MPI_COMM.allgather(block)).astype(np.float64)
+        y = slots.run(REDUCE_SCATTER, "min", block, b)
+        np.testing.assert_array_equal(y, everyone.min(0)[me * b:(me + 1) * b].astype(dtype))
+        y = slots.run(REDUCE_SCATTER, "sum", block, b)
+        assert_close(y, everyone.sum(0)[me * b:(me + 1) * b], dtype, count=n)
+        y = slots.run(ALL_GATHER, "sum", x, size * n)
+        np.testing.assert_array_equal(y, np.concatenate(MPI_COMM.allgather(x)))
+        for root in sorted({0, n - 1}):
+            y = slots.run(BROADCAST, "sum", x, size, root=root)
+            np.testing.assert_array_equal(y, MPI_COMM.bcast(x, root=root))
+    expected_steps = slots.step
+    assert MPI_COMM.allgather(expected_steps) == [expected_steps] * n
+
+
+@pytest.mark.skipif(COMM.size < 2, reason="needs two ranks")
+def test_the_ipc_steps_report_a_mismatch_on_every_rank():
+    sub = COMM.split(0, key=COMM.rank)
+    slots = SharedSlots(sub, 4096)
+    x = np.ones(3 if COMM.rank == 0 else 5, np.float32)
+    with pytest.raises(RuntimeError, match=r"mismatched collectives: rank 0 called "
+                                           r"all_reduce\(sum\) op 7 float32\[3\] but rank 1 "
+                                           r"called all_reduce\(sum\) op 7 float32\[5\]"):
+        slots.run(ALL_REDUCE, "sum", x, len(x), op_id=7)

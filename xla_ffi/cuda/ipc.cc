@@ -14,13 +14,6 @@ namespace {
 constexpr uint32_t kIpcMagic = 0x4a584950;  // "JXIP"
 constexpr uint32_t kIpcVersion = 1;
 
-char* At(void* base, int64_t elements, size_t width) {
-  return static_cast<char*>(base) + elements * static_cast<int64_t>(width);
-}
-const char* At(const void* base, int64_t elements, size_t width) {
-  return static_cast<const char*>(base) + elements * static_cast<int64_t>(width);
-}
-
 std::string Hex(const char* bytes, size_t n) {
   static const char* digits = "0123456789abcdef";
   std::string s;
@@ -125,33 +118,71 @@ Status IpcCommunicator::Open(const IpcHandles* all) {
   return Status();
 }
 
-Status IpcCommunicator::Agree(const JaxringHostCall& call) {
-  JaxringHostCall agree = call;
-  agree.rank = rank_;  // the handler does not read the rank operand back from the device
-  agree.group = 0;
-  agree.role = kJaxringHostAgree;
-  agree.input = nullptr;
-  agree.output = nullptr;
-  return RunOnHost(agree);
-}
+// gpu/ipc_steps.h's operations on XLA's stream, this process's mapping of the workspaces and
+// the interprocess events.
+class DeviceIpcOps final : public IpcOps {
+ public:
+  DeviceIpcOps(IpcCommunicator& comm, cudaStream_t stream, const JaxringHostCall& call,
+               const std::string& where)
+      : comm_(comm), stream_(stream), call_(call), where_(where) {}
 
-Status IpcCommunicator::WaitForPeers(cudaStream_t stream, IpcEvent kind, int parity,
-                                     int only_rank, const std::string& where) {
-  for (int peer = 0; peer < size_; ++peer) {
-    // This rank's own `done` too: XLA may run the next call on another of its streams.
-    if ((peer == rank_ && kind != kDoneEvent) || (only_rank >= 0 && peer != only_rank)) continue;
-    JAXRING_CUDA_RETURN(where + ": waiting for rank " + std::to_string(peer) + "'s event",
-                        cudaStreamWaitEvent(stream, events_[peer][kind][parity], 0));
+  char* Slot(int rank, int parity) override {
+    return comm_.bases_[rank] + static_cast<int64_t>(parity) * comm_.slot_bytes_;
   }
-  return Status();
-}
+  Status Copy(void* dst, const void* src, size_t bytes) override {
+    JAXRING_CUDA_RETURN(where_ + ": copying between workspaces",
+                        cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, stream_));
+    return Status();
+  }
+  Status Copy2D(void* dst, size_t dst_pitch, const void* src, size_t src_pitch,
+                size_t row_bytes, size_t height) override {
+    JAXRING_CUDA_RETURN(where_ + ": staging the input",
+                        cudaMemcpy2DAsync(dst, dst_pitch, src, src_pitch, row_bytes, height,
+                                          cudaMemcpyDeviceToDevice, stream_));
+    return Status();
+  }
+  Status Reduce(DType dtype, ReduceOp op, const void* const* srcs, int n, void* dst,
+                int64_t count, int64_t divisor) override {
+    void* dsts[1] = {dst};
+    JAXRING_CUDA_RETURN(where_ + ": launching the reduce kernel",
+                        JaxringCudaReduce(static_cast<uint8_t>(dtype), static_cast<uint8_t>(op),
+                                          srcs, n, dsts, 1, count, divisor, stream_));
+    return Status();
+  }
+  Status Synchronize() override {
+    JAXRING_CUDA_RETURN(where_ + ": waiting for the device", cudaStreamSynchronize(stream_));
+    return Status();
+  }
+  Status Record(IpcEvent kind, int parity) override {
+    JAXRING_CUDA_RETURN(where_ + ": recording an event",
+                        cudaEventRecord(comm_.events_[comm_.rank_][kind][parity], stream_));
+    return Status();
+  }
+  Status Wait(IpcEvent kind, int parity, int only_rank, bool include_self) override {
+    for (int peer = 0; peer < comm_.size_; ++peer) {
+      if ((peer == comm_.rank_ && !include_self) || (only_rank >= 0 && peer != only_rank))
+        continue;
+      JAXRING_CUDA_RETURN(where_ + ": waiting for rank " + std::to_string(peer) + "'s event",
+                          cudaStreamWaitEvent(stream_, comm_.events_[peer][kind][parity], 0));
+    }
+    return Status();
+  }
+  Status Agree() override {
+    JaxringHostCall agree = call_;
+    agree.rank = comm_.rank_;  // the handler does not read the rank operand back from the device
+    agree.group = 0;
+    agree.role = kJaxringHostAgree;
+    agree.input = nullptr;
+    agree.output = nullptr;
+    return RunOnHost(agree);
+  }
 
-Status IpcCommunicator::Record(cudaStream_t stream, IpcEvent kind, int parity,
-                               const std::string& where) {
-  JAXRING_CUDA_RETURN(where + ": recording an event",
-                      cudaEventRecord(events_[rank_][kind][parity], stream));
-  return Status();
-}
+ private:
+  IpcCommunicator& comm_;
+  cudaStream_t stream_;
+  const JaxringHostCall& call_;
+  const std::string& where_;
+};
 
 Status IpcCommunicator::Run(cudaStream_t stream, const JaxringHostCall& call, const void* x,
                             void* y) {
@@ -165,128 +196,10 @@ Status IpcCommunicator::Run(cudaStream_t stream, const JaxringHostCall& call, co
   if (!status.ok()) return status;
   status = UseDevice(device_, where);
   if (!status.ok()) return status;
-  const size_t width = ByteWidth(h.dtype);
-  const int64_t block = BlockCount(h.kind, h.count, size_);
-  const std::vector<Step> steps =
-      PlanSteps(block, StepElements(Transport::kIpc, h.kind, size_, slot_bytes_, width));
-  for (const Step& step : steps) {
-    status = RunStep(stream, call, h, x, y, block, step.first, step.count, where);
-    if (!status.ok()) {
-      broken_ = status.message();
-      return status;
-    }
-  }
-  return Status();
-}
-
-// One step of gpu/plan.h; see the file comment of ipc.h for the protocol.
-Status IpcCommunicator::RunStep(cudaStream_t stream, const JaxringHostCall& call,
-                                const Header& h, const void* x, void* y, int64_t block,
-                                int64_t first, int64_t count, const std::string& where) {
-  const int n = size_;
-  const int me = rank_;
-  const size_t width = ByteWidth(h.dtype);
-  const int parity = static_cast<int>(step_ & 1);
-  const int64_t step_elements = StepElements(Transport::kIpc, h.kind, n, slot_bytes_, width);
-  const size_t bytes = static_cast<size_t>(count) * width;
-  const int root = static_cast<int>(h.root);
-  const int64_t divisor = h.op == ReduceOp::kMean ? n : 0;
-  ++step_;
-  Status status;
-
-  // 1. Stage this rank's piece once every reader of this parity (step - 2) is done with it.
-  if (step_ > 2) {
-    status = WaitForPeers(stream, kDoneEvent, parity, -1, where);
-    if (!status.ok()) return status;
-  }
-  if (count > 0) {
-    switch (h.kind) {
-      case Collective::kReduceScatter:
-        // n pieces, one per destination block, `step_elements` apart in the slot.
-        JAXRING_CUDA_RETURN(where + ": staging the input",
-                            cudaMemcpy2DAsync(Slot(me, parity), step_elements * width,
-                                              At(x, first, width), block * width, bytes, n,
-                                              cudaMemcpyDeviceToDevice, stream));
-        break;
-      case Collective::kBroadcast:
-        if (me != root) break;
-        [[fallthrough]];
-      default:
-        JAXRING_CUDA_RETURN(where + ": staging the input",
-                            cudaMemcpyAsync(Slot(me, parity), At(x, first, width), bytes,
-                                            cudaMemcpyDeviceToDevice, stream));
-    }
-  }
-  status = Record(stream, kStagedEvent, parity, where);
-  // 2. Every rank has recorded its `staged` event once every rank has arrived here.
-  if (status.ok()) status = Agree(call);
-  if (!status.ok()) return status;
-  // 3. Read the peers' pieces.
-  status = WaitForPeers(stream, kStagedEvent, parity,
-                        h.kind == Collective::kBroadcast ? root : -1, where);
-  if (!status.ok()) return status;
-  const void* srcs[kIpcMaxRanks];
-  void* dsts[1];
-  if (count > 0) {
-    switch (h.kind) {
-      case Collective::kAllReduce: {
-        if (ChooseIpcAlgorithm(static_cast<int64_t>(bytes), n) == IpcAlgorithm::kOneShot) {
-          for (int r = 0; r < n; ++r) srcs[r] = Slot(r, parity);
-          dsts[0] = At(y, first, width);
-          JAXRING_CUDA_RETURN(where + ": launching the reduce kernel",
-                              JaxringCudaReduce(static_cast<uint8_t>(h.dtype),
-                                                static_cast<uint8_t>(h.op), srcs, n, dsts, 1,
-                                                count, divisor, stream));
-          break;
-        }
-        // Two-shot: reduce this rank's share in place (only this rank reads it before the
-        // second exchange), then copy every rank's reduced share out.
-        const Partition share = ShareOf(count, n, width);
-        for (int r = 0; r < n; ++r) srcs[r] = At(Slot(r, parity), share.Begin(me), width);
-        dsts[0] = At(Slot(me, parity), share.Begin(me), width);
-        JAXRING_CUDA_RETURN(where + ": launching the reduce kernel",
-                            JaxringCudaReduce(static_cast<uint8_t>(h.dtype),
-                                              static_cast<uint8_t>(h.op), srcs, n, dsts, 1,
-                                              share.Size(me), divisor, stream));
-        status = Record(stream, kReducedEvent, parity, where);
-        if (status.ok()) status = Agree(call);
-        if (status.ok()) status = WaitForPeers(stream, kReducedEvent, parity, -1, where);
-        if (!status.ok()) return status;
-        for (int r = 0; r < n; ++r) {
-          if (share.Size(r) == 0) continue;
-          JAXRING_CUDA_RETURN(where + ": copying a reduced share",
-                              cudaMemcpyAsync(At(y, first + share.Begin(r), width),
-                                              At(Slot(r, parity), share.Begin(r), width),
-                                              share.Size(r) * width, cudaMemcpyDeviceToDevice,
-                                              stream));
-        }
-        break;
-      }
-      case Collective::kReduceScatter:
-        for (int r = 0; r < n; ++r) srcs[r] = At(Slot(r, parity), me * step_elements, width);
-        dsts[0] = At(y, first, width);
-        JAXRING_CUDA_RETURN(where + ": launching the reduce kernel",
-                            JaxringCudaReduce(static_cast<uint8_t>(h.dtype),
-                                              static_cast<uint8_t>(h.op), srcs, n, dsts, 1,
-                                              count, divisor, stream));
-        break;
-      case Collective::kAllGather:
-        for (int r = 0; r < n; ++r)
-          JAXRING_CUDA_RETURN(where + ": copying rank " + std::to_string(r) + "'s piece",
-                              cudaMemcpyAsync(At(y, r * block + first, width), Slot(r, parity),
-                                              bytes, cudaMemcpyDeviceToDevice, stream));
-        break;
-      case Collective::kBroadcast:
-        JAXRING_CUDA_RETURN(where + ": copying the root's piece",
-                            cudaMemcpyAsync(At(y, first, width), Slot(root, parity), bytes,
-                                            cudaMemcpyDeviceToDevice, stream));
-        break;
-      default:
-        return Status::Error(where + ": not a cuda-ipc collective");
-    }
-  }
-  // 4. This rank is done reading parity `parity` of every workspace.
-  return Record(stream, kDoneEvent, parity, where);
+  DeviceIpcOps ops(*this, stream, call, where);
+  status = RunIpcSteps(h, x, y, rank_, size_, slot_bytes_, &step_, ops, where);
+  if (!status.ok()) broken_ = status.message();
+  return status;
 }
 
 }  // namespace gpu

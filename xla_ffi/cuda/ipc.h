@@ -41,11 +41,10 @@
 #include <vector>
 
 #include "cuda/device.h"
+#include "gpu/ipc_steps.h"
 
 namespace jaxring {
 namespace gpu {
-
-enum IpcEvent { kStagedEvent = 0, kReducedEvent = 1, kDoneEvent = 2, kIpcEventKinds = 3 };
 
 // What each rank publishes at set-up; plain bytes, exchanged by the Python side.
 struct IpcHandles {
@@ -73,15 +72,7 @@ class IpcCommunicator final : public GpuCommunicator {
 
  private:
   IpcCommunicator(int rank, int size, int device, int64_t slot_bytes, std::string name);
-  char* Slot(int rank, int parity) const {
-    return bases_[rank] + static_cast<int64_t>(parity) * slot_bytes_;
-  }
-  Status Agree(const JaxringHostCall& call);
-  Status WaitForPeers(cudaStream_t stream, IpcEvent kind, int parity, int only_rank,
-                      const std::string& where);
-  Status Record(cudaStream_t stream, IpcEvent kind, int parity, const std::string& where);
-  Status RunStep(cudaStream_t stream, const JaxringHostCall& call, const Header& h, const void* x,
-              void* y, int64_t block, int64_t first, int64_t count, const std::string& where);
+  friend class DeviceIpcOps;
 
   int rank_;
   int size_;

@@ -2,7 +2,9 @@
 #include <nanobind/nanobind.h>
 
 #include <algorithm>
+#include <cstring>
 #include <stdexcept>
+#include <vector>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/tuple.h>
 #include <nanobind/stl/vector.h>
@@ -10,6 +12,7 @@
 #include "common/config.h"
 #include "common/host_call.h"
 #include "common/types.h"
+#include "gpu/ipc_steps.h"
 #include "gpu/plan.h"
 #include "kernels/reduce_cpu.h"
 #include "models/targets.h"
@@ -32,6 +35,55 @@ XLA_FFI_Error* JaxringRecvCpu(XLA_FFI_CallFrame*);
 }
 
 namespace {
+
+// cuda-ipc's steps on host memory that every process of a communicator maps (CPU tests): copies
+// are memcpy, reductions the CPU kernels, and events nothing, since every operation is done
+// when it returns; the header exchange is the real one.
+class HostIpcOps final : public jaxring::gpu::IpcOps {
+ public:
+  HostIpcOps(const JaxringHostCall& call, char* shared, int64_t slot_bytes)
+      : call_(call), shared_(shared), slot_bytes_(slot_bytes) {}
+  char* Slot(int rank, int parity) override {
+    return shared_ + (2 * static_cast<int64_t>(rank) + parity) * slot_bytes_;
+  }
+  jaxring::Status Copy(void* dst, const void* src, size_t bytes) override {
+    std::memcpy(dst, src, bytes);
+    return jaxring::Status();
+  }
+  jaxring::Status Copy2D(void* dst, size_t dst_pitch, const void* src, size_t src_pitch,
+                         size_t row_bytes, size_t height) override {
+    for (size_t row = 0; row < height; ++row)
+      std::memcpy(static_cast<char*>(dst) + row * dst_pitch,
+                  static_cast<const char*>(src) + row * src_pitch, row_bytes);
+    return jaxring::Status();
+  }
+  jaxring::Status Reduce(jaxring::DType dtype, jaxring::ReduceOp op, const void* const* srcs,
+                         int n, void* dst, int64_t count, int64_t divisor) override {
+    std::vector<jaxring::Operand> operands(n);
+    for (int i = 0; i < n; ++i) operands[i] = jaxring::Operand{srcs[i]};
+    const jaxring::Target target{dst};
+    jaxring::Reduce(dtype, op, operands.data(), n, &target, 1, count, divisor);
+    return jaxring::Status();
+  }
+  jaxring::Status Synchronize() override { return jaxring::Status(); }
+  jaxring::Status Record(jaxring::gpu::IpcEvent, int) override { return jaxring::Status(); }
+  jaxring::Status Wait(jaxring::gpu::IpcEvent, int, int, bool) override {
+    return jaxring::Status();
+  }
+  jaxring::Status Agree() override {
+    JaxringHostCall agree = call_;
+    agree.role = kJaxringHostAgree;
+    char error[4096];
+    if (JaxringRunHostCall(&agree, error, sizeof(error)) != 0)
+      return jaxring::Status::Error(error);
+    return jaxring::Status();
+  }
+
+ private:
+  const JaxringHostCall& call_;
+  char* shared_;
+  int64_t slot_bytes_;
+};
 
 template <typename Fn>
 nb::capsule Capsule(Fn* fn) {
@@ -210,6 +262,52 @@ NB_MODULE(_jaxring, m) {
     return begins;
   }, nb::arg("count"), nb::arg("size"), nb::arg("dtype"),
      "Two-shot all_reduce: where each rank's share of a step begins (size + 1 offsets).");
+  m.def(
+      "ipc_steps_on_host",
+      [](uint64_t key, const std::string& name, int rank, int size, uintptr_t shared,
+         int64_t slot_bytes, uint64_t step, int kind, int op, int dtype, const nb::bytes& input,
+         int64_t output_count, int64_t root, int64_t op_id) {
+        JaxringHostCall call{};
+        call.comm = key;
+        call.comm_name = name.data();
+        call.comm_name_size = name.size();
+        call.rank = rank;
+        call.size = size;
+        call.op_id = op_id;
+        call.kind = static_cast<uint8_t>(kind);
+        call.op = static_cast<uint8_t>(op);
+        call.dtype = static_cast<uint8_t>(dtype);
+        call.root = root;
+        const size_t width = jaxring::ByteWidth(static_cast<jaxring::DType>(dtype));
+        call.input_count = static_cast<int64_t>(input.size() / width);
+        call.output_count = output_count;
+        const jaxring::Header h = [&] {
+          jaxring::Header header;
+          header.kind = static_cast<jaxring::Collective>(kind);
+          header.op = static_cast<jaxring::ReduceOp>(op);
+          header.dtype = static_cast<jaxring::DType>(dtype);
+          header.op_id = op_id;
+          header.count = call.input_count;
+          header.root = root;
+          return header;
+        }();
+        std::vector<char> output(output_count * width);
+        HostIpcOps ops(call, reinterpret_cast<char*>(shared), slot_bytes);
+        jaxring::Status status;
+        {
+          nb::gil_scoped_release release;
+          status = jaxring::gpu::RunIpcSteps(h, input.c_str(), output.data(), rank, size,
+                                             slot_bytes, &step, ops, "ipc steps on the host");
+        }
+        if (!status.ok()) throw std::runtime_error(status.message());
+        return std::make_tuple(nb::bytes(output.data(), output.size()), step);
+      },
+      nb::arg("key"), nb::arg("name"), nb::arg("rank"), nb::arg("size"), nb::arg("shared"),
+      nb::arg("slot_bytes"), nb::arg("step"), nb::arg("kind"), nb::arg("op"), nb::arg("dtype"),
+      nb::arg("input"), nb::arg("output_count"), nb::arg("root"), nb::arg("op_id"),
+      "Runs cuda-ipc's steps (gpu/ipc_steps.h) on host memory shared by the processes of "
+      "process communicator `key` (2 * size slots of slot_bytes at `shared`); returns the output "
+      "and the step counter to pass to the next call.");
   m.def("gpu_defaults", []() {
     nb::dict d;
     d["ipc_slot_bytes"] = jaxring::gpu::kDefaultIpcSlotBytes;
