@@ -5,6 +5,8 @@
   with a rank that runs the same collective on the host transport;
 * cuda-ipc's steps (gpu/ipc_steps.h: staging, one-shot and two-shot reductions, slot layouts,
   parities, chunking) run on host memory shared by the processes, against float64;
+* the staged transport's pipeline (gpu/staged_steps.h: chunking, buffer rotation, strided
+  copies) runs on host memory, each chunk on the real host transport;
 * the CUDA-aware path's algorithm (gpu/direct.h) runs on host memory over plain MPI.
 
 Only the CUDA operations underneath (copies, kernels, interprocess events) need a GPU."""
@@ -240,3 +242,39 @@ def test_the_ipc_steps_report_a_mismatch_on_every_rank():
                                            r"all_reduce\(sum\) op 7 float32\[3\] but rank 1 "
                                            r"called all_reduce\(sum\) op 7 float32\[5\]"):
         slots.run(ALL_REDUCE, "sum", x, len(x), op_id=7)
+
+
+# ---- the staged transport's pipeline (gpu/staged_steps.h), on host memory ---------------------
+
+def staged(comm, kind, op, x, output_count, chunk_bytes, root=0):
+    out = native.extension.staged_steps_on_host(
+        comm.key, comm.name, comm.rank, comm.size, chunk_bytes, kind, OPS[op],
+        DIRECT_DTYPES[x.dtype], x.tobytes(), output_count, root, 3)
+    return np.frombuffer(out, x.dtype)
+
+
+@pytest.mark.parametrize("chunk_bytes", [4096, 64 << 10], ids=["4 KiB chunks", "64 KiB chunks"])
+@pytest.mark.parametrize("dtype", list(DIRECT_DTYPES), ids=str)
+def test_the_staged_pipeline_against_float64(dtype, chunk_bytes):
+    from helpers import assert_close, random_array
+
+    n, me = COMM.size, COMM.rank
+    rng = np.random.default_rng([me, dtype.num, 5])
+    for size in (0, 1, 7, 1001, 40_001):
+        x = random_array(rng, (size,), dtype)
+        everyone = np.stack(MPI_COMM.allgather(x)).astype(np.float64)
+        for op in OPS:
+            if op == "mean" and dtype.kind == "i":
+                continue
+            y = staged(COMM, ALL_REDUCE, op, x, size, chunk_bytes)
+            assert_close(y, REFERENCE[op](everyone), dtype, count=n)
+        b = size // n
+        block = x[:b * n]
+        everyone = np.stack(MPI_COMM.allgather(block)).astype(np.float64)
+        y = staged(COMM, REDUCE_SCATTER, "max", block, b, chunk_bytes)
+        np.testing.assert_array_equal(y, everyone.max(0)[me * b:(me + 1) * b].astype(dtype))
+        y = staged(COMM, ALL_GATHER, "sum", x, size * n, chunk_bytes)
+        np.testing.assert_array_equal(y, np.concatenate(MPI_COMM.allgather(x)))
+        for root in sorted({0, n - 1}):
+            y = staged(COMM, BROADCAST, "sum", x, size, chunk_bytes, root=root)
+            np.testing.assert_array_equal(y, MPI_COMM.bcast(x, root=root))

@@ -39,6 +39,21 @@ Status CudaError(const std::string& where, cudaError_t error) {
                        cudaGetErrorString(error));
 }
 
+cudaError_t CopyRows(void* dst, size_t dst_pitch, const void* src, size_t src_pitch,
+                     size_t row_bytes, size_t rows, cudaMemcpyKind kind, cudaStream_t stream) {
+  constexpr size_t kMaxPitch = size_t{1} << 31;  // below cudaDevAttrMaxPitch on sm_80/sm_90
+  if (rows == 1) return cudaMemcpyAsync(dst, src, row_bytes, kind, stream);
+  if (src_pitch < kMaxPitch && dst_pitch < kMaxPitch)
+    return cudaMemcpy2DAsync(dst, dst_pitch, src, src_pitch, row_bytes, rows, kind, stream);
+  for (size_t row = 0; row < rows; ++row) {
+    const cudaError_t error =
+        cudaMemcpyAsync(static_cast<char*>(dst) + row * dst_pitch,
+                        static_cast<const char*>(src) + row * src_pitch, row_bytes, kind, stream);
+    if (error != cudaSuccess) return error;
+  }
+  return cudaSuccess;
+}
+
 Status UseDevice(int device, const std::string& where) {
   int current = -1;
   JAXRING_CUDA_RETURN(where + ": querying the current device", cudaGetDevice(&current));

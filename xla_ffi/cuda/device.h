@@ -40,6 +40,11 @@ Status CudaError(const std::string& where, cudaError_t error);
       return ::jaxring::gpu::CudaError((where), jaxring_error_); \
   } while (0)
 
+// `rows` rows of `row_bytes`, `src_pitch` and `dst_pitch` apart, on `stream`: one plain copy for
+// one row, a 2D copy for several, or a copy per row where a pitch exceeds what 2D copies take.
+cudaError_t CopyRows(void* dst, size_t dst_pitch, const void* src, size_t src_pitch,
+                     size_t row_bytes, size_t rows, cudaMemcpyKind kind, cudaStream_t stream);
+
 // Makes `device` current on this thread (XLA's threads may have another one current).
 Status UseDevice(int device, const std::string& where);
 

@@ -137,8 +137,8 @@ class DeviceIpcOps final : public IpcOps {
   Status Copy2D(void* dst, size_t dst_pitch, const void* src, size_t src_pitch,
                 size_t row_bytes, size_t height) override {
     JAXRING_CUDA_RETURN(where_ + ": staging the input",
-                        cudaMemcpy2DAsync(dst, dst_pitch, src, src_pitch, row_bytes, height,
-                                          cudaMemcpyDeviceToDevice, stream_));
+                        CopyRows(dst, dst_pitch, src, src_pitch, row_bytes, height,
+                                 cudaMemcpyDeviceToDevice, stream_));
     return Status();
   }
   Status Reduce(DType dtype, ReduceOp op, const void* const* srcs, int n, void* dst,

@@ -4,19 +4,10 @@
 #include <vector>
 
 #include "gpu/plan.h"
+#include "gpu/staged_steps.h"
 
 namespace jaxring {
 namespace gpu {
-namespace {
-
-char* At(void* base, int64_t elements, size_t width) {
-  return static_cast<char*>(base) + elements * static_cast<int64_t>(width);
-}
-const char* At(const void* base, int64_t elements, size_t width) {
-  return static_cast<const char*>(base) + elements * static_cast<int64_t>(width);
-}
-
-}  // namespace
 
 // XLA's stream as gpu/direct.h's device.
 class StreamMemory final : public DeviceOps {
@@ -140,93 +131,74 @@ Status StagedCommunicator::RunCudaAware(cudaStream_t stream, const JaxringHostCa
   return status;
 }
 
+// gpu/staged_steps.h's operations: pinned buffers, input copies on XLA's stream, result copies
+// on the communicator's copy stream.
+class PinnedStagingOps final : public StagingOps {
+ public:
+  PinnedStagingOps(StagedCommunicator& comm, cudaStream_t stream, const std::string& where)
+      : c_(comm), stream_(stream), where_(where) {}
+  char* ToHost(int b) override { return c_.to_host_[b]; }
+  char* FromHost(int b) override { return c_.from_host_[b]; }
+  Status Begin() override {
+    // The result copies must not start before XLA's stream reaches this call: the output buffer
+    // may still be in use by earlier work on it.
+    JAXRING_CUDA_RETURN(where_ + ": recording an event", cudaEventRecord(c_.call_start_, stream_));
+    JAXRING_CUDA_RETURN(where_ + ": ordering the copy stream",
+                        cudaStreamWaitEvent(c_.copy_out_, c_.call_start_, 0));
+    return Status();
+  }
+  Status CopyIn(int b, const void* src, size_t src_pitch, size_t row_bytes,
+                size_t rows) override {
+    if (row_bytes > 0)
+      JAXRING_CUDA_RETURN(where_ + ": copying the input to the host",
+                          CopyRows(c_.to_host_[b], row_bytes, src, src_pitch, row_bytes, rows,
+                                   cudaMemcpyDeviceToHost, stream_));
+    JAXRING_CUDA_RETURN(where_ + ": recording an event",
+                        cudaEventRecord(c_.copied_in_[b], stream_));
+    return Status();
+  }
+  Status WaitIn(int b) override {
+    JAXRING_CUDA_RETURN(where_ + ": waiting for the input copy",
+                        cudaEventSynchronize(c_.copied_in_[b]));
+    return Status();
+  }
+  Status WaitOut(int b) override {
+    if (!c_.copying_out_[b]) return Status();
+    JAXRING_CUDA_RETURN(where_ + ": waiting for a result copy",
+                        cudaEventSynchronize(c_.copied_out_[b]));
+    c_.copying_out_[b] = false;
+    return Status();
+  }
+  Status CopyOut(int b, void* dst, size_t dst_pitch, size_t row_bytes, size_t rows) override {
+    if (row_bytes > 0)
+      JAXRING_CUDA_RETURN(where_ + ": copying the result to the device",
+                          CopyRows(dst, dst_pitch, c_.from_host_[b], row_bytes, row_bytes, rows,
+                                   cudaMemcpyHostToDevice, c_.copy_out_));
+    JAXRING_CUDA_RETURN(where_ + ": recording an event",
+                        cudaEventRecord(c_.copied_out_[b], c_.copy_out_));
+    c_.copying_out_[b] = true;
+    return Status();
+  }
+  Status End() override {
+    JAXRING_CUDA_RETURN(where_ + ": recording an event",
+                        cudaEventRecord(c_.call_end_, c_.copy_out_));
+    JAXRING_CUDA_RETURN(where_ + ": ordering XLA's stream after the result copies",
+                        cudaStreamWaitEvent(stream_, c_.call_end_, 0));
+    return Status();
+  }
+  Status RunOnHost(const JaxringHostCall& chunk) override { return gpu::RunOnHost(chunk); }
+
+ private:
+  StagedCommunicator& c_;
+  cudaStream_t stream_;
+  const std::string& where_;
+};
+
 Status StagedCommunicator::RunPipelined(cudaStream_t stream, const JaxringHostCall& call,
                                         const Header& h, const void* x, void* y,
                                         const std::string& where) {
-  const int n = size_;
-  const size_t width = ByteWidth(h.dtype);
-  const int64_t block = BlockCount(h.kind, h.count, n);
-  const int64_t step_elements = StepElements(Transport::kStaged, h.kind, n, chunk_bytes_, width);
-  const std::vector<Step> steps = PlanSteps(block, step_elements);
-  const bool root_only = h.kind == Collective::kBroadcast;
-  Status status;
-  auto pipeline = [&]() -> Status {
-    // The result copies must not start before XLA's stream reaches this call: the output buffer
-    // may still be in use by earlier work on it.
-    JAXRING_CUDA_RETURN(where + ": recording an event", cudaEventRecord(call_start_, stream));
-    JAXRING_CUDA_RETURN(where + ": ordering the copy stream",
-                        cudaStreamWaitEvent(copy_out_, call_start_, 0));
-
-    // Step k's input chunk into to_host_[k % 2], on XLA's stream (after the producers of x).
-    auto copy_in = [&](size_t k) -> Status {
-      const Step& s = steps[k];
-      const int b = static_cast<int>(k & 1);
-      const size_t bytes = static_cast<size_t>(s.count) * width;
-      if (bytes > 0 && !(root_only && rank_ != h.root)) {
-        if (h.kind == Collective::kReduceScatter) {
-          JAXRING_CUDA_RETURN(where + ": copying the input to the host",
-                              cudaMemcpy2DAsync(to_host_[b], bytes, At(x, s.first, width),
-                                                block * width, bytes, n, cudaMemcpyDeviceToHost,
-                                                stream));
-        } else {
-          JAXRING_CUDA_RETURN(where + ": copying the input to the host",
-                              cudaMemcpyAsync(to_host_[b], At(x, s.first, width), bytes,
-                                              cudaMemcpyDeviceToHost, stream));
-        }
-      }
-      JAXRING_CUDA_RETURN(where + ": recording an event", cudaEventRecord(copied_in_[b], stream));
-      return Status();
-    };
-
-    status = copy_in(0);
-    if (!status.ok()) return status;
-    for (size_t k = 0; k < steps.size(); ++k) {
-      const Step& s = steps[k];
-      const int b = static_cast<int>(k & 1);
-      // to_host_[(k+1) % 2] was last read by host call k-1, which has returned.
-      if (k + 1 < steps.size()) {
-        status = copy_in(k + 1);
-        if (!status.ok()) return status;
-      }
-      JAXRING_CUDA_RETURN(where + ": waiting for the input copy",
-                          cudaEventSynchronize(copied_in_[b]));
-      if (copying_out_[b]) {
-        JAXRING_CUDA_RETURN(where + ": waiting for a result copy",
-                            cudaEventSynchronize(copied_out_[b]));
-        copying_out_[b] = false;
-      }
-      JaxringHostCall chunk = call;
-      chunk.rank = rank_;
-      chunk.group = 0;
-      chunk.input = to_host_[b];
-      chunk.output = from_host_[b];
-      chunk.input_count = h.kind == Collective::kReduceScatter ? s.count * n : s.count;
-      chunk.output_count = h.kind == Collective::kAllGather ? s.count * n : s.count;
-      status = RunOnHost(chunk);
-      if (!status.ok()) return status;
-      const size_t bytes = static_cast<size_t>(s.count) * width;
-      if (bytes > 0) {
-        if (h.kind == Collective::kAllGather) {
-          JAXRING_CUDA_RETURN(where + ": copying the result to the device",
-                              cudaMemcpy2DAsync(At(y, s.first, width), block * width,
-                                                from_host_[b], bytes, bytes, n,
-                                                cudaMemcpyHostToDevice, copy_out_));
-        } else {
-          JAXRING_CUDA_RETURN(where + ": copying the result to the device",
-                              cudaMemcpyAsync(At(y, s.first, width), from_host_[b], bytes,
-                                              cudaMemcpyHostToDevice, copy_out_));
-        }
-      }
-      JAXRING_CUDA_RETURN(where + ": recording an event",
-                          cudaEventRecord(copied_out_[b], copy_out_));
-      copying_out_[b] = true;
-    }
-    JAXRING_CUDA_RETURN(where + ": recording an event", cudaEventRecord(call_end_, copy_out_));
-    JAXRING_CUDA_RETURN(where + ": ordering XLA's stream after the result copies",
-                        cudaStreamWaitEvent(stream, call_end_, 0));
-    return Status();
-  };
-  return pipeline();
+  PinnedStagingOps ops(*this, stream, where);
+  return RunStagedSteps(h, call, x, y, rank_, size_, chunk_bytes_, ops);
 }
 
 }  // namespace gpu

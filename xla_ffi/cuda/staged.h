@@ -44,6 +44,7 @@ class StagedCommunicator final : public GpuCommunicator {
   const char* transport() const override { return "staged"; }
 
  private:
+  friend class PinnedStagingOps;
   StagedCommunicator(int rank, int size, int device, int64_t chunk_bytes,
                      const JaxringMessageOps* messages, std::string name);
   Status RunPipelined(cudaStream_t stream, const JaxringHostCall& call, const Header& h,

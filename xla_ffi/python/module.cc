@@ -14,6 +14,7 @@
 #include "common/types.h"
 #include "gpu/ipc_steps.h"
 #include "gpu/plan.h"
+#include "gpu/staged_steps.h"
 #include "kernels/reduce_cpu.h"
 #include "models/targets.h"
 #include "transports/mailbox.h"
@@ -83,6 +84,54 @@ class HostIpcOps final : public jaxring::gpu::IpcOps {
   const JaxringHostCall& call_;
   char* shared_;
   int64_t slot_bytes_;
+};
+
+// The staged transport's pipeline on host memory (CPU tests): "device" and pinned buffers are
+// all host memory, copies are synchronous; the chunks run on the real host transport.
+class HostStagingOps final : public jaxring::gpu::StagingOps {
+ public:
+  explicit HostStagingOps(int64_t chunk_bytes) {
+    for (auto& b : to_host_) b.resize(chunk_bytes);
+    for (auto& b : from_host_) b.resize(chunk_bytes);
+  }
+  char* ToHost(int b) override { return to_host_[b].data(); }
+  char* FromHost(int b) override { return from_host_[b].data(); }
+  jaxring::Status Begin() override { return jaxring::Status(); }
+  jaxring::Status CopyIn(int b, const void* src, size_t src_pitch, size_t row_bytes,
+                         size_t rows) override {
+    return Rows(to_host_[b].data(), row_bytes, src, src_pitch, row_bytes, rows,
+                to_host_[b].size());
+  }
+  jaxring::Status WaitIn(int) override { return jaxring::Status(); }
+  jaxring::Status WaitOut(int) override { return jaxring::Status(); }
+  jaxring::Status CopyOut(int b, void* dst, size_t dst_pitch, size_t row_bytes,
+                          size_t rows) override {
+    if (row_bytes * rows > from_host_[b].size())
+      return jaxring::Status::Error("a chunk overflows its host buffer");
+    for (size_t row = 0; row < rows; ++row)
+      std::memcpy(static_cast<char*>(dst) + row * dst_pitch,
+                  from_host_[b].data() + row * row_bytes, row_bytes);
+    return jaxring::Status();
+  }
+  jaxring::Status End() override { return jaxring::Status(); }
+  jaxring::Status RunOnHost(const JaxringHostCall& chunk) override {
+    char error[4096];
+    if (JaxringRunHostCall(&chunk, error, sizeof(error)) != 0)
+      return jaxring::Status::Error(error);
+    return jaxring::Status();
+  }
+
+ private:
+  static jaxring::Status Rows(char* dst, size_t dst_pitch, const void* src, size_t src_pitch,
+                              size_t row_bytes, size_t rows, size_t capacity) {
+    if (row_bytes * rows > capacity)
+      return jaxring::Status::Error("a chunk overflows its host buffer");
+    for (size_t row = 0; row < rows; ++row)
+      std::memcpy(dst + row * dst_pitch, static_cast<const char*>(src) + row * src_pitch,
+                  row_bytes);
+    return jaxring::Status();
+  }
+  std::vector<char> to_host_[2], from_host_[2];
 };
 
 template <typename Fn>
@@ -308,6 +357,49 @@ NB_MODULE(_jaxring, m) {
       "Runs cuda-ipc's steps (gpu/ipc_steps.h) on host memory shared by the processes of "
       "process communicator `key` (2 * size slots of slot_bytes at `shared`); returns the output "
       "and the step counter to pass to the next call.");
+  m.def(
+      "staged_steps_on_host",
+      [](uint64_t key, const std::string& name, int rank, int size, int64_t chunk_bytes,
+         int kind, int op, int dtype, const nb::bytes& input, int64_t output_count, int64_t root,
+         int64_t op_id) {
+        JaxringHostCall call{};
+        call.comm = key;
+        call.comm_name = name.data();
+        call.comm_name_size = name.size();
+        call.size = size;
+        call.op_id = op_id;
+        call.role = kJaxringHostCollective;
+        call.kind = static_cast<uint8_t>(kind);
+        call.op = static_cast<uint8_t>(op);
+        call.dtype = static_cast<uint8_t>(dtype);
+        call.root = root;
+        jaxring::Header h;
+        h.kind = static_cast<jaxring::Collective>(kind);
+        h.op = static_cast<jaxring::ReduceOp>(op);
+        h.dtype = static_cast<jaxring::DType>(dtype);
+        h.op_id = op_id;
+        h.root = root;
+        const size_t width = jaxring::ByteWidth(h.dtype);
+        h.count = static_cast<int64_t>(input.size() / width);
+        std::vector<char> output(output_count * width);
+        const std::string bad =
+            jaxring::gpu::CheckSlotBytes(jaxring::gpu::Transport::kStaged, chunk_bytes, size);
+        if (!bad.empty()) throw nb::value_error(bad.c_str());
+        HostStagingOps ops(chunk_bytes);
+        jaxring::Status status;
+        {
+          nb::gil_scoped_release release;
+          status = jaxring::gpu::RunStagedSteps(h, call, input.c_str(), output.data(), rank, size,
+                                                chunk_bytes, ops);
+        }
+        if (!status.ok()) throw std::runtime_error(status.message());
+        return nb::bytes(output.data(), output.size());
+      },
+      nb::arg("key"), nb::arg("name"), nb::arg("rank"), nb::arg("size"), nb::arg("chunk_bytes"),
+      nb::arg("kind"), nb::arg("op"), nb::arg("dtype"), nb::arg("input"), nb::arg("output_count"),
+      nb::arg("root"), nb::arg("op_id"),
+      "Runs the staged transport's pipeline (gpu/staged_steps.h) on host memory, each chunk on "
+      "process communicator `key`'s host transport.");
   m.def("gpu_defaults", []() {
     nb::dict d;
     d["ipc_slot_bytes"] = jaxring::gpu::kDefaultIpcSlotBytes;
