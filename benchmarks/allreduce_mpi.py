@@ -22,9 +22,7 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
-import time
 
 os.environ["XLA_FLAGS"] = ""  # one CPU device per process
 
@@ -35,6 +33,7 @@ from mpi4py import MPI  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import jaxring  # noqa: E402
 import jaxring.mpi  # noqa: E402
+import common  # noqa: E402
 from common import (RESULTS, bus_factor, environment, human_bytes,  # noqa: E402
                     memory_bandwidth_gbps, write_results)
 
@@ -49,21 +48,7 @@ SPIN_FOREVER = 1 << 40
 
 def slowest_rank_median(fn, budget_seconds: float = 0.5, min_repeats: int = 8) -> float:
     """Median over repetitions of the slowest rank's time; every repetition starts together."""
-    fn()
-    fn()
-    samples = []
-    deadline = time.perf_counter() + budget_seconds
-    while True:
-        WORLD.Barrier()
-        start = time.perf_counter()
-        fn()
-        samples.append(WORLD.allreduce(time.perf_counter() - start, op=MPI.MAX))
-        # Rank 0's clock decides, so that every rank leaves the loop together.
-        done = len(samples) >= 300 or (len(samples) >= min_repeats and
-                                       time.perf_counter() >= deadline)
-        if WORLD.bcast(done, root=0):
-            break
-    return statistics.median(samples)
+    return common.slowest_rank_median(fn, WORLD, budget_seconds, min_repeats)
 
 
 def implementations():

@@ -54,6 +54,27 @@ cudaError_t CopyRows(void* dst, size_t dst_pitch, const void* src, size_t src_pi
   return cudaSuccess;
 }
 
+Status StreamCopy(cudaStream_t stream, void* dst, const void* src, size_t bytes,
+                  const std::string& where) {
+  JAXRING_CUDA_RETURN(where + ": copying on the device",
+                      cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, stream));
+  return Status();
+}
+
+Status StreamReduce(cudaStream_t stream, DType dtype, ReduceOp op, const void* const* srcs,
+                    int n, void* dst, int64_t count, int64_t divisor, const std::string& where) {
+  void* dsts[1] = {dst};
+  JAXRING_CUDA_RETURN(where + ": launching the reduce kernel",
+                      JaxringCudaReduce(static_cast<uint8_t>(dtype), static_cast<uint8_t>(op),
+                                        srcs, n, dsts, 1, count, divisor, stream));
+  return Status();
+}
+
+Status StreamSynchronize(cudaStream_t stream, const std::string& where) {
+  JAXRING_CUDA_RETURN(where + ": waiting for the device", cudaStreamSynchronize(stream));
+  return Status();
+}
+
 Status UseDevice(int device, const std::string& where) {
   int current = -1;
   JAXRING_CUDA_RETURN(where + ": querying the current device", cudaGetDevice(&current));
@@ -63,18 +84,7 @@ Status UseDevice(int device, const std::string& where) {
   return Status();
 }
 
-Header HeaderOf(const JaxringHostCall& call) {
-  Header header;
-  header.kind = static_cast<Collective>(call.kind);
-  header.op = static_cast<ReduceOp>(call.op);
-  header.dtype = static_cast<DType>(call.dtype);
-  header.op_id = call.op_id;
-  header.count = call.input_count;
-  header.root = call.root;
-  return header;
-}
-
-Status CheckCall(const JaxringHostCall& call, int rank, int size, const std::string& where) {
+Status CheckCall(const JaxringHostCall& call, int size, const std::string& where) {
   const Collective kind = static_cast<Collective>(call.kind);
   if (call.size != size)
     return Status::Error(where + ": compiled for " + std::to_string(call.size) +
@@ -94,8 +104,25 @@ Status CheckCall(const JaxringHostCall& call, int rank, int size, const std::str
   if (kind == Collective::kBroadcast && (call.root < 0 || call.root >= size))
     return Status::Error(where + ": root " + std::to_string(call.root) + " is outside [0, " +
                          std::to_string(size) + ")");
-  (void)rank;
   return Status();
+}
+
+Status GpuCommunicator::Run(cudaStream_t stream, const JaxringHostCall& call, const void* x,
+                            void* y) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  const Header h = HeaderOf(call);
+  const std::string where =
+      std::string("jaxring (") + transport() + ") " + Where(h, name_, rank_, size_);
+  if (!broken_.empty())
+    return Status::Error(where + ": this communicator failed earlier and can no longer be used; "
+                         "the first error was: " + broken_);
+  Status status = CheckCall(call, size_, where);
+  if (!status.ok()) return status;
+  status = UseDevice(device_, where);
+  if (!status.ok()) return status;
+  status = RunChecked(stream, call, h, x, y, where);
+  if (!status.ok()) broken_ = status.message();
+  return status;
 }
 
 void Register(uint64_t key, std::unique_ptr<GpuCommunicator> comm) {

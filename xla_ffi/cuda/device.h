@@ -6,11 +6,14 @@
 
 #include <cstdint>
 #include <memory>
+#include <mutex>
 #include <string>
+#include <utility>
 
 #include "common/host_call.h"
 #include "common/status.h"
 #include "common/types.h"
+#include "gpu/plan.h"
 
 extern "C" cudaError_t JaxringCudaReduce(uint8_t dtype, uint8_t op, const void* const* srcs,
                                          int num_srcs, void* const* dsts, int num_dsts,
@@ -45,23 +48,44 @@ Status CudaError(const std::string& where, cudaError_t error);
 cudaError_t CopyRows(void* dst, size_t dst_pitch, const void* src, size_t src_pitch,
                      size_t row_bytes, size_t rows, cudaMemcpyKind kind, cudaStream_t stream);
 
+// gpu/direct.h's DeviceOps on `stream` (shared by the transports' operation tables).
+Status StreamCopy(cudaStream_t stream, void* dst, const void* src, size_t bytes,
+                  const std::string& where);
+Status StreamReduce(cudaStream_t stream, DType dtype, ReduceOp op, const void* const* srcs,
+                    int n, void* dst, int64_t count, int64_t divisor, const std::string& where);
+Status StreamSynchronize(cudaStream_t stream, const std::string& where);
+
 // Makes `device` current on this thread (XLA's threads may have another one current).
 Status UseDevice(int device, const std::string& where);
 
-// The call's header, as every rank posts it.
-Header HeaderOf(const JaxringHostCall& call);
 // The checks every GPU collective makes before touching data (the host library's, for the
 // calls that do not reach it): rank, size, counts.
-Status CheckCall(const JaxringHostCall& call, int rank, int size, const std::string& where);
+Status CheckCall(const JaxringHostCall& call, int size, const std::string& where);
 
 // A GPU communicator: runs all_reduce, reduce_scatter, all_gather and broadcast for one process
 // communicator on XLA's stream. Everything else goes through the host-staged path.
 class GpuCommunicator {
  public:
+  GpuCommunicator(int rank, int size, int device, std::string name)
+      : rank_(rank), size_(size), device_(device), name_(std::move(name)) {}
   virtual ~GpuCommunicator() = default;
-  virtual Status Run(cudaStream_t stream, const JaxringHostCall& call, const void* x,
-                     void* y) = 0;
+  // Checks the call and runs it; after a failure, refuses every later call with the first error.
+  Status Run(cudaStream_t stream, const JaxringHostCall& call, const void* x, void* y);
+  // For error messages: "cuda-ipc" or "staged GPU".
   virtual const char* transport() const = 0;
+
+ protected:
+  // A call that passed the checks, on this communicator's device; `where` prefixes errors.
+  virtual Status RunChecked(cudaStream_t stream, const JaxringHostCall& call, const Header& h,
+                            const void* x, void* y, const std::string& where) = 0;
+  const int rank_;
+  const int size_;
+  const int device_;
+  const std::string name_;
+
+ private:
+  std::mutex mutex_;
+  std::string broken_;  // the first error
 };
 
 // Takes ownership of `comm` under `key`, replacing any earlier one.

@@ -28,11 +28,8 @@ std::string Hex(const char* bytes, size_t n) {
 
 IpcCommunicator::IpcCommunicator(int rank, int size, int device, int64_t slot_bytes,
                                  std::string name)
-    : rank_(rank),
-      size_(size),
-      device_(device),
+    : GpuCommunicator(rank, size, device, std::move(name)),
       slot_bytes_(slot_bytes),
-      name_(std::move(name)),
       bases_(size, nullptr),
       events_(size) {}
 
@@ -130,9 +127,7 @@ class DeviceIpcOps final : public IpcOps {
     return comm_.bases_[rank] + static_cast<int64_t>(parity) * comm_.slot_bytes_;
   }
   Status Copy(void* dst, const void* src, size_t bytes) override {
-    JAXRING_CUDA_RETURN(where_ + ": copying between workspaces",
-                        cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, stream_));
-    return Status();
+    return StreamCopy(stream_, dst, src, bytes, where_);
   }
   Status Copy2D(void* dst, size_t dst_pitch, const void* src, size_t src_pitch,
                 size_t row_bytes, size_t height) override {
@@ -143,16 +138,9 @@ class DeviceIpcOps final : public IpcOps {
   }
   Status Reduce(DType dtype, ReduceOp op, const void* const* srcs, int n, void* dst,
                 int64_t count, int64_t divisor) override {
-    void* dsts[1] = {dst};
-    JAXRING_CUDA_RETURN(where_ + ": launching the reduce kernel",
-                        JaxringCudaReduce(static_cast<uint8_t>(dtype), static_cast<uint8_t>(op),
-                                          srcs, n, dsts, 1, count, divisor, stream_));
-    return Status();
+    return StreamReduce(stream_, dtype, op, srcs, n, dst, count, divisor, where_);
   }
-  Status Synchronize() override {
-    JAXRING_CUDA_RETURN(where_ + ": waiting for the device", cudaStreamSynchronize(stream_));
-    return Status();
-  }
+  Status Synchronize() override { return StreamSynchronize(stream_, where_); }
   Status Record(IpcEvent kind, int parity) override {
     JAXRING_CUDA_RETURN(where_ + ": recording an event",
                         cudaEventRecord(comm_.events_[comm_.rank_][kind][parity], stream_));
@@ -184,22 +172,11 @@ class DeviceIpcOps final : public IpcOps {
   const std::string& where_;
 };
 
-Status IpcCommunicator::Run(cudaStream_t stream, const JaxringHostCall& call, const void* x,
-                            void* y) {
-  std::lock_guard<std::mutex> lock(mutex_);
-  const Header h = HeaderOf(call);
-  const std::string where = "jaxring (cuda-ipc) " + Where(h, name_, rank_, size_);
-  if (!broken_.empty())
-    return Status::Error(where + ": this communicator failed earlier and can no longer be used; "
-                         "the first error was: " + broken_);
-  Status status = CheckCall(call, rank_, size_, where);
-  if (!status.ok()) return status;
-  status = UseDevice(device_, where);
-  if (!status.ok()) return status;
+Status IpcCommunicator::RunChecked(cudaStream_t stream, const JaxringHostCall& call,
+                                   const Header& h, const void* x, void* y,
+                                   const std::string& where) {
   DeviceIpcOps ops(*this, stream, call, where);
-  status = RunIpcSteps(h, x, y, rank_, size_, slot_bytes_, &step_, ops, where);
-  if (!status.ok()) broken_ = status.message();
-  return status;
+  return RunIpcSteps(h, x, y, rank_, size_, slot_bytes_, &step_, ops, where);
 }
 
 }  // namespace gpu

@@ -67,24 +67,21 @@ class IpcCommunicator final : public GpuCommunicator {
   // Opens every peer's workspace and events (`all`: `size` handles in rank order).
   Status Open(const IpcHandles* all);
 
-  Status Run(cudaStream_t stream, const JaxringHostCall& call, const void* x, void* y) override;
-  const char* transport() const override { return "ipc"; }
+  const char* transport() const override { return "cuda-ipc"; }
+
+ protected:
+  Status RunChecked(cudaStream_t stream, const JaxringHostCall& call, const Header& h,
+                    const void* x, void* y, const std::string& where) override;
 
  private:
   IpcCommunicator(int rank, int size, int device, int64_t slot_bytes, std::string name);
   friend class DeviceIpcOps;
 
-  int rank_;
-  int size_;
-  int device_;
   int64_t slot_bytes_;
-  std::string name_;
-  std::mutex mutex_;
   std::vector<char*> bases_;  // every rank's workspace, mapped into this process
   // events_[rank][kind][parity]; this rank's are its own, the others opened from handles
   std::vector<std::array<std::array<cudaEvent_t, 2>, kIpcEventKinds>> events_;
   uint64_t step_ = 0;         // steps begun on this communicator (the same on every rank)
-  std::string broken_;        // the first error; the communicator refuses calls after it
 };
 
 }  // namespace gpu

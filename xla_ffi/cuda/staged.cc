@@ -14,22 +14,13 @@ class StreamMemory final : public DeviceOps {
  public:
   StreamMemory(cudaStream_t stream, const std::string& where) : stream_(stream), where_(where) {}
   Status Copy(void* dst, const void* src, size_t bytes) override {
-    JAXRING_CUDA_RETURN(where_ + ": copying on the device",
-                        cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, stream_));
-    return Status();
+    return StreamCopy(stream_, dst, src, bytes, where_);
   }
   Status Reduce(DType dtype, ReduceOp op, const void* const* srcs, int n, void* dst,
                 int64_t count, int64_t divisor) override {
-    void* dsts[1] = {dst};
-    JAXRING_CUDA_RETURN(where_ + ": launching the reduce kernel",
-                        JaxringCudaReduce(static_cast<uint8_t>(dtype), static_cast<uint8_t>(op),
-                                          srcs, n, dsts, 1, count, divisor, stream_));
-    return Status();
+    return StreamReduce(stream_, dtype, op, srcs, n, dst, count, divisor, where_);
   }
-  Status Synchronize() override {
-    JAXRING_CUDA_RETURN(where_ + ": waiting for the device", cudaStreamSynchronize(stream_));
-    return Status();
-  }
+  Status Synchronize() override { return StreamSynchronize(stream_, where_); }
 
  private:
   cudaStream_t stream_;
@@ -38,12 +29,9 @@ class StreamMemory final : public DeviceOps {
 
 StagedCommunicator::StagedCommunicator(int rank, int size, int device, int64_t chunk_bytes,
                                        const JaxringMessageOps* messages, std::string name)
-    : rank_(rank),
-      size_(size),
-      device_(device),
+    : GpuCommunicator(rank, size, device, std::move(name)),
       chunk_bytes_(chunk_bytes),
-      messages_(messages),
-      name_(std::move(name)) {}
+      messages_(messages) {}
 
 Status StagedCommunicator::Create(int rank, int size, int device, int64_t chunk_bytes,
                                   const JaxringMessageOps* messages, std::string name,
@@ -90,22 +78,11 @@ Status StagedCommunicator::Create(int rank, int size, int device, int64_t chunk_
   return Status();
 }
 
-Status StagedCommunicator::Run(cudaStream_t stream, const JaxringHostCall& call, const void* x,
-                               void* y) {
-  std::lock_guard<std::mutex> lock(mutex_);
-  const Header h = HeaderOf(call);
-  const std::string where = "jaxring (staged GPU) " + Where(h, name_, rank_, size_);
-  if (!broken_.empty())
-    return Status::Error(where + ": this communicator failed earlier and can no longer be used; "
-                         "the first error was: " + broken_);
-  Status status = CheckCall(call, rank_, size_, where);
-  if (!status.ok()) return status;
-  status = UseDevice(device_, where);
-  if (!status.ok()) return status;
-  status = messages_ != nullptr ? RunCudaAware(stream, call, h, x, y, where)
-                                : RunPipelined(stream, call, h, x, y, where);
-  if (!status.ok()) broken_ = status.message();
-  return status;
+Status StagedCommunicator::RunChecked(cudaStream_t stream, const JaxringHostCall& call,
+                                      const Header& h, const void* x, void* y,
+                                      const std::string& where) {
+  return messages_ != nullptr ? RunCudaAware(stream, call, h, x, y, where)
+                              : RunPipelined(stream, call, h, x, y, where);
 }
 
 Status StagedCommunicator::RunCudaAware(cudaStream_t stream, const JaxringHostCall& call,

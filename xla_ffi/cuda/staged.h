@@ -40,8 +40,11 @@ class StagedCommunicator final : public GpuCommunicator {
   static Status Create(int rank, int size, int device, int64_t chunk_bytes,
                        const JaxringMessageOps* messages, std::string name,
                        std::unique_ptr<StagedCommunicator>* out);
-  Status Run(cudaStream_t stream, const JaxringHostCall& call, const void* x, void* y) override;
-  const char* transport() const override { return "staged"; }
+  const char* transport() const override { return "staged GPU"; }
+
+ protected:
+  Status RunChecked(cudaStream_t stream, const JaxringHostCall& call, const Header& h,
+                    const void* x, void* y, const std::string& where) override;
 
  private:
   friend class PinnedStagingOps;
@@ -52,15 +55,10 @@ class StagedCommunicator final : public GpuCommunicator {
   Status RunCudaAware(cudaStream_t stream, const JaxringHostCall& call, const Header& h,
                       const void* x, void* y, const std::string& where);
 
-  int rank_;
-  int size_;
-  int device_;
   int64_t chunk_bytes_;
   const JaxringMessageOps* messages_;  // CUDA-aware MPI, or null
   void* device_scratch_ = nullptr;      // RunDirect's, with `messages_`
   cudaEvent_t scratch_free_ = nullptr;  // the last call's kernels are done with the scratch
-  std::string name_;
-  std::mutex mutex_;
   char* to_host_[2] = {nullptr, nullptr};    // pinned: input chunks
   char* from_host_[2] = {nullptr, nullptr};  // pinned: result chunks
   cudaStream_t copy_out_ = nullptr;          // result chunks go back on this stream
@@ -69,7 +67,6 @@ class StagedCommunicator final : public GpuCommunicator {
   bool copying_out_[2] = {false, false};     // copied_out_[b] is pending
   cudaEvent_t call_start_ = nullptr;         // XLA's stream reached this call
   cudaEvent_t call_end_ = nullptr;           // the last result chunk is on the device
-  std::string broken_;
 };
 
 }  // namespace gpu

@@ -41,6 +41,17 @@ int64_t BlockCount(Collective kind, int64_t input_count, int size) {
   return kind == Collective::kReduceScatter ? input_count / std::max(size, 1) : input_count;
 }
 
+Header HeaderOf(const JaxringHostCall& call) {
+  Header header;
+  header.kind = static_cast<Collective>(call.kind);
+  header.op = static_cast<ReduceOp>(call.op);
+  header.dtype = static_cast<DType>(call.dtype);
+  header.op_id = call.op_id;
+  header.count = call.input_count;
+  header.root = call.root;
+  return header;
+}
+
 std::string CheckSlotBytes(Transport transport, int64_t bytes, int size) {
   const char* what = transport == Transport::kIpc ? "gpu_workspace_bytes" : "gpu_staging_bytes";
   if (bytes < kMinSlotBytes)

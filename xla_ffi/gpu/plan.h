@@ -17,6 +17,7 @@
 #include <string>
 #include <vector>
 
+#include "common/host_call.h"
 #include "common/types.h"
 #include "ring/schedule.h"
 
@@ -61,6 +62,9 @@ Partition ShareOf(int64_t count, int size, size_t width);
 // Elements per block for a call with `input_count` elements: all_reduce, broadcast and
 // all_gather slice the input, reduce_scatter one n-th of it.
 int64_t BlockCount(Collective kind, int64_t input_count, int size);
+
+// The header every rank posts for `call` (its count is the input's).
+Header HeaderOf(const JaxringHostCall& call);
 
 // "" when `bytes` is a usable slot/chunk size for `size` ranks, else why not.
 std::string CheckSlotBytes(Transport transport, int64_t bytes, int size);

@@ -12,6 +12,7 @@
 #include "common/config.h"
 #include "common/host_call.h"
 #include "common/types.h"
+#include "gpu/host_memory.h"
 #include "gpu/ipc_steps.h"
 #include "gpu/plan.h"
 #include "gpu/staged_steps.h"
@@ -37,6 +38,35 @@ XLA_FFI_Error* JaxringRecvCpu(XLA_FFI_CallFrame*);
 
 namespace {
 
+jaxring::Status RunOnHost(const JaxringHostCall& call) {
+  char error[4096];
+  if (JaxringRunHostCall(&call, error, sizeof(error)) != 0) return jaxring::Status::Error(error);
+  return jaxring::Status();
+}
+
+// A call on process communicator `key` as the tests describe it.
+JaxringHostCall TestCall(uint64_t key, const std::string& name, int rank, int size,
+                         JaxringHostRole role, int kind, int op, int dtype, int64_t input_count,
+                         int64_t output_count, int64_t root, int64_t op_id) {
+  JaxringHostCall call{};
+  call.comm = key;
+  call.comm_name = name.data();
+  call.comm_name_size = name.size();
+  call.rank = rank;
+  call.size = size;
+  call.op_id = op_id;
+  call.role = role;
+  call.kind = static_cast<uint8_t>(kind);
+  call.op = static_cast<uint8_t>(op);
+  call.dtype = static_cast<uint8_t>(dtype);
+  call.root = root;
+  call.input_count = input_count;
+  call.output_count = output_count;
+  return call;
+}
+
+size_t Width(int dtype) { return jaxring::ByteWidth(static_cast<jaxring::DType>(dtype)); }
+
 // cuda-ipc's steps on host memory that every process of a communicator maps (CPU tests): copies
 // are memcpy, reductions the CPU kernels, and events nothing, since every operation is done
 // when it returns; the header exchange is the real one.
@@ -48,23 +78,15 @@ class HostIpcOps final : public jaxring::gpu::IpcOps {
     return shared_ + (2 * static_cast<int64_t>(rank) + parity) * slot_bytes_;
   }
   jaxring::Status Copy(void* dst, const void* src, size_t bytes) override {
-    std::memcpy(dst, src, bytes);
-    return jaxring::Status();
+    return jaxring::gpu::HostCopyRows(dst, bytes, src, bytes, bytes, 1);
   }
   jaxring::Status Copy2D(void* dst, size_t dst_pitch, const void* src, size_t src_pitch,
                          size_t row_bytes, size_t height) override {
-    for (size_t row = 0; row < height; ++row)
-      std::memcpy(static_cast<char*>(dst) + row * dst_pitch,
-                  static_cast<const char*>(src) + row * src_pitch, row_bytes);
-    return jaxring::Status();
+    return jaxring::gpu::HostCopyRows(dst, dst_pitch, src, src_pitch, row_bytes, height);
   }
   jaxring::Status Reduce(jaxring::DType dtype, jaxring::ReduceOp op, const void* const* srcs,
                          int n, void* dst, int64_t count, int64_t divisor) override {
-    std::vector<jaxring::Operand> operands(n);
-    for (int i = 0; i < n; ++i) operands[i] = jaxring::Operand{srcs[i]};
-    const jaxring::Target target{dst};
-    jaxring::Reduce(dtype, op, operands.data(), n, &target, 1, count, divisor);
-    return jaxring::Status();
+    return jaxring::gpu::HostReduce(dtype, op, srcs, n, dst, count, divisor);
   }
   jaxring::Status Synchronize() override { return jaxring::Status(); }
   jaxring::Status Record(jaxring::gpu::IpcEvent, int) override { return jaxring::Status(); }
@@ -74,10 +96,7 @@ class HostIpcOps final : public jaxring::gpu::IpcOps {
   jaxring::Status Agree() override {
     JaxringHostCall agree = call_;
     agree.role = kJaxringHostAgree;
-    char error[4096];
-    if (JaxringRunHostCall(&agree, error, sizeof(error)) != 0)
-      return jaxring::Status::Error(error);
-    return jaxring::Status();
+    return RunOnHost(agree);
   }
 
  private:
@@ -99,37 +118,26 @@ class HostStagingOps final : public jaxring::gpu::StagingOps {
   jaxring::Status Begin() override { return jaxring::Status(); }
   jaxring::Status CopyIn(int b, const void* src, size_t src_pitch, size_t row_bytes,
                          size_t rows) override {
-    return Rows(to_host_[b].data(), row_bytes, src, src_pitch, row_bytes, rows,
-                to_host_[b].size());
+    if (row_bytes * rows > to_host_[b].size()) return Overflow();
+    return jaxring::gpu::HostCopyRows(to_host_[b].data(), row_bytes, src, src_pitch, row_bytes,
+                                      rows);
   }
   jaxring::Status WaitIn(int) override { return jaxring::Status(); }
   jaxring::Status WaitOut(int) override { return jaxring::Status(); }
   jaxring::Status CopyOut(int b, void* dst, size_t dst_pitch, size_t row_bytes,
                           size_t rows) override {
-    if (row_bytes * rows > from_host_[b].size())
-      return jaxring::Status::Error("a chunk overflows its host buffer");
-    for (size_t row = 0; row < rows; ++row)
-      std::memcpy(static_cast<char*>(dst) + row * dst_pitch,
-                  from_host_[b].data() + row * row_bytes, row_bytes);
-    return jaxring::Status();
+    if (row_bytes * rows > from_host_[b].size()) return Overflow();
+    return jaxring::gpu::HostCopyRows(dst, dst_pitch, from_host_[b].data(), row_bytes, row_bytes,
+                                      rows);
   }
   jaxring::Status End() override { return jaxring::Status(); }
   jaxring::Status RunOnHost(const JaxringHostCall& chunk) override {
-    char error[4096];
-    if (JaxringRunHostCall(&chunk, error, sizeof(error)) != 0)
-      return jaxring::Status::Error(error);
-    return jaxring::Status();
+    return ::RunOnHost(chunk);
   }
 
  private:
-  static jaxring::Status Rows(char* dst, size_t dst_pitch, const void* src, size_t src_pitch,
-                              size_t row_bytes, size_t rows, size_t capacity) {
-    if (row_bytes * rows > capacity)
-      return jaxring::Status::Error("a chunk overflows its host buffer");
-    for (size_t row = 0; row < rows; ++row)
-      std::memcpy(dst + row * dst_pitch, static_cast<const char*>(src) + row * src_pitch,
-                  row_bytes);
-    return jaxring::Status();
+  static jaxring::Status Overflow() {
+    return jaxring::Status::Error("a chunk overflows its host buffer");
   }
   std::vector<char> to_host_[2], from_host_[2];
 };
@@ -246,24 +254,12 @@ NB_MODULE(_jaxring, m) {
       "host_agree",
       [](uint64_t key, const std::string& name, int rank, int size, int kind, int op, int dtype,
          int64_t count, int64_t op_id, int64_t root) {
-        JaxringHostCall call{};
-        call.comm = key;
-        call.comm_name = name.data();
-        call.comm_name_size = name.size();
-        call.rank = rank;
-        call.size = size;
-        call.op_id = op_id;
-        call.role = kJaxringHostAgree;
-        call.kind = static_cast<uint8_t>(kind);
-        call.op = static_cast<uint8_t>(op);
-        call.dtype = static_cast<uint8_t>(dtype);
-        call.root = root;
-        call.input_count = count;
-        call.output_count = kind == static_cast<int>(jaxring::Collective::kReduceScatter)
-                                ? count / std::max(size, 1)
-                            : kind == static_cast<int>(jaxring::Collective::kAllGather)
-                                ? count * size
-                                : count;
+        const int64_t output_count =
+            kind == static_cast<int>(jaxring::Collective::kReduceScatter) ? count / std::max(size, 1)
+            : kind == static_cast<int>(jaxring::Collective::kAllGather)   ? count * size
+                                                                           : count;
+        const JaxringHostCall call = TestCall(key, name, rank, size, kJaxringHostAgree, kind, op,
+                                              dtype, count, output_count, root, op_id);
         char error[4096];
         int failed;
         {
@@ -316,30 +312,11 @@ NB_MODULE(_jaxring, m) {
       [](uint64_t key, const std::string& name, int rank, int size, uintptr_t shared,
          int64_t slot_bytes, uint64_t step, int kind, int op, int dtype, const nb::bytes& input,
          int64_t output_count, int64_t root, int64_t op_id) {
-        JaxringHostCall call{};
-        call.comm = key;
-        call.comm_name = name.data();
-        call.comm_name_size = name.size();
-        call.rank = rank;
-        call.size = size;
-        call.op_id = op_id;
-        call.kind = static_cast<uint8_t>(kind);
-        call.op = static_cast<uint8_t>(op);
-        call.dtype = static_cast<uint8_t>(dtype);
-        call.root = root;
-        const size_t width = jaxring::ByteWidth(static_cast<jaxring::DType>(dtype));
-        call.input_count = static_cast<int64_t>(input.size() / width);
-        call.output_count = output_count;
-        const jaxring::Header h = [&] {
-          jaxring::Header header;
-          header.kind = static_cast<jaxring::Collective>(kind);
-          header.op = static_cast<jaxring::ReduceOp>(op);
-          header.dtype = static_cast<jaxring::DType>(dtype);
-          header.op_id = op_id;
-          header.count = call.input_count;
-          header.root = root;
-          return header;
-        }();
+        const size_t width = Width(dtype);
+        const JaxringHostCall call =
+            TestCall(key, name, rank, size, kJaxringHostCollective, kind, op, dtype,
+                     static_cast<int64_t>(input.size() / width), output_count, root, op_id);
+        const jaxring::Header h = jaxring::gpu::HeaderOf(call);
         std::vector<char> output(output_count * width);
         HostIpcOps ops(call, reinterpret_cast<char*>(shared), slot_bytes);
         jaxring::Status status;
@@ -362,25 +339,11 @@ NB_MODULE(_jaxring, m) {
       [](uint64_t key, const std::string& name, int rank, int size, int64_t chunk_bytes,
          int kind, int op, int dtype, const nb::bytes& input, int64_t output_count, int64_t root,
          int64_t op_id) {
-        JaxringHostCall call{};
-        call.comm = key;
-        call.comm_name = name.data();
-        call.comm_name_size = name.size();
-        call.size = size;
-        call.op_id = op_id;
-        call.role = kJaxringHostCollective;
-        call.kind = static_cast<uint8_t>(kind);
-        call.op = static_cast<uint8_t>(op);
-        call.dtype = static_cast<uint8_t>(dtype);
-        call.root = root;
-        jaxring::Header h;
-        h.kind = static_cast<jaxring::Collective>(kind);
-        h.op = static_cast<jaxring::ReduceOp>(op);
-        h.dtype = static_cast<jaxring::DType>(dtype);
-        h.op_id = op_id;
-        h.root = root;
-        const size_t width = jaxring::ByteWidth(h.dtype);
-        h.count = static_cast<int64_t>(input.size() / width);
+        const size_t width = Width(dtype);
+        const JaxringHostCall call =
+            TestCall(key, name, rank, size, kJaxringHostCollective, kind, op, dtype,
+                     static_cast<int64_t>(input.size() / width), output_count, root, op_id);
+        const jaxring::Header h = jaxring::gpu::HeaderOf(call);
         std::vector<char> output(output_count * width);
         const std::string bad =
             jaxring::gpu::CheckSlotBytes(jaxring::gpu::Transport::kStaged, chunk_bytes, size);

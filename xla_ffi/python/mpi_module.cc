@@ -16,7 +16,7 @@
 #include <vector>
 
 #include "gpu/direct.h"
-#include "kernels/reduce_cpu.h"
+#include "gpu/host_memory.h"
 #include "transports/mpi.h"
 #include "transports/mpi_messages.h"
 
@@ -53,16 +53,11 @@ std::pair<bool, std::string> CudaAware() {
 class HostMemory final : public jaxring::gpu::DeviceOps {
  public:
   jaxring::Status Copy(void* dst, const void* src, size_t bytes) override {
-    if (bytes > 0) std::memcpy(dst, src, bytes);
-    return jaxring::Status();
+    return jaxring::gpu::HostCopyRows(dst, bytes, src, bytes, bytes, 1);
   }
   jaxring::Status Reduce(jaxring::DType dtype, jaxring::ReduceOp op, const void* const* srcs,
                          int n, void* dst, int64_t count, int64_t divisor) override {
-    std::vector<jaxring::Operand> operands(n);
-    for (int i = 0; i < n; ++i) operands[i] = jaxring::Operand{srcs[i]};
-    const jaxring::Target target{dst};
-    jaxring::Reduce(dtype, op, operands.data(), n, &target, 1, count, divisor);
-    return jaxring::Status();
+    return jaxring::gpu::HostReduce(dtype, op, srcs, n, dst, count, divisor);
   }
   jaxring::Status Synchronize() override { return jaxring::Status(); }
 };
