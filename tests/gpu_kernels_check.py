@@ -73,17 +73,19 @@ def main() -> int:
                 for count in counts:
                     for offset in (0, 1):  # 1: every pointer one element off 16-byte alignment
                         for targets in (1, 3):
+                            # One element more than the kernel may touch: it must stay 0.
+                            length = offset + count + 1
                             host = []
                             for _ in range(n):
                                 if dtype.kind == "i":
-                                    v = rng.integers(-1000, 1000, count + offset).astype(dtype)
+                                    v = rng.integers(-1000, 1000, length).astype(dtype)
                                 else:
-                                    v = rng.standard_normal(count + offset).astype(dtype)
+                                    v = rng.standard_normal(length).astype(dtype)
                                     if count > 5 and op in ("max", "min"):
                                         v[offset + 3] = np.nan
                                 host.append(v)
                             srcs = [jax.device_put(v, gpu) for v in host]
-                            dsts = [jnp.zeros(count + offset, dtype, device=gpu)
+                            dsts = [jnp.zeros(length, dtype, device=gpu)
                                     for _ in range(targets)]
                             for a in srcs + dsts:
                                 a.block_until_ready()
@@ -98,12 +100,17 @@ def main() -> int:
                                                               None)
                             assert error == 0, f"launch failed: CUDA error {error}"
                             assert cudart.cudaDeviceSynchronize() == 0
-                            want = expected([v[offset:] for v in host], op, divisor)
+                            want = expected([v[offset:offset + count] for v in host], op,
+                                            divisor)
+                            case = (f"{dtype} {op} n={n} count={count} offset={offset} "
+                                    f"targets={targets}")
                             for d in dsts:
-                                got = np.asarray(d)[offset:]
-                                np.testing.assert_array_equal(
-                                    got, want, err_msg=f"{dtype} {op} n={n} count={count} "
-                                                       f"offset={offset} targets={targets}")
+                                got = np.asarray(d)
+                                np.testing.assert_array_equal(got[offset:offset + count], want,
+                                                              err_msg=case)
+                                untouched = np.concatenate([got[:offset], got[offset + count:]])
+                                assert not untouched.astype(np.float64).any(), \
+                                    f"wrote outside its range: {case}"
                             checked += 1
     # Too many operands is refused, not run.
     too_many = (ctypes.c_void_p * 17)()
