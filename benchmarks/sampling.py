@@ -5,7 +5,8 @@ Variants: (a) naive (the whole receptive field recomputed per sample), the per-s
 (b) the plain incremental sampler (`lax.scan` + ring buffers: what a competent JAX user writes,
 the rival), (c) layer-sharded over 2 devices with jaxring.ppermute (and with lax.ppermute, and on
 1 device for the scaling ratio), (d) the fused C++ step with float32 and with float16 weights,
-on one thread and on two.
+on one thread and on two, and (c) with (d): layer-sharded where each stage is the fused loop over
+its layers, handing on every step through jaxring's point-to-point mailboxes (1 and 2 devices).
 Weights are random: speed does not depend on their values.
 
     python benchmarks/sampling.py            # full run (about 25 minutes on 2 busy cores)
@@ -77,6 +78,12 @@ def variants(weights, config, key, batch, steps, mesh1, mesh2):
                                 ("sharded_2dev_lax", mesh2, "lax")):
         out[name] = (lambda mesh=mesh, permute=permute: pipeline_sampler.sample_layer_sharded(
             weights, config, key, s["scan"], batch, mesh, "stage", permute=permute), s["scan"])
+    # (c) with (d): each stage a fused C++ loop over its layers, handing on every step through
+    # jaxring's point-to-point mailboxes (float16 weights, as fused_f16).
+    for name, mesh in (("sharded_fused_1dev", mesh1), ("sharded_fused_2dev", mesh2)):
+        out[name] = (lambda mesh=mesh: pipeline_sampler.sample_layer_sharded_fused(
+            weights, config, key, s["fused"], batch, mesh, "stage", weight_dtype=jnp.float16),
+            s["fused"])
     return out
 
 
@@ -179,16 +186,19 @@ def main() -> None:
     for config_name in configs:
         for batch in batches:
             incremental, naive = find(config_name, batch, RIVAL), find(config_name, batch, "naive")
-            one, two = find(config_name, batch, "sharded_1dev"), find(config_name, batch,
-                                                                        "sharded_2dev")
+            sharded = [(kind, find(config_name, batch, f"sharded{kind}_1dev"),
+                        find(config_name, batch, f"sharded{kind}_2dev"))
+                       for kind in ("", "_fused")]
             fastest = max((r for r in rows if r["config"] == config_name and r["batch"] == batch),
                           key=lambda r: r["total_samples_per_s"], default=None)
             parts = []
             if incremental and naive:
                 parts.append(f"incremental / naive {incremental / naive:.0f}x "
                              f"(receptive field {model.receptive_field(CONFIGS[config_name])})")
-            if one and two:
-                parts.append(f"layer-sharded 2 devices / 1 device {two / one:.2f}x")
+            for kind, one, two in sharded:
+                if one and two:
+                    parts.append(f"layer-sharded{kind.replace('_', ' ')} 2 devices / 1 device "
+                                 f"{two / one:.2f}x")
             if fastest and incremental:
                 parts.append(f"fastest ({fastest['variant']}) / incremental "
                              f"{fastest['total_samples_per_s'] / incremental:.2f}x")

@@ -213,6 +213,41 @@ def test_fused_odd_channel_counts_equal_naive():
     assert_same_samples(fused, naive)
 
 
+@pytest.mark.parametrize("devices", [1, 2, 3])
+def test_layer_sharded_fused_equals_naive(case, devices):
+    """Each stage a fused loop over its layers; chunks of 8 steps, so tokens cross the chunk
+    boundary from the last stage to the first."""
+    config, batch, weights, key, speaker, local, naive = case
+    sharded = pipeline_sampler.sample_layer_sharded_fused(
+        weights, config, key, NUM_SAMPLES, batch, mesh(devices, "stage"), "stage", speaker,
+        local, return_logits=True, chunk_steps=8)
+    assert_same_samples(sharded, naive)
+
+
+@pytest.mark.parametrize("devices,groups", [(2, 3), (3, 1)])
+def test_layer_sharded_fused_float16_groups_equal_naive(devices, groups):
+    """float16 weights; stream groups of uneven size (5 streams in 3 groups) and one group
+    passing alone through three stages."""
+    config, batch = CONDITIONED, 5
+    weights = fused_sampler.round_weights(random_weights(config, seed=19), jnp.float16)
+    key = jax.random.key(20)
+    speaker, local = conditioning(config, batch, NUM_SAMPLES, seed=21)
+    naive = sampler.sample_naive(weights, config, key, NUM_SAMPLES, batch, speaker, local,
+                                 return_logits=True)
+    sharded = pipeline_sampler.sample_layer_sharded_fused(
+        weights, config, key, NUM_SAMPLES, batch, mesh(devices, "stage"), "stage", speaker,
+        local, return_logits=True, weight_dtype=jnp.float16, stream_groups=groups)
+    assert_same_samples(sharded, naive)
+
+
+def test_layer_sharded_fused_needs_a_layer_per_stage():
+    config = dataclasses.replace(TINY, num_layers=2, dilation_cycle=2)
+    with pytest.raises(ValueError, match="3 stages for 2 layers"):
+        pipeline_sampler.sample_layer_sharded_fused(
+            model.init_weights(config), config, jax.random.key(0), 4, 1, mesh(3, "stage"),
+            "stage")
+
+
 def test_fused_rejects_weights_of_the_wrong_size():
     config = TINY
     weights = model.init_weights(config)

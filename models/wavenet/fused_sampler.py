@@ -24,6 +24,7 @@ from models.wavenet import model, sampler
 from models.wavenet.configs.default import ModelConfig
 
 TARGET = "jaxring_wavenet_sample"
+STAGE_TARGET = "jaxring_wavenet_stage"
 # Columns per weight panel: 8 AVX2 vectors, one register tile of a single stream.
 PANEL_WIDTH = 64
 
@@ -83,35 +84,58 @@ def fused_steps(packed, config: ModelConfig, gate_bias, local, noise, token, que
     thread: on a busy machine it is slower than one thread)."""
     native.register_targets()
     steps, batch = noise.shape
-    levels = config.quantization_levels
     logits_steps = steps if return_logits else 0
     call = jax.ffi.ffi_call(
         TARGET,
         (jax.ShapeDtypeStruct((steps, batch), jnp.int32),
          jax.ShapeDtypeStruct(queues.shape, jnp.float32),
-         jax.ShapeDtypeStruct((logits_steps, batch, levels), jnp.float32)),
+         jax.ShapeDtypeStruct((logits_steps, batch, config.quantization_levels), jnp.float32)),
         input_output_aliases={5: 1},
     )
     return call(packed, gate_bias, local, noise, token, queues, jnp.asarray(first_step, jnp.int32),
-                residual=np.int64(config.residual_channels), skip=np.int64(config.skip_channels),
+                **_size_attributes(config), portable=portable, threads=np.int64(threads))
+
+
+def _size_attributes(config: ModelConfig) -> dict:
+    """The model's sizes, as both sampling kernels take them."""
+    return dict(residual=np.int64(config.residual_channels), skip=np.int64(config.skip_channels),
                 hidden=np.int64(config.output_channels),
                 levels=np.int64(config.quantization_levels),
                 local_channels=np.int64(config.local_channels),
                 panel_width=np.int64(PANEL_WIDTH),
-                dilations=np.asarray(model.dilations(config), np.int64), portable=portable,
-                threads=np.int64(threads))
+                dilations=np.asarray(model.dilations(config), np.int64))
 
 
-@functools.partial(jax.jit, static_argnames=("config", "num_samples", "batch", "return_logits",
-                                             "weight_dtype", "chunk_steps", "portable",
-                                             "threads"))
-def sample_fused(weights, config: ModelConfig, key, num_samples: int, batch: int = 1,
-                 speaker=None, local=None, return_logits: bool = False,
-                 weight_dtype=jnp.float32, chunk_steps: int = 1024, portable: bool = False,
-                 threads: int = 1):
-    """Samples `[batch, num_samples]` (and logits), like `sampler.sample_incremental`."""
-    packed = pack_weights(weights, config, weight_dtype)
-    gate_bias = gate_bias_per_stream(weights, batch, speaker)
+def stage_steps(packed, config: ModelConfig, gate_bias, local, noise, token, queues, first_step,
+                return_logits: bool, stage, group, comm, op_id: int, stream_groups: int,
+                portable: bool = False):
+    """`fused_steps` for one stage of a layer-sharded sampler (`jaxring_wavenet_stage`): device
+    `stage` of the `comm.size` devices of a mesh axis runs its contiguous share of the layers
+    and hands every step on through jaxring's point-to-point mailboxes; streams go through in
+    `stream_groups` groups. Only the last stage's tokens and logits are the samples (the other
+    stages return zeros)."""
+    native.register_targets()
+    steps, batch = noise.shape
+    logits_steps = steps if return_logits else 0
+    call = jax.ffi.ffi_call(
+        STAGE_TARGET,
+        (jax.ShapeDtypeStruct((steps, batch), jnp.int32),
+         jax.ShapeDtypeStruct(queues.shape, jnp.float32),
+         jax.ShapeDtypeStruct((logits_steps, batch, config.quantization_levels), jnp.float32)),
+        input_output_aliases={5: 1}, has_side_effect=True,
+    )
+    return call(packed, gate_bias, local, noise, token, queues, jnp.asarray(first_step, jnp.int32),
+                stage, group, **_size_attributes(config), portable=portable,
+                comm=np.int64(comm.key), comm_name=comm.name, size=np.int64(comm.size),
+                op_id=np.int64(op_id), stream_groups=np.int64(stream_groups))
+
+
+def run_chunks(steps_fn, config: ModelConfig, key, num_samples: int, batch: int, local,
+               chunk_steps: int):
+    """The sampling loop of the fused samplers: a `lax.scan` over chunks of steps, each chunk's
+    uniform numbers generated just before it. `steps_fn(local, noise, token, queues,
+    first_step) -> (tokens, queues, logits)` runs one chunk. Returns tokens `[batch, samples]`
+    and logits `[batch, samples, levels]`."""
     channels = config.local_channels
     local = jnp.zeros((batch, num_samples, channels), jnp.float32) if local is None else local
     local = sampler.time_major(local.astype(jnp.float32))
@@ -125,9 +149,7 @@ def sample_fused(weights, config: ModelConfig, key, num_samples: int, batch: int
         steps = first_step + jnp.arange(length, dtype=jnp.int32)
         noise = jax.vmap(lambda t: sampler.uniform_noise(key, t, batch))(steps)
         local_chunk = lax.dynamic_slice_in_dim(local, first_step, length, axis=0)
-        tokens, queues, logits = fused_steps(packed, config, gate_bias, local_chunk, noise, token,
-                                             queues, first_step, return_logits, portable,
-                                             threads)
+        tokens, queues, logits = steps_fn(local_chunk, noise, token, queues, first_step)
         return (queues, tokens[-1]), (tokens, logits)
 
     length = min(chunk_steps, num_samples)
@@ -140,5 +162,23 @@ def sample_fused(weights, config: ModelConfig, key, num_samples: int, batch: int
         _, (last_tokens, last_logits) = chunk(carry, jnp.int32(full_chunks * length), remainder)
         tokens = jnp.concatenate([tokens, last_tokens])
         logits = jnp.concatenate([logits, last_logits])
-    tokens = tokens.T
-    return (tokens, jnp.swapaxes(logits, 0, 1)) if return_logits else tokens
+    return tokens.T, jnp.swapaxes(logits, 0, 1)
+
+
+@functools.partial(jax.jit, static_argnames=("config", "num_samples", "batch", "return_logits",
+                                             "weight_dtype", "chunk_steps", "portable",
+                                             "threads"))
+def sample_fused(weights, config: ModelConfig, key, num_samples: int, batch: int = 1,
+                 speaker=None, local=None, return_logits: bool = False,
+                 weight_dtype=jnp.float32, chunk_steps: int = 1024, portable: bool = False,
+                 threads: int = 1):
+    """Samples `[batch, num_samples]` (and logits), like `sampler.sample_incremental`."""
+    packed = pack_weights(weights, config, weight_dtype)
+    gate_bias = gate_bias_per_stream(weights, batch, speaker)
+
+    def steps_fn(local, noise, token, queues, first_step):
+        return fused_steps(packed, config, gate_bias, local, noise, token, queues, first_step,
+                           return_logits, portable, threads)
+
+    tokens, logits = run_chunks(steps_fn, config, key, num_samples, batch, local, chunk_steps)
+    return (tokens, logits) if return_logits else tokens

@@ -25,7 +25,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxring
-from models.wavenet import model, sampler
+from jaxring._src import common
+from models.wavenet import fused_sampler, model, sampler
 from models.wavenet.configs.default import ModelConfig
 
 # The one switch between jaxring's point-to-point path and XLA's own collective permute.
@@ -146,3 +147,50 @@ def sample_layer_sharded(weights, config: ModelConfig, key, num_samples: int, ba
     if not return_logits:
         return tokens
     return tokens, jnp.swapaxes(logits[emitted].reshape(num_samples, batch, levels), 0, 1)
+
+
+@functools.partial(jax.jit, static_argnames=("config", "num_samples", "batch", "mesh", "axis",
+                                             "return_logits", "weight_dtype", "chunk_steps",
+                                             "stream_groups"))
+def sample_layer_sharded_fused(weights, config: ModelConfig, key, num_samples: int, batch: int,
+                               mesh, axis: str, speaker=None, local=None,
+                               return_logits: bool = False, weight_dtype=jnp.float32,
+                               chunk_steps: int = 1024, stream_groups: int | None = None):
+    """(c) with (d): layer-sharded sampling where every stage is the fused C++ loop
+    (`fused_sampler.stage_steps`). Device j of `mesh`'s `axis` runs its contiguous share of the
+    layers for a whole chunk of steps, handing each step to device j + 1 (and the sampled tokens
+    from the last device back to device 0) through jaxring's point-to-point mailboxes. The
+    streams go through in `stream_groups` groups (default: one per stage), so with at least as
+    many streams as stages every stage is busy. The same samples as `sampler.sample_incremental`
+    (and `fused_sampler.sample_fused`) for the same weights, weight dtype and key."""
+    n = mesh.shape[axis]
+    if not 1 <= n <= config.num_layers:
+        raise ValueError(f"layer-sharded sampling: {n} stages for {config.num_layers} layers; "
+                         "each stage needs at least one layer")
+    groups = n if stream_groups is None else stream_groups
+    packed = fused_sampler.pack_weights(weights, config, weight_dtype)
+    gate_bias = fused_sampler.gate_bias_per_stream(weights, batch, speaker)
+
+    def stage_program(packed, gate_bias, local):
+        comm = common.communicator("wavenet stage", axis)
+        stage, group = comm.rank_and_group()
+        op_id = common.next_op_id(comm)
+
+        def steps_fn(local, noise, token, queues, first_step):
+            tokens, queues, logits = fused_sampler.stage_steps(
+                packed, config, gate_bias, local, noise, token, queues, first_step,
+                return_logits, stage, group, comm, op_id, groups)
+            # The last stage sampled; every stage carries its tokens into the next chunk.
+            tokens, logits = jaxring.broadcast((tokens, logits), axis, root=n - 1)
+            return tokens, queues, logits
+
+        return fused_sampler.run_chunks(steps_fn, config, key, num_samples, batch, local,
+                                        chunk_steps)
+
+    replicated = P()
+    program = jax.shard_map(stage_program, mesh=mesh, in_specs=(replicated,) * 3,
+                            out_specs=(replicated, replicated), check_vma=False)
+    local = (jnp.zeros((batch, num_samples, config.local_channels), jnp.float32)
+             if local is None else local)
+    tokens, logits = program(packed, gate_bias, local)
+    return (tokens, logits) if return_logits else tokens

@@ -4,6 +4,7 @@
 
 extern "C" {
 XLA_FFI_Error* JaxringWaveNetSampleCpu(XLA_FFI_CallFrame*);  // models/wavenet_cpu.cc
+XLA_FFI_Error* JaxringWaveNetStageCpu(XLA_FFI_CallFrame*);   // models/wavenet_cpu.cc
 }
 
 namespace jaxring::models {
@@ -11,6 +12,7 @@ namespace jaxring::models {
 std::vector<FfiTarget> CpuTargets() {
   return {
       {"jaxring_wavenet_sample", reinterpret_cast<void*>(JaxringWaveNetSampleCpu)},
+      {"jaxring_wavenet_stage", reinterpret_cast<void*>(JaxringWaveNetStageCpu)},
   };
 }
 

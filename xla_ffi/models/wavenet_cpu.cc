@@ -40,11 +40,15 @@
 #include <atomic>
 #include <utility>
 #include <string>
+#include <string_view>
 #include <thread>
 #include <vector>
 
+#include "common/config.h"
+#include "common/types.h"
 #include "kernels/reduce_cpu.h"
 #include "models/targets.h"
+#include "transports/mailbox.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -461,17 +465,30 @@ class Sampler {
   // The other pointers are the whole batch's (this step's local, noise and logits rows).
   void Step(int64_t t, const float* gate_bias, const float* local, const float* noise,
             int32_t* tokens, float* queues, float* logits_out) {
-    const int64_t b_count = streams_.count, r = s_.residual, skip = s_.skip;
-    const int64_t first = streams_.first, total = streams_.total;
-    local += first * s_.local_channels;
-    noise += first;
-    for (int64_t b = 0; b < b_count; ++b) {
+    Embed(tokens);
+    Layers(t, 0, static_cast<int64_t>(s_.dilations.size()), gate_bias, local, queues);
+    Head(noise, tokens, logits_out);
+  }
+
+  // The three parts of a step, for a pipeline of stages that each run some of the layers
+  // (WaveNetStage): the embedding of the previous samples starts the residual stream and an
+  // empty skip sum; layers [begin, end) advance both; the output layers sample the next tokens.
+  void Embed(const int32_t* tokens) {
+    const int64_t r = s_.residual;
+    for (int64_t b = 0; b < streams_.count; ++b) {
       std::memcpy(&h_[b * r], &embedding_[static_cast<int64_t>(tokens[b]) * r],
                   r * sizeof(float));
     }
     std::fill(skip_sum_.begin(), skip_sum_.end(), 0.0f);
+  }
+
+  void Layers(int64_t t, int64_t begin, int64_t end, const float* gate_bias, const float* local,
+              float* queues) {
+    const int64_t b_count = streams_.count, r = s_.residual, skip = s_.skip;
+    const int64_t first = streams_.first, total = streams_.total;
+    local += first * s_.local_channels;
     const int64_t layers = static_cast<int64_t>(s_.dilations.size());
-    for (int64_t i = 0; i < layers; ++i) {
+    for (int64_t i = begin; i < end; ++i) {
       const auto& layer = w_.layers[i];
       float* slot = queues + ((queue_offsets_[i] + t % s_.dilations[i]) * total + first) * r;
       for (int64_t b = 0; b < b_count; ++b) {
@@ -503,6 +520,11 @@ class Sampler {
         for (int64_t c = 0; c < skip; ++c) skip_sum_[b * skip + c] += y[r + c];
       }
     }
+  }
+
+  void Head(const float* noise, int32_t* tokens, float* logits_out) {
+    const int64_t skip = s_.skip, first = streams_.first;
+    noise += first;
     // Output layers: relu -> dense -> relu -> dense, then sample.
     for (float& v : skip_sum_) v = v > 0.0f ? v : 0.0f;
     SetBias(hidden_.data(), hidden_bias_, s_.hidden);
@@ -510,13 +532,25 @@ class Sampler {
     for (float& v : hidden_) v = v > 0.0f ? v : 0.0f;
     SetBias(logits_.data(), logits_bias_, s_.levels);
     Gemv(w_.logits, s_.hidden, s_.levels, hidden_.data(), s_.hidden, logits_.data(), s_.levels);
-    for (int64_t b = 0; b < b_count; ++b) {
+    for (int64_t b = 0; b < streams_.count; ++b) {
       tokens[b] = SampleLevel(&logits_[b * s_.levels], s_.levels, noise[b], cdf_.data(), avx2_);
     }
     if (logits_out != nullptr) {
       std::memcpy(logits_out + first * s_.levels, logits_.data(), logits_.size() * sizeof(float));
     }
   }
+
+  // What one stage hands the next between layers: the residual stream, then the skip sum.
+  int64_t StateFloats() const { return streams_.count * (s_.residual + s_.skip); }
+  void SaveState(float* out) const {
+    std::memcpy(out, h_.data(), h_.size() * sizeof(float));
+    std::memcpy(out + h_.size(), skip_sum_.data(), skip_sum_.size() * sizeof(float));
+  }
+  void LoadState(const float* in) {
+    std::memcpy(h_.data(), in, h_.size() * sizeof(float));
+    std::memcpy(skip_sum_.data(), in + h_.size(), skip_sum_.size() * sizeof(float));
+  }
+  const Streams& streams() const { return streams_; }
 
  private:
   bool Multiple8() const {
@@ -791,24 +825,109 @@ class TeamSampler {
   std::vector<float> h_, x_, z_, a_, skip_partial_, relu_skip_, hidden_, logits_, cdf_;
 };
 
-template <typename W>
-ffi::Error Run(const W* weights, int64_t weight_count, const Sizes& sizes, bool allow_simd,
-               int64_t threads, int64_t steps,
-               int64_t first_step, const float* gate_bias, const float* local, const float* noise,
-               const int32_t* token, float* queues, int32_t* tokens_out, float* logits_out) {
-  const PackedWeights<W> packed(weights, sizes);
-  if (packed.count != weight_count) {
-    return ffi::Error::InvalidArgument(
-        "jaxring_wavenet_sample: the packed weights have " + std::to_string(weight_count) +
-        " elements, the sizes given need " + std::to_string(packed.count));
+// The operands and results of a sampling call, checked against the sizes.
+struct Call {
+  Sizes sizes;
+  int64_t steps = 0, first_step = 0;
+  const float* gate_bias = nullptr;
+  const float* local = nullptr;
+  const float* noise = nullptr;
+  const int32_t* token = nullptr;
+  float* queues = nullptr;
+  int32_t* tokens_out = nullptr;
+  float* logits_out = nullptr;  // null unless logits are returned
+};
+
+ffi::Error Invalid(const std::string& what) {
+  return ffi::Error::InvalidArgument("jaxring_wavenet_sample: " + what);
+}
+
+ffi::Error Prepare(ffi::Buffer<ffi::F32> gate_bias, ffi::Buffer<ffi::F32> local,
+                   ffi::Buffer<ffi::F32> noise, ffi::Buffer<ffi::S32> token,
+                   ffi::Buffer<ffi::F32> queues, ffi::Buffer<ffi::S32> first_step,
+                   ffi::ResultBuffer<ffi::S32>& tokens, ffi::ResultBuffer<ffi::F32>& queues_out,
+                   ffi::ResultBuffer<ffi::F32>& logits, int64_t residual, int64_t skip,
+                   int64_t hidden, int64_t levels, int64_t local_channels, int64_t panel_width,
+                   ffi::Span<const int64_t> dilations, Call* call) {
+  if (panel_width <= 0 || panel_width % 8) {
+    return Invalid("panel_width must be a positive multiple of 8, got " +
+                   std::to_string(panel_width));
+  }
+  call->sizes = Sizes{residual,    skip,       hidden, levels, local_channels,
+                      panel_width, static_cast<int64_t>(token.element_count()),
+                      std::vector<int64_t>(dilations.begin(), dilations.end())};
+  const Sizes& sizes = call->sizes;
+  const auto noise_dims = noise.dimensions();
+  if (noise_dims.size() != 2 || noise_dims[1] != sizes.batch) {
+    return Invalid("the uniform numbers must be [steps, batch=" + std::to_string(sizes.batch) +
+                   "]");
+  }
+  call->steps = noise_dims[0];
+  int64_t queue_rows = 0;
+  for (int64_t d : sizes.dilations) queue_rows += d;
+  const auto count = [](const auto& buffer) {
+    return static_cast<int64_t>(buffer.element_count());
+  };
+  const int64_t layers = static_cast<int64_t>(sizes.dilations.size());
+  if (count(queues) != queue_rows * sizes.batch * residual ||
+      count(gate_bias) != layers * sizes.batch * 2 * residual ||
+      count(local) != call->steps * sizes.batch * local_channels) {
+    return Invalid("queues, gate bias or local conditioning do not match the sizes");
   }
   for (int64_t b = 0; b < sizes.batch; ++b) {
-    if (token[b] < 0 || token[b] >= sizes.levels) {
-      return ffi::Error::InvalidArgument("jaxring_wavenet_sample: stream " + std::to_string(b) +
-                                         " starts from token " + std::to_string(token[b]) +
-                                         ", outside [0, " + std::to_string(sizes.levels) + ")");
+    if (token.typed_data()[b] < 0 || token.typed_data()[b] >= sizes.levels) {
+      return Invalid("stream " + std::to_string(b) + " starts from token " +
+                     std::to_string(token.typed_data()[b]) + ", outside [0, " +
+                     std::to_string(sizes.levels) + ")");
     }
   }
+  call->queues = queues_out->typed_data();
+  if (call->queues != queues.typed_data()) {
+    std::memcpy(call->queues, queues.typed_data(), queues.element_count() * sizeof(float));
+  }
+  call->logits_out = logits->element_count() == 0 ? nullptr : logits->typed_data();
+  call->first_step = static_cast<int64_t>(first_step.typed_data()[0]);
+  call->gate_bias = gate_bias.typed_data();
+  call->local = local.typed_data();
+  call->noise = noise.typed_data();
+  call->token = token.typed_data();
+  call->tokens_out = tokens->typed_data();
+  return ffi::Error::Success();
+}
+
+template <typename W>
+ffi::Error CheckPacked(const PackedWeights<W>& packed, int64_t weight_count) {
+  if (packed.count != weight_count) {
+    return Invalid("the packed weights have " + std::to_string(weight_count) +
+                   " elements, the sizes given need " + std::to_string(packed.count));
+  }
+  return ffi::Error::Success();
+}
+
+// Calls `run(typed weights)` for float32 or float16 weights.
+template <typename Run>
+ffi::Error WithWeights(ffi::AnyBuffer weights, Run run) {
+  switch (weights.element_type()) {
+    case ffi::DataType::F32:
+      return run(static_cast<const float*>(weights.untyped_data()));
+    case ffi::DataType::F16:
+      return run(static_cast<const uint16_t*>(weights.untyped_data()));
+    default:
+      return Invalid("weights must be float32 or float16");
+  }
+}
+
+template <typename W>
+ffi::Error Run(const W* weights, int64_t weight_count, bool allow_simd, int64_t threads,
+               const Call& c) {
+  const Sizes& sizes = c.sizes;
+  const PackedWeights<W> packed(weights, sizes);
+  if (ffi::Error error = CheckPacked(packed, weight_count); error.failure()) return error;
+  const int64_t steps = c.steps, first_step = c.first_step;
+  const float *gate_bias = c.gate_bias, *local = c.local, *noise = c.noise;
+  const int32_t* token = c.token;
+  float *queues = c.queues, *logits_out = c.logits_out;
+  int32_t* tokens_out = c.tokens_out;
   const int64_t b = sizes.batch;
   if (threads > b) {
     // Fewer streams than threads: a team shares each step (TeamSampler).
@@ -853,6 +972,119 @@ ffi::Error Run(const W* weights, int64_t weight_count, const Sizes& sizes, bool 
   return ffi::Error::Success();
 }
 
+// ------------------------------------------------------------------------------------------------
+// (c) with (d): one stage of a layer-sharded sampler. Device `rank` of a mesh axis of `stages`
+// devices runs layers [L rank / stages, L (rank + 1) / stages) of every step, in its own fused
+// loop, and hands each step on with jaxring's in-process point-to-point transport (the LL
+// mailboxes of transports/mailbox.h: the receiver polls the slot, the sender never waits): stage
+// j sends the residual stream and the skip sum to j + 1; the last stage runs the output layers,
+// samples, and sends the tokens back to stage 0 for the next step. The streams are cut into
+// `stream_groups` groups that follow each other through the stages, so with as many groups as
+// stages every stage is busy. Only the last stage's tokens and logits are the samples.
+// The layers [begin, end) of stage `rank`: contiguous groups of about equal work, counting
+// multiply-adds per stream and step. The last stage also runs the output layers (about three
+// layers' worth at 64/256/20), so it gets fewer layers. Every stage has at least one layer.
+std::pair<int64_t, int64_t> StageLayers(const Sizes& s, int64_t stages, int64_t rank) {
+  const int64_t layers = static_cast<int64_t>(s.dilations.size());
+  std::vector<int64_t> prefix(layers + 1, 0);  // work of layers [0, i)
+  for (int64_t i = 0; i < layers; ++i) {
+    const int64_t residual_out = i + 1 < layers ? s.residual * s.residual : 0;
+    prefix[i + 1] = prefix[i] + 4 * s.residual * s.residual + residual_out +
+                    s.residual * s.skip + s.local_channels * 2 * s.residual;
+  }
+  const int64_t total = prefix[layers] + s.skip * s.hidden + s.hidden * s.levels;
+  auto boundary = [&](int64_t k) {  // first layer of stage k
+    if (k <= 0) return int64_t{0};
+    if (k >= stages) return layers;
+    const double target = static_cast<double>(total) * k / stages;
+    int64_t best = k;
+    for (int64_t j = k; j <= layers - (stages - k); ++j) {
+      if (std::abs(prefix[j] - target) < std::abs(prefix[best] - target)) best = j;
+    }
+    return best;
+  };
+  return {boundary(rank), boundary(rank + 1)};
+}
+
+template <typename W>
+ffi::Error RunStage(const W* weights, int64_t weight_count, bool allow_simd, const Call& c,
+                    PointToPoint& transport, int64_t op_id, int64_t stream_groups) {
+  const Sizes& sizes = c.sizes;
+  const PackedWeights<W> packed(weights, sizes);
+  if (ffi::Error error = CheckPacked(packed, weight_count); error.failure()) return error;
+  const int64_t stages = transport.size(), rank = transport.rank(), b = sizes.batch;
+  const auto [begin, end] = StageLayers(sizes, stages, rank);
+  const bool first_stage = rank == 0, last_stage = rank + 1 == stages;
+  const int64_t groups = std::max<int64_t>(1, std::min(stream_groups, b));
+  std::vector<Sampler<W>> samplers;
+  samplers.reserve(groups);
+  for (int64_t g = 0; g < groups; ++g) {
+    const int64_t first = b * g / groups, last = b * (g + 1) / groups;
+    samplers.emplace_back(packed, sizes, Streams{first, last - first, b}, allow_simd);
+  }
+  int64_t most = 0;
+  for (const Sampler<W>& sampler : samplers) most = std::max(most, sampler.StateFloats());
+  std::vector<float> state(most);
+  std::vector<int32_t> tokens(b);
+  std::copy(c.token, c.token + b, tokens.begin());
+  if (!last_stage) std::fill(c.tokens_out, c.tokens_out + c.steps * b, 0);
+  if (!last_stage && c.logits_out != nullptr)
+    std::fill(c.logits_out, c.logits_out + c.steps * b * sizes.levels, 0.0f);
+  auto message = [&](DType dtype, int64_t count) {
+    Header h;
+    h.kind = Collective::kPermute;
+    h.dtype = dtype;
+    h.op_id = op_id;
+    h.count = count;
+    return h;
+  };
+  auto fail = [&](const Status& status) { return ffi::Error::Internal(status.message()); };
+  for (int64_t step = 0; step < c.steps; ++step) {
+    const int64_t t = c.first_step + step;
+    const float* local = c.local + step * b * sizes.local_channels;
+    for (Sampler<W>& sampler : samplers) {
+      const Streams& streams = sampler.streams();
+      int32_t* group_tokens = tokens.data() + streams.first;
+      const int64_t floats = sampler.StateFloats();
+      if (first_stage) {
+        if (step > 0 && stages > 1) {
+          const Status status = transport.Receive(
+              static_cast<int>(stages - 1), message(DType::kS32, streams.count), group_tokens,
+              streams.count * sizeof(int32_t));
+          if (!status.ok()) return fail(status);
+        }
+        sampler.Embed(group_tokens);
+      } else {
+        const Status status = transport.Receive(static_cast<int>(rank - 1),
+                                                message(DType::kF32, floats), state.data(),
+                                                floats * sizeof(float));
+        if (!status.ok()) return fail(status);
+        sampler.LoadState(state.data());
+      }
+      sampler.Layers(t, begin, end, c.gate_bias, local, c.queues);
+      if (last_stage) {
+        sampler.Head(c.noise + step * b, group_tokens,
+                     c.logits_out == nullptr ? nullptr : c.logits_out + step * b * sizes.levels);
+        std::copy(group_tokens, group_tokens + streams.count,
+                  c.tokens_out + step * b + streams.first);
+        if (stages > 1 && step + 1 < c.steps) {
+          const Status status = transport.SendCopy(0, message(DType::kS32, streams.count),
+                                                   group_tokens,
+                                                   streams.count * sizeof(int32_t));
+          if (!status.ok()) return fail(status);
+        }
+      } else {
+        sampler.SaveState(state.data());
+        const Status status = transport.SendCopy(static_cast<int>(rank + 1),
+                                                 message(DType::kF32, floats), state.data(),
+                                                 floats * sizeof(float));
+        if (!status.ok()) return fail(status);
+      }
+    }
+  }
+  return ffi::Error::Success();
+}
+
 ffi::Error WaveNetSampleImpl(ffi::AnyBuffer weights, ffi::Buffer<ffi::F32> gate_bias,
                              ffi::Buffer<ffi::F32> local, ffi::Buffer<ffi::F32> noise,
                              ffi::Buffer<ffi::S32> token, ffi::Buffer<ffi::F32> queues,
@@ -861,56 +1093,52 @@ ffi::Error WaveNetSampleImpl(ffi::AnyBuffer weights, ffi::Buffer<ffi::F32> gate_
                              ffi::ResultBuffer<ffi::F32> queues_out,
                              ffi::ResultBuffer<ffi::F32> logits, int64_t residual, int64_t skip,
                              int64_t hidden, int64_t levels, int64_t local_channels,
-                             int64_t panel_width,
-                             ffi::Span<const int64_t> dilations, bool portable,
-                             int64_t threads) {
-  if (panel_width <= 0 || panel_width % 8) {
-    return ffi::Error::InvalidArgument("jaxring_wavenet_sample: panel_width must be a positive "
-                                       "multiple of 8, got " + std::to_string(panel_width));
+                             int64_t panel_width, ffi::Span<const int64_t> dilations,
+                             bool portable, int64_t threads) {
+  Call call;
+  if (ffi::Error error = Prepare(gate_bias, local, noise, token, queues, first_step, tokens,
+                                 queues_out, logits, residual, skip, hidden, levels,
+                                 local_channels, panel_width, dilations, &call);
+      error.failure())
+    return error;
+  const int64_t count = static_cast<int64_t>(weights.element_count());
+  return WithWeights(weights, [&](const auto* w) {
+    return Run(w, count, !portable, threads, call);
+  });
+}
+
+ffi::Error WaveNetStageImpl(ffi::AnyBuffer weights, ffi::Buffer<ffi::F32> gate_bias,
+                            ffi::Buffer<ffi::F32> local, ffi::Buffer<ffi::F32> noise,
+                            ffi::Buffer<ffi::S32> token, ffi::Buffer<ffi::F32> queues,
+                            ffi::Buffer<ffi::S32> first_step, ffi::Buffer<ffi::S32> rank,
+                            ffi::Buffer<ffi::S32> group, ffi::ResultBuffer<ffi::S32> tokens,
+                            ffi::ResultBuffer<ffi::F32> queues_out,
+                            ffi::ResultBuffer<ffi::F32> logits, int64_t residual, int64_t skip,
+                            int64_t hidden, int64_t levels, int64_t local_channels,
+                            int64_t panel_width, ffi::Span<const int64_t> dilations,
+                            bool portable, int64_t comm, std::string_view comm_name,
+                            int64_t size, int64_t op_id, int64_t stream_groups) {
+  Call call;
+  if (ffi::Error error = Prepare(gate_bias, local, noise, token, queues, first_step, tokens,
+                                 queues_out, logits, residual, skip, hidden, levels,
+                                 local_channels, panel_width, dilations, &call);
+      error.failure())
+    return error;
+  const int32_t stage = rank.typed_data()[0];
+  if (size < 1 || stage < 0 || stage >= size || size > static_cast<int64_t>(dilations.size())) {
+    return Invalid("stage " + std::to_string(stage) + " of " + std::to_string(size) +
+                   ": a layer-sharded sampler needs 1 to " + std::to_string(dilations.size()) +
+                   " stages (one layer each at least)");
   }
-  Sizes sizes{residual,    skip,       hidden, levels, local_channels,
-              panel_width, static_cast<int64_t>(token.element_count()),
-              std::vector<int64_t>(dilations.begin(), dilations.end())};
-  const auto noise_dims = noise.dimensions();
-  if (noise_dims.size() != 2 || noise_dims[1] != sizes.batch) {
-    return ffi::Error::InvalidArgument(
-        "jaxring_wavenet_sample: the uniform numbers must be [steps, batch=" +
-        std::to_string(sizes.batch) + "]");
-  }
-  const int64_t steps = noise_dims[0];
-  int64_t queue_rows = 0;
-  for (int64_t d : sizes.dilations) queue_rows += d;
-  const auto count = [](const auto& buffer) {
-    return static_cast<int64_t>(buffer.element_count());
-  };
-  const int64_t layers = static_cast<int64_t>(sizes.dilations.size());
-  if (count(queues) != queue_rows * sizes.batch * residual ||
-      count(gate_bias) != layers * sizes.batch * 2 * residual ||
-      count(local) != steps * sizes.batch * local_channels) {
-    return ffi::Error::InvalidArgument(
-        "jaxring_wavenet_sample: queues, gate bias or local conditioning do not match the sizes");
-  }
-  float* state = queues_out->typed_data();
-  if (state != queues.typed_data()) {
-    std::memcpy(state, queues.typed_data(), queues.element_count() * sizeof(float));
-  }
-  float* logits_out = logits->element_count() == 0 ? nullptr : logits->typed_data();
-  const int64_t start = static_cast<int64_t>(first_step.typed_data()[0]);
-  switch (weights.element_type()) {
-    case ffi::DataType::F32:
-      return Run(static_cast<const float*>(weights.untyped_data()), weights.element_count(),
-                 sizes, !portable, threads, steps, start, gate_bias.typed_data(),
-                 local.typed_data(), noise.typed_data(), token.typed_data(), state,
-                 tokens->typed_data(), logits_out);
-    case ffi::DataType::F16:
-      return Run(static_cast<const uint16_t*>(weights.untyped_data()), weights.element_count(),
-                 sizes, !portable, threads, steps, start, gate_bias.typed_data(),
-                 local.typed_data(), noise.typed_data(), token.typed_data(), state,
-                 tokens->typed_data(), logits_out);
-    default:
-      return ffi::Error::InvalidArgument(
-          "jaxring_wavenet_sample: weights must be float32 or float16");
-  }
+  const Config config = CurrentConfig();
+  LocalPointToPoint transport(
+      CommunicatorId{static_cast<uint64_t>(comm), group.typed_data()[0], static_cast<int>(size),
+                     std::string(comm_name)},
+      stage, config.timeout_seconds, config.spin_iterations);
+  const int64_t count = static_cast<int64_t>(weights.element_count());
+  return WithWeights(weights, [&](const auto* w) {
+    return RunStage(w, count, !portable, call, transport, op_id, stream_groups);
+  });
 }
 
 }  // namespace
@@ -935,6 +1163,33 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxringWaveNetSampleCpu, jaxring::models::WaveNetS
                                   .Attr<int64_t>("local_channels")
                                   .Attr<int64_t>("panel_width")
                                   .Attr<xla::ffi::Span<const int64_t>>("dilations")
-                                  // Tests set it to run the portable kernels on AVX2 machines.
                                   .Attr<bool>("portable")
                                   .Attr<int64_t>("threads"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxringWaveNetStageCpu, jaxring::models::WaveNetStageImpl,
+                              xla::ffi::Ffi::Bind()
+                                  .Arg<xla::ffi::AnyBuffer>()
+                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()
+                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()
+                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()
+                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()
+                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()
+                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()
+                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()
+                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()
+                                  .Ret<xla::ffi::Buffer<xla::ffi::S32>>()
+                                  .Ret<xla::ffi::Buffer<xla::ffi::F32>>()
+                                  .Ret<xla::ffi::Buffer<xla::ffi::F32>>()
+                                  .Attr<int64_t>("residual")
+                                  .Attr<int64_t>("skip")
+                                  .Attr<int64_t>("hidden")
+                                  .Attr<int64_t>("levels")
+                                  .Attr<int64_t>("local_channels")
+                                  .Attr<int64_t>("panel_width")
+                                  .Attr<xla::ffi::Span<const int64_t>>("dilations")
+                                  .Attr<bool>("portable")
+                                  .Attr<int64_t>("comm")
+                                  .Attr<std::string_view>("comm_name")
+                                  .Attr<int64_t>("size")
+                                  .Attr<int64_t>("op_id")
+                                  .Attr<int64_t>("stream_groups"));
