@@ -29,6 +29,7 @@ across nodes. See jaxring/_src/gpu.py.
 from __future__ import annotations
 
 import atexit
+import sys
 import functools
 import os
 import secrets
@@ -146,6 +147,8 @@ class Communicator:
         self.gpu_transport, self.cuda_aware_mpi, self.cuda_aware_mpi_source = gpu.attach(
             mpi_comm, self.key, self.rank, self.size, self.name, gpu_options, on_one_node,
             extension)
+        if self.gpu_transport in ("ipc", "staged") and _exit_barrier_comm[0] is None:
+            _exit_barrier_comm[0] = mpi_comm.Dup()
         _wait_for_pending_work_at_exit()
 
     def _attach_shared_memory(self, slot_bytes: int) -> None:
@@ -214,11 +217,36 @@ def world() -> Communicator:
     return Communicator(_mpi().COMM_WORLD.Dup(), label="world")
 
 
+# With a GPU transport, peers' kernels may still read this process's device workspace after its
+# own work is done; a barrier at exit keeps the memory alive until every rank's work is.
+_exit_barrier_comm: list = [None]
+
+
 @functools.cache
 def _wait_for_pending_work_at_exit() -> None:
     """A process that dispatched a collective and exits at once must still take part in it, or
     its peers would wait for it in vain (mpi4jax#22). JAX dispatches asynchronously, so wait for
-    every pending computation before the interpreter shuts down."""
+    every pending computation before the interpreter shuts down; with a GPU transport, then wait
+    (up to the timeout) for every rank to get there too."""
     import jax
 
-    atexit.register(jax.effects_barrier)
+    def wait() -> None:
+        jax.effects_barrier()
+        comm = _exit_barrier_comm[0]
+        if comm is None:
+            return
+        import time
+
+        from jaxring import config
+
+        request = comm.Ibarrier()
+        deadline = time.monotonic() + config.get().timeout_seconds
+        while not request.Test():
+            if time.monotonic() > deadline:
+                print(f"jaxring: rank {comm.Get_rank()} left without the other ranks reaching "
+                      "exit; their GPU transport may still read this rank's memory",
+                      file=sys.stderr)
+                return
+            time.sleep(1e-3)
+
+    atexit.register(wait)

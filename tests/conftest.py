@@ -7,6 +7,8 @@ os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 ).strip()
 os.environ.setdefault("JAXRING_TIMEOUT_SECONDS", "60")
+# On a GPU machine the test process must not take the GPU memory its mpiexec children need.
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 import jax  # noqa: E402
 

@@ -77,8 +77,10 @@ def test_a_missing_rank_is_named():
 
 
 @pytest.mark.skipif(COMM.size < 2, reason="needs two ranks")
-@pytest.mark.skipif(COMM.gpu_transport == "ipc", reason="on cuda-ipc the other ranks' all_reduce "
-                    "is a GPU step too; the CPU runs cover the pairing")
+@pytest.mark.skipif(COMM.gpu_transport == "ipc" or (COMM.gpu_transport == "staged" and
+                                                    COMM.cuda_aware_mpi),
+                    reason="the other ranks' all_reduce is a GPU step too (cuda-ipc, or staged "
+                    "over a CUDA-aware MPI); the CPU runs cover the pairing")
 def test_a_gpu_step_never_pairs_with_a_host_collective():
     """Rank 0 takes a cuda-ipc step, the others run the same all_reduce on the host transport:
     an error on every rank that says so, never a step paired with data that was not moved."""
