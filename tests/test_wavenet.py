@@ -52,6 +52,19 @@ def random_weights(config, seed):
         else w, weights)
 
 
+def reference(config, batch, seed, weight_dtype=None, reference_sampler=None):
+    """Random weights (rounded to `weight_dtype` if given), a key, conditioning for `batch`
+    streams, and the reference sampler's (default: naive) tokens and logits, from `seed`."""
+    weights = random_weights(config, seed)
+    if weight_dtype is not None:
+        weights = fused_sampler.round_weights(weights, weight_dtype)
+    key = jax.random.key(seed + 1)
+    speaker, local = conditioning(config, batch, NUM_SAMPLES, seed + 2)
+    expected = (reference_sampler or sampler.sample_naive)(
+        weights, config, key, NUM_SAMPLES, batch, speaker, local, return_logits=True)
+    return weights, key, speaker, local, expected
+
+
 def assert_same_samples(actual, expected):
     (tokens, logits), (expected_tokens, expected_logits) = actual, expected
     np.testing.assert_allclose(np.asarray(logits), np.asarray(expected_logits),
@@ -62,12 +75,7 @@ def assert_same_samples(actual, expected):
 @pytest.fixture(scope="module", params=[TINY, CONDITIONED], ids=["tiny", "conditioned"])
 def case(request):
     config, batch = request.param, 3
-    weights = random_weights(config, seed=1)
-    key = jax.random.key(7)
-    speaker, local = conditioning(config, batch, NUM_SAMPLES, seed=2)
-    naive = sampler.sample_naive(weights, config, key, NUM_SAMPLES, batch, speaker, local,
-                                 return_logits=True)
-    return config, batch, weights, key, speaker, local, naive
+    return (config, batch) + reference(config, batch, seed=1)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -150,11 +158,8 @@ def test_layer_sharded_full_pipeline(batch):
     """Batch 4 on 2 devices fills the pipeline with 2 microbatches (the `case` tests cover 3
     streams on 2 devices, one microbatch, and on 3 devices, three)."""
     config = CONDITIONED
-    weights = random_weights(config, seed=13)
-    key = jax.random.key(14)
-    speaker, local = conditioning(config, batch, NUM_SAMPLES, seed=15)
-    expected = sampler.sample_incremental(weights, config, key, NUM_SAMPLES, batch, speaker, local,
-                                          return_logits=True)
+    weights, key, speaker, local, expected = reference(config, batch, seed=13,
+                                                       reference_sampler=sampler.sample_incremental)
     sharded = pipeline_sampler.sample_layer_sharded(
         weights, config, key, NUM_SAMPLES, batch, mesh(2, "stage"), "stage", speaker, local,
         return_logits=True)
@@ -179,11 +184,8 @@ def test_fused_equals_naive(case, portable, chunk_steps):
 @pytest.mark.parametrize("batch,threads", [(5, 2)])
 def test_fused_float16_weights_equal_naive_on_rounded_weights(batch, threads):
     config = CONDITIONED
-    weights = fused_sampler.round_weights(random_weights(config, seed=8), jnp.float16)
-    key = jax.random.key(9)
-    speaker, local = conditioning(config, batch, NUM_SAMPLES, seed=10)
-    naive = sampler.sample_naive(weights, config, key, NUM_SAMPLES, batch, speaker, local,
-                                 return_logits=True)
+    weights, key, speaker, local, naive = reference(config, batch, seed=8,
+                                                    weight_dtype=jnp.float16)
     fused = fused_sampler.sample_fused(weights, config, key, NUM_SAMPLES, batch, speaker, local,
                                        return_logits=True, weight_dtype=jnp.float16,
                                        threads=threads)
@@ -194,11 +196,7 @@ def test_fused_float16_weights_equal_naive_on_rounded_weights(batch, threads):
 def test_fused_team_of_threads_equals_naive(batch, threads):
     """Fewer streams than threads: the threads split every step's channels between them."""
     config = CONDITIONED
-    weights = random_weights(config, seed=16)
-    key = jax.random.key(17)
-    speaker, local = conditioning(config, batch, NUM_SAMPLES, seed=18)
-    naive = sampler.sample_naive(weights, config, key, NUM_SAMPLES, batch, speaker, local,
-                                 return_logits=True)
+    weights, key, speaker, local, naive = reference(config, batch, seed=16)
     fused = fused_sampler.sample_fused(weights, config, key, NUM_SAMPLES, batch, speaker, local,
                                        return_logits=True, threads=threads)
     assert_same_samples(fused, naive)
@@ -229,11 +227,8 @@ def test_layer_sharded_fused_float16_groups_equal_naive(devices, groups):
     """float16 weights; stream groups of uneven size (5 streams in 3 groups) and one group
     passing alone through three stages."""
     config, batch = CONDITIONED, 5
-    weights = fused_sampler.round_weights(random_weights(config, seed=19), jnp.float16)
-    key = jax.random.key(20)
-    speaker, local = conditioning(config, batch, NUM_SAMPLES, seed=21)
-    naive = sampler.sample_naive(weights, config, key, NUM_SAMPLES, batch, speaker, local,
-                                 return_logits=True)
+    weights, key, speaker, local, naive = reference(config, batch, seed=19,
+                                                    weight_dtype=jnp.float16)
     sharded = pipeline_sampler.sample_layer_sharded_fused(
         weights, config, key, NUM_SAMPLES, batch, mesh(devices, "stage"), "stage", speaker,
         local, return_logits=True, weight_dtype=jnp.float16, stream_groups=groups)

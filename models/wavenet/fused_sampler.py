@@ -82,18 +82,24 @@ def fused_steps(packed, config: ModelConfig, gate_bias, local, noise, token, que
     least that many streams, each thread samples a share of the streams; with fewer, the threads
     split every step's channels between them and meet once per layer (needs a core per
     thread: on a busy machine it is slower than one thread)."""
+    return _sampling_call(TARGET, config, noise, queues, return_logits)(
+        packed, gate_bias, local, noise, token, queues, jnp.asarray(first_step, jnp.int32),
+        **_size_attributes(config), portable=portable, threads=np.int64(threads))
+
+
+def _sampling_call(target: str, config: ModelConfig, noise, queues, return_logits: bool,
+                   has_side_effect: bool = False):
+    """The custom call of both sampling kernels: tokens `[steps, batch]`, the queues (aliased to
+    operand 5) and the logits `[steps or 0, batch, levels]`."""
     native.register_targets()
     steps, batch = noise.shape
-    logits_steps = steps if return_logits else 0
-    call = jax.ffi.ffi_call(
-        TARGET,
+    return jax.ffi.ffi_call(
+        target,
         (jax.ShapeDtypeStruct((steps, batch), jnp.int32),
          jax.ShapeDtypeStruct(queues.shape, jnp.float32),
-         jax.ShapeDtypeStruct((logits_steps, batch, config.quantization_levels), jnp.float32)),
-        input_output_aliases={5: 1},
-    )
-    return call(packed, gate_bias, local, noise, token, queues, jnp.asarray(first_step, jnp.int32),
-                **_size_attributes(config), portable=portable, threads=np.int64(threads))
+         jax.ShapeDtypeStruct((steps if return_logits else 0, batch, config.quantization_levels),
+                              jnp.float32)),
+        input_output_aliases={5: 1}, has_side_effect=has_side_effect)
 
 
 def _size_attributes(config: ModelConfig) -> dict:
@@ -114,20 +120,13 @@ def stage_steps(packed, config: ModelConfig, gate_bias, local, noise, token, que
     and hands every step on through jaxring's point-to-point mailboxes; streams go through in
     `stream_groups` groups. Only the last stage's tokens and logits are the samples (the other
     stages return zeros)."""
-    native.register_targets()
-    steps, batch = noise.shape
-    logits_steps = steps if return_logits else 0
-    call = jax.ffi.ffi_call(
-        STAGE_TARGET,
-        (jax.ShapeDtypeStruct((steps, batch), jnp.int32),
-         jax.ShapeDtypeStruct(queues.shape, jnp.float32),
-         jax.ShapeDtypeStruct((logits_steps, batch, config.quantization_levels), jnp.float32)),
-        input_output_aliases={5: 1}, has_side_effect=True,
-    )
-    return call(packed, gate_bias, local, noise, token, queues, jnp.asarray(first_step, jnp.int32),
-                stage, group, **_size_attributes(config), portable=portable,
-                comm=np.int64(comm.key), comm_name=comm.name, size=np.int64(comm.size),
-                op_id=np.int64(op_id), stream_groups=np.int64(stream_groups))
+    # A side effect: the stages talk to each other, so XLA must neither drop nor merge calls.
+    return _sampling_call(STAGE_TARGET, config, noise, queues, return_logits,
+                          has_side_effect=True)(
+        packed, gate_bias, local, noise, token, queues, jnp.asarray(first_step, jnp.int32),
+        stage, group, **_size_attributes(config), portable=portable, comm=np.int64(comm.key),
+        comm_name=comm.name, size=np.int64(comm.size), op_id=np.int64(op_id),
+        stream_groups=np.int64(stream_groups))
 
 
 def run_chunks(steps_fn, config: ModelConfig, key, num_samples: int, batch: int, local,
