@@ -29,10 +29,10 @@ across nodes. See jaxring/_src/gpu.py.
 from __future__ import annotations
 
 import atexit
-import sys
 import functools
 import os
 import secrets
+import sys
 import weakref
 
 from jaxring._src import common, gpu, native
