@@ -25,6 +25,7 @@ import functools
 import inspect
 import os
 
+import jax
 import numpy as np
 from jax._src import array, core, dispatch
 from jax._src.interpreters import pxla
@@ -39,6 +40,18 @@ def _token_layout(devices: tuple) -> tuple[NamedSharding, core.ShapedArray]:
     sharding = NamedSharding(Mesh(np.asarray(devices, dtype=object), "x"), PartitionSpec("x"))
     aval = core.update_aval_with_sharding(core.ShapedArray((0,), np.bool_), sharding)
     return sharding, aval
+
+
+def _token_array(aval, sharding, bufs):
+    """The per-device token buffers as one array: ArrayImpl directly (7 µs at 8 devices), or, if
+    this JAX's constructor differs, the public `make_array_from_single_device_arrays` (34 µs)."""
+    global _token_array
+    try:
+        return array.ArrayImpl(aval, sharding, bufs, committed=True, _skip_checks=True)
+    except TypeError:
+        _token_array = lambda aval, sharding, bufs: jax.make_array_from_single_device_arrays(  # noqa: E731
+            (0,), sharding, bufs)
+        return _token_array(aval, sharding, bufs)
 
 
 def _expected_signatures() -> bool:
@@ -80,8 +93,7 @@ def install(effect_type: type) -> bool:
         for eff, bufs in zip(self.ordered_effects, token_bufs):
             devices = tuple(b.sharding._device_assignment[0] for b in bufs)
             sharding, aval = _token_layout(devices)
-            tokens.current_tokens[eff] = core.Token(
-                array.ArrayImpl(aval, sharding, list(bufs), committed=True, _skip_checks=True))
+            tokens.current_tokens[eff] = core.Token(_token_array(aval, sharding, list(bufs)))
 
     dispatch.RuntimeTokenSet.get_token_input = get_token_input
     pxla.ExecuteReplicated._handle_token_bufs = handle_token_bufs
