@@ -97,19 +97,14 @@ void Flag::Abandon() {
   WakeAll();
 }
 
+void CpuRelax() { JAXRING_CPU_RELAX(); }
+void YieldCore() { sched_yield(); }
+
 template <typename Done>
 bool Flag::Wait(Done done, const Deadline& deadline, int64_t spin_iterations) const {
-  for (int64_t i = 0; i < spin_iterations; ++i) {
-    if (done(value_.load(std::memory_order_acquire))) return true;
-    JAXRING_CPU_RELAX();
-  }
-  const auto stop_yielding = std::chrono::steady_clock::now() + kYieldPhase;
-  do {
-    for (int i = 0; i < 8; ++i) {
-      if (done(value_.load(std::memory_order_acquire))) return true;
-      sched_yield();
-    }
-  } while (std::chrono::steady_clock::now() < stop_yielding);
+  if (SpinThenYield([&] { return done(value_.load(std::memory_order_acquire)); },
+                    spin_iterations, kYieldPhase))
+    return true;
   while (true) {
     uint32_t seen = value_.load(std::memory_order_acquire);
     if (done(seen)) return true;

@@ -10,6 +10,29 @@
 
 namespace jaxring {
 
+void CpuRelax();   // a pause instruction where the CPU has one
+void YieldCore();  // sched_yield
+
+// The first two phases of every wait: poll `done` `spin` times, then keep polling while yielding
+// the core for up to `yield_for` (when devices or ranks outnumber cores, the peer being waited for
+// may need this core). True as soon as done() holds; false if it still does not, and the caller
+// goes on to its own way of sleeping (a futex for flags, short naps for MPI requests).
+template <typename Done>
+bool SpinThenYield(Done done, int64_t spin, std::chrono::microseconds yield_for) {
+  for (int64_t i = 0; i < spin; ++i) {
+    if (done()) return true;
+    CpuRelax();
+  }
+  const auto stop_yielding = std::chrono::steady_clock::now() + yield_for;
+  do {
+    for (int i = 0; i < 8; ++i) {
+      if (done()) return true;
+      YieldCore();
+    }
+  } while (std::chrono::steady_clock::now() < stop_yielding);
+  return done();
+}
+
 class Deadline {
  public:
   explicit Deadline(double seconds);

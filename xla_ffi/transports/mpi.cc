@@ -1,7 +1,5 @@
 #include "transports/mpi.h"
 
-#include <sched.h>
-
 #include <algorithm>
 #include <chrono>
 #include <cstring>
@@ -38,15 +36,7 @@ struct WireHeader {
 // the naps stay short; they only begin after the yield phase, when a wait is already long.
 template <typename Done>
 bool Poll(Done done, const Deadline& deadline, int64_t spin) {
-  using Clock = std::chrono::steady_clock;
-  for (int64_t i = 0; i < spin; ++i) {
-    if (done()) return true;
-  }
-  const auto stop_yielding = Clock::now() + std::chrono::microseconds(200);
-  do {
-    if (done()) return true;
-    sched_yield();
-  } while (Clock::now() < stop_yielding);
+  if (SpinThenYield(done, spin, std::chrono::microseconds(200))) return true;
   auto nap = std::chrono::microseconds(2);
   while (!done()) {
     if (deadline.Expired()) return done();
