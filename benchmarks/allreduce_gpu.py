@@ -51,7 +51,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import jaxring  # noqa: E402
 import jaxring.mpi  # noqa: E402
 from common import (RESULTS, bus_factor, environment, human_bytes,  # noqa: E402
-                    slowest_rank_median, write_results)
+                    plot_time_per_size, slowest_rank_median, write_results)
 
 WORLD = MPI.COMM_WORLD
 TRANSPORTS = {
@@ -221,7 +221,8 @@ def main() -> None:
         name = f"allreduce_gpu-{slug}-n{n}"
         write_results(name, {"environment": env, "ranks": n, "kernels": kernels, "rows": rows},
                       markdown(kernels, rows, env, n))
-        plot(rows, n, env["device"], RESULTS / f"{name}.png")
+        plot_time_per_size(rows, f"all-reduce, {n} processes on one {env['device']}",
+                           RESULTS / f"{name}.png")
         print(f"wrote {RESULTS / name}.{{json,md,png}}")
 
 
@@ -262,23 +263,6 @@ def markdown(kernels, rows, env, n) -> str:
               "is the ceiling of the ipc transport, measured above as the copy bandwidth."]
     return "\n".join(lines) + "\n"
 
-
-def plot(rows, n, device, path) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6.5, 4.2))
-    for name in dict.fromkeys(r["impl"] for r in rows):
-        sel = [r for r in rows if r["impl"] == name]
-        ax.loglog([r["bytes"] for r in sel], [r["seconds"] * 1e6 for r in sel], "o-", label=name)
-    ax.set_xlabel("bytes per rank")
-    ax.set_ylabel("time (us)")
-    ax.set_title(f"all-reduce, {n} processes on one {device}")
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
 
 
 if __name__ == "__main__":

@@ -35,7 +35,7 @@ import jaxring  # noqa: E402
 import jaxring.mpi  # noqa: E402
 import common  # noqa: E402
 from common import (RESULTS, bus_factor, environment, human_bytes,  # noqa: E402
-                    memory_bandwidth_gbps, write_results)
+                    memory_bandwidth_gbps, plot_time_per_size, write_results)
 
 COMM = jaxring.mpi.world()
 WORLD = MPI.COMM_WORLD
@@ -147,7 +147,7 @@ def main() -> None:
         name = f"allreduce_mpi-cpu-n{n}"
         write_results(name, {"environment": env, "ranks": n, "copy_bandwidth_gbps": ceiling,
                              "rows": rows}, markdown(rows, env, n, ceiling))
-        plot(rows, n, RESULTS / f"{name}.png")
+        plot_time_per_size(rows, f"all-reduce, {n} processes", RESULTS / f"{name}.png")
 
 
 def markdown(rows, env, n, ceiling) -> str:
@@ -180,23 +180,6 @@ def markdown(rows, env, n, ceiling) -> str:
         lines.append(f"| {human_bytes(nbytes)} | {cells} |")
     return "\n".join(lines) + "\n"
 
-
-def plot(rows, n, path) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for name in dict.fromkeys(r["impl"] for r in rows if not r.get("per_op")):
-        sel = [r for r in rows if r["impl"] == name]
-        ax.loglog([r["bytes"] for r in sel], [r["seconds"] * 1e6 for r in sel], "o-", label=name)
-    ax.set_xlabel("bytes per rank")
-    ax.set_ylabel("time (us)")
-    ax.set_title(f"all-reduce, {n} processes")
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
 
 
 if __name__ == "__main__":

@@ -100,3 +100,25 @@ def slowest_rank_median(fn, world, budget_seconds: float = 0.5, min_repeats: int
         if world.bcast(done, root=0):
             break
     return statistics.median(samples)
+
+
+def plot_time_per_size(rows, title: str, path) -> None:
+    """Time against bytes per rank, one log-log curve per implementation (`impl`), leaving out
+    the per-operation rows measured inside a loop (`per_op`)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.5, 4.2))
+    for name in dict.fromkeys(r["impl"] for r in rows if not r.get("per_op")):
+        sel = [r for r in rows if r["impl"] == name]
+        ax.loglog([r["bytes"] for r in sel], [r["seconds"] * 1e6 for r in sel], "o-", label=name)
+    ax.set_xlabel("bytes per rank")
+    ax.set_ylabel("time (us)")
+    ax.set_title(title)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
