@@ -1,7 +1,13 @@
 """Where the small-message time goes: the fixed cost of one program run against the cost of one
-more collective inside it, for jaxring and lax, on 8 CPU devices with 4-byte messages.
+more collective inside it, for jaxring and lax, on 2 and 8 CPU devices with 4-byte messages.
 
     python benchmarks/overhead.py   ->  benchmarks/results/overhead-cpu.{json,md}
+
+Two rows isolate jaxring's fixed cost. "empty program + jaxring's effect" carries jaxring's
+ordered effect (the runtime token JAX passes from program to program) and communicates nothing:
+its difference to the empty program is what the effect costs at dispatch. "effect stripped" runs
+the same all-reduce custom call without the token: a measurement only, since programs dispatched
+back to back without it can deadlock PJRT CPU's device threads (see README, "Dispatch").
 """
 
 from __future__ import annotations
@@ -15,12 +21,60 @@ os.environ["XLA_FLAGS"] = (
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 from jax import lax  # noqa: E402
+from jax._src import core  # noqa: E402
+from jax._src.interpreters import mlir  # noqa: E402
+from jax._src.lib.mlir.dialects import hlo  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import jaxring  # noqa: E402
 from common import environment, median_seconds, write_results  # noqa: E402
+from jaxring._src import common as jr  # noqa: E402
+from jaxring._src import native  # noqa: E402
+
+# ---- two measurement-only primitives ------------------------------------------------------------
+
+effect_only_p = core.Primitive("overhead_effect_only")  # x, with jaxring's ordered effect
+effect_only_p.def_effectful_abstract_eval(lambda x: (x, {jr.collective_effect}))
+
+
+def _effect_only_lowering(ctx, x):
+    ctx.set_tokens_out(ctx.tokens_in)
+    return [x]
+
+
+mlir.register_lowering(effect_only_p, _effect_only_lowering, platform="cpu")
+
+stripped_p = core.Primitive("overhead_all_reduce_without_effect")
+stripped_p.def_abstract_eval(
+    lambda rank, group, x, *, comm, op_id: jr.with_varying_axes(
+        x, jr.varying_axes(x) - frozenset(comm.axes)))
+
+
+def _stripped_lowering(ctx, rank, group, x, *, comm, op_id):
+    """jaxring's all-reduce custom call with a fresh token instead of the program-order one."""
+    native.register_targets()
+    sub_ctx = ctx.replace(avals_in=[core.abstract_token, *ctx.avals_in],
+                          avals_out=[core.abstract_token, *ctx.avals_out])
+    results = jax.ffi.ffi_lowering("jaxring_all_reduce", has_side_effect=True)(
+        sub_ctx, hlo.create_token(), rank, group, x, comm=np.int64(comm.key),
+        comm_name=comm.name, size=np.int64(comm.size), op_id=np.int64(op_id),
+        op=np.int64(jr.REDUCE_OPS["sum"]))
+    return results[1:]
+
+
+mlir.register_lowering(stripped_p, _stripped_lowering, platform="cpu")
+
+
+def all_reduce_without_effect(x, axis_name):
+    comm = jr.communicator("overhead", axis_name)
+    rank, group = comm.rank_and_group()
+    return stripped_p.bind(rank, group, jr.make_varying(x, comm.axes), comm=comm,
+                           op_id=jr.next_op_id(comm))
+
+
+# ---- the measurement ------------------------------------------------------------------------------
 
 
 def chain(reduce, k):
@@ -31,44 +85,74 @@ def chain(reduce, k):
     return body
 
 
-def main() -> None:
-    mesh = jax.make_mesh((8,), ("i",))
-    x = jax.device_put(np.ones(8, np.float32), NamedSharding(mesh, P("i")))
-    cases = {
+def cases():
+    out = {
         "empty program (x + 1)": lambda v: v + 1,
+        "empty program + jaxring's effect": lambda v: effect_only_p.bind(v + 1),
         "jaxring.barrier only": lambda v: (jaxring.barrier("i"), v + 1)[1],
+        "1 x jaxring.all_reduce, effect stripped": lambda v: all_reduce_without_effect(v, "i"),
     }
     for k in (1, 2, 8):
-        cases[f"{k} x jaxring.all_reduce"] = chain(lambda v: jaxring.all_reduce(v, "i"), k)
-        cases[f"{k} x lax.psum"] = chain(lambda v: lax.psum(v, "i"), k)
-    rows = []
-    for name, body in cases.items():
-        f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("i"), out_specs=P("i")))
-        seconds = median_seconds(lambda: f(x).block_until_ready(), budget_seconds=1.0)
-        rows.append({"case": name, "seconds": seconds})
-        print(f"{name:28s} {seconds * 1e6:8.1f} us", flush=True)
-    t = {r["case"]: r["seconds"] for r in rows}
-    per_ours = (t["8 x jaxring.all_reduce"] - t["1 x jaxring.all_reduce"]) / 7
-    per_lax = (t["8 x lax.psum"] - t["1 x lax.psum"]) / 7
-    fixed_ours = t["1 x jaxring.all_reduce"] - per_ours
-    fixed_lax = t["1 x lax.psum"] - per_lax
+        out[f"{k} x jaxring.all_reduce"] = chain(lambda v: jaxring.all_reduce(v, "i"), k)
+        out[f"{k} x lax.psum"] = chain(lambda v: lax.psum(v, "i"), k)
+    return out
+
+
+def measure(n: int) -> list[dict]:
+    mesh = jax.make_mesh((n,), ("i",), devices=jax.devices()[:n])
+    x = jax.device_put(np.arange(n, dtype=np.float32), NamedSharding(mesh, P("i")))
+    fns = {name: jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("i"), out_specs=P("i")))
+           for name, body in cases().items()}
+    total = n * (n - 1) / 2
+    for name, f in fns.items():  # every collective row must reduce; nothing is timed unchecked
+        got = np.asarray(f(x))
+        if "x " in name and "program" not in name:
+            k = int(name.split(" x ")[0]) if name[0].isdigit() else 1
+            expected = total * n ** (k - 1)
+            np.testing.assert_array_equal(got, np.full(n, expected, np.float32), err_msg=name)
+    seconds = {name: [] for name in fns}
+    for _ in range(3):  # rounds interleave the cases, so drift on a shared machine hits all
+        for name, f in fns.items():
+            seconds[name].append(median_seconds(lambda: f(x).block_until_ready(),
+                                                budget_seconds=0.4))
+    rows = [{"devices": n, "case": name, "seconds": float(min(s))} for name, s in seconds.items()]
+    for r in rows:
+        print(f"n={n} {r['case']:42s} {r['seconds'] * 1e6:8.1f} us", flush=True)
+    return rows
+
+
+def summary(rows: list[dict], n: int) -> list[str]:
+    t = {r["case"]: r["seconds"] for r in rows if r["devices"] == n}
+    us = {k: v * 1e6 for k, v in t.items()}
+    per_ours = (us["8 x jaxring.all_reduce"] - us["1 x jaxring.all_reduce"]) / 7
+    per_lax = (us["8 x lax.psum"] - us["1 x lax.psum"]) / 7
+    effect = us["empty program + jaxring's effect"] - us["empty program (x + 1)"]
+    return [
+        f"**{n} devices.** Per extra collective in the same program: jaxring {per_ours:.1f} us, "
+        f"lax.psum {per_lax:.1f} us. The ordered effect alone adds {effect:.1f} us to an empty "
+        f"program ({us['empty program (x + 1)']:.1f} us). One all-reduce: jaxring "
+        f"{us['1 x jaxring.all_reduce']:.1f} us, the same call with the effect stripped "
+        f"{us['1 x jaxring.all_reduce, effect stripped']:.1f} us, lax.psum "
+        f"{us['1 x lax.psum']:.1f} us.", ""]
+
+
+def main() -> None:
+    rows = measure(2) + measure(8)
     env = environment()
-    md = [
-        "# Small-message cost: per program vs per collective (8 CPU devices, 4 B)", "",
-        f"Device: {env['device']}, {env['cores']} cores; jax {env['jax']}; {env['date']}.", "",
-        "| case | median (us) |", "|---|---|",
-        *[f"| {r['case']} | {r['seconds'] * 1e6:.1f} |" for r in rows], "",
-        f"Per extra collective in the same program: jaxring {per_ours * 1e6:.1f} us, "
-        f"lax.psum {per_lax * 1e6:.1f} us.",
-        f"Fixed cost of a program containing collectives: jaxring {fixed_ours * 1e6:.1f} us, "
-        f"lax {fixed_lax * 1e6:.1f} us (an empty program: {t['empty program (x + 1)'] * 1e6:.1f} us).",
-        "The suspected source of jaxring's fixed cost (not yet isolated) is JAX's ordered-effect runtime token, passed between "
-        "program runs and set up in Python on every dispatch.", ""]
-    write_results("overhead-cpu", {"environment": env, "rows": rows,
-                                   "per_collective_s": {"jaxring": per_ours, "lax": per_lax},
-                                   "fixed_s": {"jaxring": fixed_ours, "lax": fixed_lax}},
-                  "\n".join(md))
-    print("\n".join(md[-4:]))
+    md = ["# Small-message cost: per program vs per collective (CPU devices, 4 B)", "",
+          f"Device: {env['device']}, {env['cores']} cores; jax {env['jax']}; {env['date']}. "
+          "Best of 3 interleaved rounds of medians.", "",
+          "| case | 2 devices (us) | 8 devices (us) |", "|---|---|---|"]
+    names = list(dict.fromkeys(r["case"] for r in rows))
+    t = {(r["devices"], r["case"]): r["seconds"] * 1e6 for r in rows}
+    md += [f"| {name} | {t[2, name]:.1f} | {t[8, name]:.1f} |" for name in names] + [""]
+    md += summary(rows, 2) + summary(rows, 8)
+    md += ["\"effect stripped\" is a measurement only: without the token, programs dispatched "
+           "back to back can deadlock PJRT CPU's device threads (README, \"Dispatch\"). What "
+           "separates jaxring from lax.psum for a lone small call is JAX's dispatch of a "
+           "program with an ordered effect, not the collective.", ""]
+    write_results("overhead-cpu", {"environment": env, "rows": rows}, "\n".join(md))
+    print("\n".join(md[-6:]))
 
 
 if __name__ == "__main__":
