@@ -109,6 +109,42 @@ def test_token_hand_over_orders_programs_over_changing_device_lists():
     assert token._buf.sharding is runtime_tokens._token_layout(devices)[0]
 
 
+_PIPELINED = textwrap.dedent("""
+    import faulthandler, os, sys
+    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+    import jax, jax.numpy as jnp, numpy as np, jaxring
+    from jax.sharding import NamedSharding, PartitionSpec as P
+    faulthandler.dump_traceback_later(float(sys.argv[1]), exit=True)  # a hang fails the test
+    mesh = jax.make_mesh((8,), ("i",))
+
+    def step(v):  # compute on both sides of the collective, so programs overlap on the devices
+        m = jnp.tanh(v @ v.T)
+        return jnp.tanh(jaxring.all_reduce(m, "i") @ m)
+
+    rng = np.random.default_rng(0)
+    x = (rng.standard_normal((8 * 32, 32)) / 8).astype(np.float32)
+    f = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=P("i"), out_specs=P("i")))
+    outs = [f(jax.device_put(x, NamedSharding(mesh, P("i")))) for _ in range(300)]
+    blocks = x.astype(np.float64).reshape(8, 32, 32)
+    ms = np.tanh(blocks @ blocks.transpose(0, 2, 1))
+    expected = np.tanh(ms.sum(0) @ ms).reshape(8 * 32, 32)
+    for out in outs:
+        np.testing.assert_allclose(np.asarray(out), expected, rtol=1e-4, atol=1e-5)
+    print("ALL OK")
+""")
+
+
+def test_programs_dispatched_back_to_back_do_not_starve_the_device_threads():
+    """300 programs with compute around an all-reduce, dispatched without waiting: PJRT CPU holds
+    a pool thread per device for a whole program, so programs that overlap on the devices can
+    starve each other (runtime_tokens: one jaxring program at a time). Every result is checked
+    against a float64 reference."""
+    env = dict(os.environ, JAXRING_TIMEOUT_SECONDS="120")
+    result = subprocess.run([sys.executable, "-c", _PIPELINED, "240"], capture_output=True,
+                            text=True, timeout=600, env=env)
+    assert result.returncode == 0 and "ALL OK" in result.stdout, result.stderr[-3000:]
+
+
 _MANY_DEVICES = textwrap.dedent("""
     import os
     os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=32"

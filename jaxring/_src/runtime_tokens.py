@@ -1,18 +1,23 @@
 """Cheaper hand-over of the ordered effect's token between programs.
 
 jaxring's collectives carry an ordered effect, so JAX passes a token from each program to the
-next: program k+1 on a device starts only once program k has finished there. That is what keeps
-two programs' collectives from occupying the same CPU devices' threads at once, which deadlocks
-XLA's own `psum` when programs are dispatched back to back without blocking (PJRT CPU runs each
-device of a program on a pool with one thread per device).
+next. The token's data dependency alone does not keep programs apart on CPU devices: PJRT CPU
+gives each device of a program a thread from one pool and holds it for the program's whole run,
+also while that device waits for its inputs. Programs dispatched back to back without blocking
+then take threads in no fixed order, and the devices of program k that still need a thread can
+wait behind program k+1's, which wait for program k: a deadlock (XLA's own `psum` deadlocks so;
+jaxring's timeout would turn it into an error). What keeps JAX's hand-over safe is that its
+`device_put` of the token waits until the previous program has finished. This module keeps that
+wait explicitly: a jaxring program is dispatched once the previous one's token is ready, so one
+jaxring program runs on the devices at a time, as with JAX's own code.
 
-JAX (0.10/0.11) rebuilds the token's sharding on every dispatch: `get_token_input` builds a
-`Mesh` and `NamedSharding` and `device_put`s the token onto them, and `_handle_token_bufs` builds
-them again to reassemble the returned per-device tokens. At 8 CPU devices that is about half a
-millisecond per call, more than the collective. This module keeps the sharding per device list
-and reuses the returned token array as the next input when it already sits on the right devices,
-which is what `device_put` would conclude after its checks. The token buffers that flow from
-program to program, and so the ordering, are exactly JAX's.
+What it saves is the rest. JAX (0.10/0.11) rebuilds the token's sharding on every dispatch:
+`get_token_input` builds a `Mesh` and `NamedSharding` and `device_put`s the token onto them, and
+`_handle_token_bufs` builds them again to reassemble the returned per-device tokens. At 8 CPU
+devices that is about half a millisecond per call, more than the collective. This module keeps the
+sharding per device list and reuses the returned token array as the next input when it already
+sits on the right devices, which is what `device_put` would conclude after its checks. The token
+buffers that flow from program to program are exactly JAX's.
 
 Only jaxring's own effect takes this path; every other effect is handled by JAX's code. If JAX's
 internals differ from what this expects, nothing is patched and dispatch stays JAX's (correct,
@@ -81,6 +86,7 @@ def install(effect_type: type) -> bool:
             token = self.current_tokens.get(eff)
             if (isinstance(token, core.Token)
                     and token._buf.sharding is _token_layout(tuple(devices))[0]):
+                token.block_until_ready()  # one program at a time: see the module docstring
                 return token
         return jax_get_token_input(self, eff, devices)
 
