@@ -121,6 +121,22 @@ def measure(n: int) -> list[dict]:
     return rows
 
 
+def one_device_floor() -> list[dict]:
+    """What any jitted call costs a process with one device (an MPI rank): the floor under a lone
+    small collective across processes, whatever carries the data."""
+    x = jax.device_put(np.ones(1, np.float32), jax.devices()[0])
+    fns = {"1 device: empty program (x + 1)": jax.jit(lambda v: v + 1),
+           "1 device: empty program + jaxring's effect": jax.jit(lambda v: effect_only_p.bind(v + 1))}
+    rows = []
+    for name, f in fns.items():
+        np.testing.assert_array_equal(np.asarray(f(x)), [2.0])
+        seconds = min(median_seconds(lambda: f(x).block_until_ready(), budget_seconds=0.4)
+                      for _ in range(3))
+        rows.append({"devices": 1, "case": name, "seconds": float(seconds)})
+        print(f"{name:50s} {seconds * 1e6:8.1f} us", flush=True)
+    return rows
+
+
 def summary(rows: list[dict], n: int) -> list[str]:
     t = {r["case"]: r["seconds"] for r in rows if r["devices"] == n}
     us = {k: v * 1e6 for k, v in t.items()}
@@ -138,6 +154,7 @@ def summary(rows: list[dict], n: int) -> list[str]:
 
 def main() -> None:
     rows = measure(2) + measure(8)
+    floor = one_device_floor()
     env = environment()
     md = ["# Small-message cost: per program vs per collective (CPU devices, 4 B)", "",
           f"Device: {env['device']}, {env['cores']} cores; jax {env['jax']}; {env['date']}. "
@@ -147,11 +164,16 @@ def main() -> None:
     t = {(r["devices"], r["case"]): r["seconds"] * 1e6 for r in rows}
     md += [f"| {name} | {t[2, name]:.1f} | {t[8, name]:.1f} |" for name in names] + [""]
     md += summary(rows, 2) + summary(rows, 8)
+    md += ["| one device (an MPI rank) | median (us) |", "|---|---|",
+           *[f"| {r['case'][len('1 device: '):]} | {r['seconds'] * 1e6:.1f} |" for r in floor],
+           "", "A lone jitted call in a process with one device costs at least the first row, "
+           "whatever carries the data; mpi4py's Allreduce of a few bytes on numpy buffers takes "
+           "5-9 us (benchmarks/results/allreduce_mpi-cpu-n2.md).", ""]
     md += ["\"effect stripped\" is a measurement only: without the token, programs dispatched "
            "back to back can deadlock PJRT CPU's device threads (README, \"Dispatch\"). What "
            "separates jaxring from lax.psum for a lone small call is JAX's dispatch of a "
            "program with an ordered effect, not the collective.", ""]
-    write_results("overhead-cpu", {"environment": env, "rows": rows}, "\n".join(md))
+    write_results("overhead-cpu", {"environment": env, "rows": rows + floor}, "\n".join(md))
     print("\n".join(md[-6:]))
 
 
