@@ -13,15 +13,6 @@
 #include <unistd.h>
 #endif
 
-#if defined(__x86_64__) || defined(__i386__)
-#include <immintrin.h>
-#define JAXRING_CPU_RELAX() _mm_pause()
-#elif defined(__aarch64__)
-#define JAXRING_CPU_RELAX() asm volatile("yield" ::: "memory")
-#else
-#define JAXRING_CPU_RELAX() ((void)0)
-#endif
-
 namespace jaxring {
 namespace {
 
@@ -97,7 +88,6 @@ void Flag::Abandon() {
   WakeAll();
 }
 
-void CpuRelax() { JAXRING_CPU_RELAX(); }
 void YieldCore() { sched_yield(); }
 
 template <typename Done>

@@ -8,9 +8,20 @@
 #include <chrono>
 #include <cstdint>
 
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#endif
+
 namespace jaxring {
 
-void CpuRelax();   // a pause instruction where the CPU has one
+// A pause instruction where the CPU has one: inline, since it sits in every spin loop.
+inline void CpuRelax() {
+#if defined(__x86_64__) || defined(__i386__)
+  _mm_pause();
+#elif defined(__aarch64__)
+  asm volatile("yield" ::: "memory");
+#endif
+}
 void YieldCore();  // sched_yield
 
 // The first two phases of every wait: poll `done` `spin` times, then keep polling while yielding

@@ -67,6 +67,21 @@ JaxringHostCall TestCall(uint64_t key, const std::string& name, int rank, int si
 
 size_t Width(int dtype) { return jaxring::ByteWidth(static_cast<jaxring::DType>(dtype)); }
 
+// What the GPU-step test bindings share: the call for one collective on `input`, its header, and
+// an output buffer of `output_count` elements.
+struct StepsTest {
+  StepsTest(uint64_t key, const std::string& name, int rank, int size, int kind, int op,
+            int dtype, const nb::bytes& input, int64_t output_count, int64_t root, int64_t op_id)
+      : call(TestCall(key, name, rank, size, kJaxringHostCollective, kind, op, dtype,
+                      static_cast<int64_t>(input.size() / Width(dtype)), output_count, root,
+                      op_id)),
+        header(jaxring::gpu::HeaderOf(call)),
+        output(output_count * Width(dtype)) {}
+  JaxringHostCall call;
+  jaxring::Header header;
+  std::vector<char> output;
+};
+
 // cuda-ipc's steps on host memory that every process of a communicator maps (CPU tests): copies
 // are memcpy, reductions the CPU kernels, and events nothing, since every operation is done
 // when it returns; the header exchange is the real one.
@@ -312,21 +327,16 @@ NB_MODULE(_jaxring, m) {
       [](uint64_t key, const std::string& name, int rank, int size, uintptr_t shared,
          int64_t slot_bytes, uint64_t step, int kind, int op, int dtype, const nb::bytes& input,
          int64_t output_count, int64_t root, int64_t op_id) {
-        const size_t width = Width(dtype);
-        const JaxringHostCall call =
-            TestCall(key, name, rank, size, kJaxringHostCollective, kind, op, dtype,
-                     static_cast<int64_t>(input.size() / width), output_count, root, op_id);
-        const jaxring::Header h = jaxring::gpu::HeaderOf(call);
-        std::vector<char> output(output_count * width);
-        HostIpcOps ops(call, reinterpret_cast<char*>(shared), slot_bytes);
+        StepsTest t(key, name, rank, size, kind, op, dtype, input, output_count, root, op_id);
+        HostIpcOps ops(t.call, reinterpret_cast<char*>(shared), slot_bytes);
         jaxring::Status status;
         {
           nb::gil_scoped_release release;
-          status = jaxring::gpu::RunIpcSteps(h, input.c_str(), output.data(), rank, size,
+          status = jaxring::gpu::RunIpcSteps(t.header, input.c_str(), t.output.data(), rank, size,
                                              slot_bytes, &step, ops, "ipc steps on the host");
         }
         if (!status.ok()) throw std::runtime_error(status.message());
-        return std::make_tuple(nb::bytes(output.data(), output.size()), step);
+        return std::make_tuple(nb::bytes(t.output.data(), t.output.size()), step);
       },
       nb::arg("key"), nb::arg("name"), nb::arg("rank"), nb::arg("size"), nb::arg("shared"),
       nb::arg("slot_bytes"), nb::arg("step"), nb::arg("kind"), nb::arg("op"), nb::arg("dtype"),
@@ -339,12 +349,7 @@ NB_MODULE(_jaxring, m) {
       [](uint64_t key, const std::string& name, int rank, int size, int64_t chunk_bytes,
          int kind, int op, int dtype, const nb::bytes& input, int64_t output_count, int64_t root,
          int64_t op_id) {
-        const size_t width = Width(dtype);
-        const JaxringHostCall call =
-            TestCall(key, name, rank, size, kJaxringHostCollective, kind, op, dtype,
-                     static_cast<int64_t>(input.size() / width), output_count, root, op_id);
-        const jaxring::Header h = jaxring::gpu::HeaderOf(call);
-        std::vector<char> output(output_count * width);
+        StepsTest t(key, name, rank, size, kind, op, dtype, input, output_count, root, op_id);
         const std::string bad =
             jaxring::gpu::CheckSlotBytes(jaxring::gpu::Transport::kStaged, chunk_bytes, size);
         if (!bad.empty()) throw nb::value_error(bad.c_str());
@@ -352,11 +357,11 @@ NB_MODULE(_jaxring, m) {
         jaxring::Status status;
         {
           nb::gil_scoped_release release;
-          status = jaxring::gpu::RunStagedSteps(h, call, input.c_str(), output.data(), rank, size,
-                                                chunk_bytes, ops);
+          status = jaxring::gpu::RunStagedSteps(t.header, t.call, input.c_str(), t.output.data(),
+                                                rank, size, chunk_bytes, ops);
         }
         if (!status.ok()) throw std::runtime_error(status.message());
-        return nb::bytes(output.data(), output.size());
+        return nb::bytes(t.output.data(), t.output.size());
       },
       nb::arg("key"), nb::arg("name"), nb::arg("rank"), nb::arg("size"), nb::arg("chunk_bytes"),
       nb::arg("kind"), nb::arg("op"), nb::arg("dtype"), nb::arg("input"), nb::arg("output_count"),
