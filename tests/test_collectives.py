@@ -75,6 +75,28 @@ def test_all_reduce_matches_lax_psum(n, dtype):
         assert_close(out, theirs.astype(np.float64), dtype, count=2 * n, exact_reference=False)
 
 
+@pytest.mark.parametrize("n", [2, 3])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("op", ["sum", "max"])
+def test_all_reduce_large_enough_to_stream_its_stores(n, dtype, op):
+    """Outputs of 16 MiB and more in all are written with streaming stores (kernels/reduce_cpu.cc,
+    StreamingPays); 16-bit floats are not. An odd count leaves a tail of every share unaligned.
+    Every element of every device's result is checked against float64."""
+    rng = np.random.default_rng(n)
+    width = np.dtype(dtype).itemsize
+    count = (16 << 20) // (n * width) + 13
+    x = random_array(rng, (n * count,), dtype)
+    m = mesh(n)
+    f = shmap(lambda v: jaxring.all_reduce(v, "i", op)[None], m)
+    with jaxring.config.override(algorithm="direct"):
+        out = np.asarray(f(shard(x, m)))
+    ref = x.astype(np.float64).reshape(n, count)
+    expected = ref.sum(0) if op == "sum" else ref.max(0)
+    for device in range(n):
+        assert_close(out[device], expected, dtype, count=n if op == "sum" else 1)
+    assert (out == out[0]).all(), "every device holds the same bits"
+
+
 @pytest.mark.parametrize("n", DEVICE_COUNTS)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("dim", [0, 1])

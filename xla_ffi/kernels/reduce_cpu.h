@@ -20,7 +20,15 @@ struct Operand {
 struct Target {
   void* data;
   bool is_accumulator = false;
+  // Write with non-temporal (streaming) stores, which skip reading the destination's lines into
+  // the cache first: for outputs too large to be read back from the cache anyway
+  // (StreamingPays). Only dtypes stored as they are accumulated stream; 16-bit floats do not.
+  bool streaming = false;
 };
+
+// Whether a collective that writes `total_output_bytes` over all its ranks should stream its
+// stores: when they exceed the last-level cache, so that nothing written would still be cached.
+bool StreamingPays(int64_t total_output_bytes);
 
 // For i in [0, count): v = op(srcs[0][i], srcs[1][i], ...) folded left to right, divided by
 // mean_divisor when op is kMean and mean_divisor > 0, then written to every target. Reading each

@@ -39,11 +39,12 @@ Status DirectAllReduce(LocalTransport& t, const CollectiveBuffers& b) {
   const Partition partition{h.count, n, AlignElements(h.dtype)};
   const int64_t begin = partition.Begin(t.rank());
   const int64_t count = partition.Size(t.rank());
+  const bool streaming = StreamingPays(h.count * static_cast<int64_t>(width) * n);
   std::vector<Operand> srcs(n);
   std::vector<Target> dsts(n);
   for (int peer = 0; peer < n; ++peer) {
     srcs[peer] = Operand{Offset(t.PeerInput(peer), begin, width)};
-    dsts[peer] = Target{Offset(t.PeerOutput(peer), begin, width)};
+    dsts[peer] = Target{Offset(t.PeerOutput(peer), begin, width), false, streaming};
   }
   Reduce(h.dtype, h.op, srcs.data(), n, dsts.data(), n, count, n);
   return t.Finish();
