@@ -1,5 +1,6 @@
 #include "kernels/reduce_cpu.h"
 
+#include <algorithm>
 #include <cstring>
 #include <type_traits>
 
@@ -47,15 +48,15 @@ template <typename A> inline A Min(A a, A b) { return a != a ? a : (b != b ? b :
 
 constexpr int64_t kBlock = 512;  // elements per block: the block's accumulators stay in L1
 
-// Copies `bytes` from `src` (a block of accumulators, 64-byte aligned) to `dst` with
-// non-temporal stores where dst is 16-byte aligned; the caller fences once at the end.
+// Copies `bytes` from `src` to `dst` with non-temporal stores where dst is 16-byte aligned (plain
+// stores for the tail, and for all of an unaligned dst); the caller fences once at the end.
 void StreamBytes(void* dst, const void* src, size_t bytes) {
 #if defined(__SSE2__)
   if ((reinterpret_cast<uintptr_t>(dst) & 15) == 0) {
     auto* d = static_cast<__m128i*>(dst);
     const auto* s = static_cast<const __m128i*>(src);
     const size_t vectors = bytes / 16;
-    for (size_t i = 0; i < vectors; ++i) _mm_stream_si128(d + i, _mm_load_si128(s + i));
+    for (size_t i = 0; i < vectors; ++i) _mm_stream_si128(d + i, _mm_loadu_si128(s + i));
     std::memcpy(static_cast<char*>(dst) + vectors * 16, static_cast<const char*>(src) + vectors * 16,
                 bytes - vectors * 16);
     return;
@@ -70,56 +71,111 @@ void StoreFence() {
 #endif
 }
 
+// One step of the fold: sum and mean add; max and min keep NaN.
+template <ReduceOp kOp, typename A>
+inline A Combine(A a, A b) {
+  if constexpr (kOp == ReduceOp::kMax) return Max<A>(a, b);
+  else if constexpr (kOp == ReduceOp::kMin) return Min<A>(a, b);
+  else return a + b;
+}
+
+// acc[i] = fold of (acc[i] if kFromAcc,) srcs[0][i], ..., srcs[K-1][i], left to right, in
+// registers: one pass over the block however many sources there are.
+template <typename T, ReduceOp kOp, int K, bool kFromAcc>
+void FoldGroup(typename Traits<T>::Acc* acc, const Operand* srcs, int64_t base, int64_t len) {
+  using Tr = Traits<T>;
+  using Acc = typename Tr::Acc;
+  const T* s[K];
+  for (int k = 0; k < K; ++k) s[k] = static_cast<const T*>(srcs[k].data) + base;
+  for (int64_t i = 0; i < len; ++i) {
+    Acc v = kFromAcc ? acc[i] : Tr::Load(s[0][i]);
+    for (int k = kFromAcc ? 0 : 1; k < K; ++k) v = Combine<kOp>(v, Tr::Load(s[k][i]));
+    acc[i] = v;
+  }
+}
+
+constexpr int kMaxGroup = 8;  // sources folded in registers at once
+
+template <typename T, ReduceOp kOp, bool kFromAcc>
+void FoldGroupOf(int k, typename Traits<T>::Acc* acc, const Operand* srcs, int64_t base,
+                 int64_t len) {
+  switch (k) {
+    case 1: return FoldGroup<T, kOp, 1, kFromAcc>(acc, srcs, base, len);
+    case 2: return FoldGroup<T, kOp, 2, kFromAcc>(acc, srcs, base, len);
+    case 3: return FoldGroup<T, kOp, 3, kFromAcc>(acc, srcs, base, len);
+    case 4: return FoldGroup<T, kOp, 4, kFromAcc>(acc, srcs, base, len);
+    case 5: return FoldGroup<T, kOp, 5, kFromAcc>(acc, srcs, base, len);
+    case 6: return FoldGroup<T, kOp, 6, kFromAcc>(acc, srcs, base, len);
+    case 7: return FoldGroup<T, kOp, 7, kFromAcc>(acc, srcs, base, len);
+    default: return FoldGroup<T, kOp, kMaxGroup, kFromAcc>(acc, srcs, base, len);
+  }
+}
+
+// acc[0, len) = srcs[0] op srcs[1] op ... at elements [base, base + len), folded left to right
+// (the same order whatever the grouping, so the bits do not depend on it).
+template <typename T, ReduceOp kOp>
+void FoldSources(typename Traits<T>::Acc* acc, const Operand* srcs, int num_srcs, int64_t base,
+                 int64_t len) {
+  using Tr = Traits<T>;
+  using Acc = typename Tr::Acc;
+  bool any_accumulator = false;
+  for (int s = 0; s < num_srcs; ++s) any_accumulator |= srcs[s].is_accumulator;
+  if (!any_accumulator) {
+    int done = std::min(num_srcs, kMaxGroup);
+    FoldGroupOf<T, kOp, false>(done, acc, srcs, base, len);
+    while (done < num_srcs) {
+      const int k = std::min(num_srcs - done, kMaxGroup);
+      FoldGroupOf<T, kOp, true>(k, acc, srcs + done, base, len);
+      done += k;
+    }
+    return;
+  }
+  // Partial sums in accumulator type (the ring's 16-bit scratch): a pass per source.
+  for (int s = 0; s < num_srcs; ++s) {
+    if (srcs[s].is_accumulator) {
+      const Acc* src = static_cast<const Acc*>(srcs[s].data) + base;
+      for (int64_t i = 0; i < len; ++i) acc[i] = s == 0 ? src[i] : Combine<kOp>(acc[i], src[i]);
+    } else {
+      const T* src = static_cast<const T*>(srcs[s].data) + base;
+      for (int64_t i = 0; i < len; ++i)
+        acc[i] = s == 0 ? Tr::Load(src[i]) : Combine<kOp>(acc[i], Tr::Load(src[i]));
+    }
+  }
+}
+
 template <typename T, ReduceOp kOp>
 void ReduceTyped(const Operand* srcs, int num_srcs, const Target* dsts, int num_dsts,
                  int64_t count, int64_t mean_divisor) {
   using Tr = Traits<T>;
   using Acc = typename Tr::Acc;
   constexpr bool kStoredAsAccumulated = std::is_same_v<Acc, T>;
+  // Where the fold lands: straight in the first target when it holds the dtype as accumulated
+  // and is written normally (it may alias a source element for element, never at an offset),
+  // otherwise in a block of accumulators in L1. Either way the other targets copy from it.
+  const bool into_first = kStoredAsAccumulated && num_dsts > 0 && !dsts[0].streaming;
   bool streamed = false;
   alignas(64) Acc acc[kBlock];
   for (int64_t base = 0; base < count; base += kBlock) {
     const int64_t len = count - base < kBlock ? count - base : kBlock;
-    for (int s = 0; s < num_srcs; ++s) {
-      if (srcs[s].is_accumulator) {
-        const Acc* src = static_cast<const Acc*>(srcs[s].data) + base;
-        if (s == 0) {
-          for (int64_t i = 0; i < len; ++i) acc[i] = src[i];
-          continue;
-        }
-        for (int64_t i = 0; i < len; ++i) {
-          if constexpr (kOp == ReduceOp::kMax) acc[i] = Max<Acc>(acc[i], src[i]);
-          else if constexpr (kOp == ReduceOp::kMin) acc[i] = Min<Acc>(acc[i], src[i]);
-          else acc[i] += src[i];
-        }
-      } else {
-        const T* src = static_cast<const T*>(srcs[s].data) + base;
-        if (s == 0) {
-          for (int64_t i = 0; i < len; ++i) acc[i] = Tr::Load(src[i]);
-          continue;
-        }
-        for (int64_t i = 0; i < len; ++i) {
-          if constexpr (kOp == ReduceOp::kMax) acc[i] = Max<Acc>(acc[i], Tr::Load(src[i]));
-          else if constexpr (kOp == ReduceOp::kMin) acc[i] = Min<Acc>(acc[i], Tr::Load(src[i]));
-          else acc[i] += Tr::Load(src[i]);
-        }
-      }
-    }
+    Acc* out = into_first ? static_cast<Acc*>(dsts[0].data) + base : acc;
+    FoldSources<T, kOp>(out, srcs, num_srcs, base, len);
     if constexpr (kOp == ReduceOp::kMean) {
       if (mean_divisor > 0) {
         const Acc divisor = static_cast<Acc>(mean_divisor);
-        for (int64_t i = 0; i < len; ++i) acc[i] = acc[i] / divisor;
+        for (int64_t i = 0; i < len; ++i) out[i] = out[i] / divisor;
       }
     }
-    for (int d = 0; d < num_dsts; ++d) {
+    for (int d = into_first ? 1 : 0; d < num_dsts; ++d) {
       if (dsts[d].is_accumulator) {
-        std::memcpy(static_cast<Acc*>(dsts[d].data) + base, acc, len * sizeof(Acc));
+        std::memcpy(static_cast<Acc*>(dsts[d].data) + base, out, len * sizeof(Acc));
       } else if (kStoredAsAccumulated && dsts[d].streaming) {
-        StreamBytes(static_cast<T*>(dsts[d].data) + base, acc, len * sizeof(T));
+        StreamBytes(static_cast<T*>(dsts[d].data) + base, out, len * sizeof(T));
         streamed = true;
+      } else if constexpr (kStoredAsAccumulated) {
+        std::memcpy(static_cast<T*>(dsts[d].data) + base, out, len * sizeof(T));
       } else {
         T* dst = static_cast<T*>(dsts[d].data) + base;
-        for (int64_t i = 0; i < len; ++i) dst[i] = Tr::Store(acc[i]);
+        for (int64_t i = 0; i < len; ++i) dst[i] = Tr::Store(out[i]);
       }
     }
   }
