@@ -6,8 +6,9 @@
 For each device count and size it times (median of many repetitions, inputs placed with
 device_put + NamedSharding): jaxring.all_reduce (auto, and forced direct and ring) against
 lax.psum, jaxring.reduce_scatter against lax.psum_scatter, jaxring.all_gather against
-lax.all_gather. It reports time, algbw and busbw (nccl-tests definitions) against the copy
-bandwidth of this machine measured in the same run, and writes
+lax.all_gather, each as a lone jitted call; and all_reduce against psum inside one compiled loop,
+which leaves out the program launch. It reports time, algbw and busbw (nccl-tests definitions)
+against the copy bandwidth of this machine measured in the same run, and writes
 benchmarks/results/allreduce-cpu.{json,md,png}.
 """
 
@@ -67,6 +68,43 @@ def measure(n: int, nbytes: int) -> list[dict]:
                      "seconds": seconds, "algbw_GBps": algbw,
                      "busbw_GBps": algbw * bus_factor(collective, n)})
     return rows
+
+
+LOOP_CASES = {"jaxring.all_reduce": lambda v: jaxring.all_reduce(v, "i"),
+              "lax.psum": lambda v: lax.psum(v, "i")}
+
+
+def measure_in_loop(n: int, nbytes: int) -> list[dict]:
+    """Per all-reduce inside one compiled loop that feeds each result to the next: the
+    collective's own cost, without the program launch that dominates a lone call's."""
+    mesh = jax.make_mesh((n,), ("i",), devices=jax.devices()[:n])
+    count = max(1, nbytes // 4)
+    repeats = 64 if nbytes <= 64 << 10 else 8
+    x = jax.device_put(np.random.default_rng(0).standard_normal(n * count, np.float32) / n,
+                       NamedSharding(mesh, P("i")))
+    rows = []
+    for name, reduce in LOOP_CASES.items():
+        def body(v, reduce=reduce):
+            step = lambda _, a: lax.pcast(reduce(a) * np.float32(1 / n), "i", to="varying")
+            return lax.fori_loop(0, repeats, step, v)
+
+        f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("i"), out_specs=P("i")))
+        seconds = median_seconds(lambda: f(x).block_until_ready()) / repeats
+        rows.append({"devices": n, "bytes": count * 4, "case": name, "seconds": seconds})
+    return rows
+
+
+def loop_markdown(rows: list[dict]) -> str:
+    by_key = {(r["devices"], r["bytes"], r["case"]): r["seconds"] for r in rows}
+    lines = ["## all_reduce inside one compiled loop (program launch excluded)", "",
+             "Per all-reduce, each result scaled by 1/n and fed to the next (the scaling, an XLA "
+             "elementwise op, is in both columns).", "",
+             "| n | size | jaxring.all_reduce (us) | lax.psum (us) | ratio |", "|---|---|---|---|---|"]
+    for n, size in sorted({(r["devices"], r["bytes"]) for r in rows}):
+        ours, theirs = by_key[(n, size, "jaxring.all_reduce")], by_key[(n, size, "lax.psum")]
+        lines.append(f"| {n} | {human_bytes(size)} | {ours * 1e6:.1f} | {theirs * 1e6:.1f} | "
+                     f"{ours / theirs:.2f} |")
+    return "\n".join(lines + [""])
 
 
 def markdown(env: dict, ceiling: float, rows: list[dict]) -> str:
@@ -153,9 +191,19 @@ def main(argv=None) -> None:
                   f"busbw {ours['busbw_GBps']:.2f} GB/s)", flush=True)
     if args.quick:
         return
-    text = markdown(env, ceiling, rows)
+    loop_rows = []
+    for n in counts:
+        for size in sizes:
+            new = measure_in_loop(n, size)
+            loop_rows += new
+            t = {r["case"]: r["seconds"] for r in new}
+            print(f"n={n} {human_bytes(size):>9} in a loop: all_reduce "
+                  f"{t['jaxring.all_reduce'] * 1e6:9.1f} us (psum {t['lax.psum'] * 1e6:9.1f} us, "
+                  f"ratio {t['jaxring.all_reduce'] / t['lax.psum']:.2f})", flush=True)
+    text = markdown(env, ceiling, rows) + "\n" + loop_markdown(loop_rows)
     path = write_results(args.name, {"environment": env, "memory_copy_GBps": ceiling,
-                                     "config": jaxring.config.get().__dict__, "rows": rows}, text)
+                                     "config": jaxring.config.get().__dict__, "rows": rows,
+                                     "in_loop_rows": loop_rows}, text)
     plot(rows, ceiling, path.with_suffix(".png"))
     print(f"wrote {path.with_suffix('.*')}")
 
