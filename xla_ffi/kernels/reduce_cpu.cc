@@ -149,10 +149,13 @@ void ReduceTyped(const Operand* srcs, int num_srcs, const Target* dsts, int num_
   using Tr = Traits<T>;
   using Acc = typename Tr::Acc;
   constexpr bool kStoredAsAccumulated = std::is_same_v<Acc, T>;
-  // Where the fold lands: straight in the first target when it holds the dtype as accumulated
-  // and is written normally (it may alias a source element for element, never at an offset),
-  // otherwise in a block of accumulators in L1. Either way the other targets copy from it.
-  const bool into_first = kStoredAsAccumulated && num_dsts > 0 && !dsts[0].streaming;
+  // Where the fold lands: straight in the first target when it holds the dtype as accumulated,
+  // is written normally, and the fold reads every source before it writes an element (one group,
+  // no partial sums): then the target may be one of the sources, as the MPI transport's are.
+  // Otherwise in a block of accumulators in L1. Either way the other targets copy from it.
+  bool one_pass = num_srcs <= kMaxGroup;
+  for (int s = 0; s < num_srcs; ++s) one_pass = one_pass && !srcs[s].is_accumulator;
+  const bool into_first = kStoredAsAccumulated && one_pass && num_dsts > 0 && !dsts[0].streaming;
   bool streamed = false;
   alignas(64) Acc acc[kBlock];
   for (int64_t base = 0; base < count; base += kBlock) {
