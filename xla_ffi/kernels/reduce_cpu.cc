@@ -112,15 +112,14 @@ void FoldGroupOf(int k, typename Traits<T>::Acc* acc, const Operand* srcs, int64
 }
 
 // acc[0, len) = srcs[0] op srcs[1] op ... at elements [base, base + len), folded left to right
-// (the same order whatever the grouping, so the bits do not depend on it).
+// (the same order whatever the grouping, so the bits do not depend on it). `partial_sums`: some
+// source is in accumulator type.
 template <typename T, ReduceOp kOp>
-void FoldSources(typename Traits<T>::Acc* acc, const Operand* srcs, int num_srcs, int64_t base,
-                 int64_t len) {
+void FoldSources(typename Traits<T>::Acc* acc, const Operand* srcs, int num_srcs,
+                 bool partial_sums, int64_t base, int64_t len) {
   using Tr = Traits<T>;
   using Acc = typename Tr::Acc;
-  bool any_accumulator = false;
-  for (int s = 0; s < num_srcs; ++s) any_accumulator |= srcs[s].is_accumulator;
-  if (!any_accumulator) {
+  if (!partial_sums) {
     int done = std::min(num_srcs, kMaxGroup);
     FoldGroupOf<T, kOp, false>(done, acc, srcs, base, len);
     while (done < num_srcs) {
@@ -153,15 +152,16 @@ void ReduceTyped(const Operand* srcs, int num_srcs, const Target* dsts, int num_
   // is written normally, and the fold reads every source before it writes an element (one group,
   // no partial sums): then the target may be one of the sources, as the MPI transport's are.
   // Otherwise in a block of accumulators in L1. Either way the other targets copy from it.
-  bool one_pass = num_srcs <= kMaxGroup;
-  for (int s = 0; s < num_srcs; ++s) one_pass = one_pass && !srcs[s].is_accumulator;
+  bool partial_sums = false;
+  for (int s = 0; s < num_srcs; ++s) partial_sums = partial_sums || srcs[s].is_accumulator;
+  const bool one_pass = !partial_sums && num_srcs <= kMaxGroup;
   const bool into_first = kStoredAsAccumulated && one_pass && num_dsts > 0 && !dsts[0].streaming;
   bool streamed = false;
   alignas(64) Acc acc[kBlock];
   for (int64_t base = 0; base < count; base += kBlock) {
     const int64_t len = count - base < kBlock ? count - base : kBlock;
     Acc* out = into_first ? static_cast<Acc*>(dsts[0].data) + base : acc;
-    FoldSources<T, kOp>(out, srcs, num_srcs, base, len);
+    FoldSources<T, kOp>(out, srcs, num_srcs, partial_sums, base, len);
     if constexpr (kOp == ReduceOp::kMean) {
       if (mean_divisor > 0) {
         const Acc divisor = static_cast<Acc>(mean_divisor);
