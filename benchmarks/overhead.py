@@ -86,36 +86,45 @@ def chain(reduce, k):
 
 
 def cases():
+    """name -> (body, how many all-reduces it chains; 0: the body returns x + 1)."""
     out = {
-        "empty program (x + 1)": lambda v: v + 1,
-        "empty program + jaxring's effect": lambda v: effect_only_p.bind(v + 1),
-        "jaxring.barrier only": lambda v: (jaxring.barrier("i"), v + 1)[1],
-        "1 x jaxring.all_reduce, effect stripped": lambda v: all_reduce_without_effect(v, "i"),
+        "empty program (x + 1)": (lambda v: v + 1, 0),
+        "empty program + jaxring's effect": (lambda v: effect_only_p.bind(v + 1), 0),
+        "jaxring.barrier only": (lambda v: (jaxring.barrier("i"), v + 1)[1], 0),
+        "1 x jaxring.all_reduce, effect stripped": (lambda v: all_reduce_without_effect(v, "i"), 1),
     }
     for k in (1, 2, 8):
-        out[f"{k} x jaxring.all_reduce"] = chain(lambda v: jaxring.all_reduce(v, "i"), k)
-        out[f"{k} x lax.psum"] = chain(lambda v: lax.psum(v, "i"), k)
+        out[f"{k} x jaxring.all_reduce"] = (chain(lambda v: jaxring.all_reduce(v, "i"), k), k)
+        out[f"{k} x lax.psum"] = (chain(lambda v: lax.psum(v, "i"), k), k)
     return out
+
+
+def best_of_rounds(fns: dict, x) -> dict:
+    """Each case's best median over 3 rounds; the rounds interleave the cases, so drift on a
+    shared machine hits all of them."""
+    seconds = {name: [] for name in fns}
+    for _ in range(3):
+        for name, f in fns.items():
+            seconds[name].append(median_seconds(lambda: f(x).block_until_ready(),
+                                                budget_seconds=0.4))
+    return {name: float(min(s)) for name, s in seconds.items()}
 
 
 def measure(n: int) -> list[dict]:
     mesh = jax.make_mesh((n,), ("i",), devices=jax.devices()[:n])
     x = jax.device_put(np.arange(n, dtype=np.float32), NamedSharding(mesh, P("i")))
-    fns = {name: jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("i"), out_specs=P("i")))
-           for name, body in cases().items()}
+    fns, reductions = {}, {}
+    for name, (body, k) in cases().items():
+        fns[name] = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("i"), out_specs=P("i")))
+        reductions[name] = k
     total = n * (n - 1) / 2
-    for name, f in fns.items():  # every collective row must reduce; nothing is timed unchecked
-        got = np.asarray(f(x))
-        if "x " in name and "program" not in name:
-            k = int(name.split(" x ")[0]) if name[0].isdigit() else 1
-            expected = total * n ** (k - 1)
-            np.testing.assert_array_equal(got, np.full(n, expected, np.float32), err_msg=name)
-    seconds = {name: [] for name in fns}
-    for _ in range(3):  # rounds interleave the cases, so drift on a shared machine hits all
-        for name, f in fns.items():
-            seconds[name].append(median_seconds(lambda: f(x).block_until_ready(),
-                                                budget_seconds=0.4))
-    rows = [{"devices": n, "case": name, "seconds": float(min(s))} for name, s in seconds.items()]
+    for name, f in fns.items():  # every row is checked; nothing is timed unchecked
+        k = reductions[name]
+        expected = np.full(n, total * n ** (k - 1)) if k else np.arange(n) + 1
+        np.testing.assert_array_equal(np.asarray(f(x)), expected.astype(np.float32),
+                                      err_msg=name)
+    rows = [{"devices": n, "case": name, "seconds": seconds}
+            for name, seconds in best_of_rounds(fns, x).items()]
     for r in rows:
         print(f"n={n} {r['case']:42s} {r['seconds'] * 1e6:8.1f} us", flush=True)
     return rows
@@ -125,15 +134,14 @@ def one_device_floor() -> list[dict]:
     """What any jitted call costs a process with one device (an MPI rank): the floor under a lone
     small collective across processes, whatever carries the data."""
     x = jax.device_put(np.ones(1, np.float32), jax.devices()[0])
-    fns = {"1 device: empty program (x + 1)": jax.jit(lambda v: v + 1),
-           "1 device: empty program + jaxring's effect": jax.jit(lambda v: effect_only_p.bind(v + 1))}
-    rows = []
+    fns = {"empty program (x + 1)": jax.jit(lambda v: v + 1),
+           "empty program + jaxring's effect": jax.jit(lambda v: effect_only_p.bind(v + 1))}
     for name, f in fns.items():
-        np.testing.assert_array_equal(np.asarray(f(x)), [2.0])
-        seconds = min(median_seconds(lambda: f(x).block_until_ready(), budget_seconds=0.4)
-                      for _ in range(3))
-        rows.append({"devices": 1, "case": name, "seconds": float(seconds)})
-        print(f"{name:50s} {seconds * 1e6:8.1f} us", flush=True)
+        np.testing.assert_array_equal(np.asarray(f(x)), [2.0], err_msg=name)
+    rows = [{"devices": 1, "case": name, "seconds": seconds}
+            for name, seconds in best_of_rounds(fns, x).items()]
+    for r in rows:
+        print(f"1 device: {r['case']:40s} {r['seconds'] * 1e6:8.1f} us", flush=True)
     return rows
 
 
@@ -165,7 +173,7 @@ def main() -> None:
     md += [f"| {name} | {t[2, name]:.1f} | {t[8, name]:.1f} |" for name in names] + [""]
     md += summary(rows, 2) + summary(rows, 8)
     md += ["| one device (an MPI rank) | median (us) |", "|---|---|",
-           *[f"| {r['case'][len('1 device: '):]} | {r['seconds'] * 1e6:.1f} |" for r in floor],
+           *[f"| {r['case']} | {r['seconds'] * 1e6:.1f} |" for r in floor],
            "", "A lone jitted call in a process with one device costs at least the first row, "
            "whatever carries the data; mpi4py's Allreduce of a few bytes on numpy buffers takes "
            "5-9 us (benchmarks/results/allreduce_mpi-cpu-n2.md).", ""]
