@@ -36,6 +36,10 @@ struct Config {
   // directly (one round, n-1 messages per rank; a timeout names exactly the absent ranks);
   // larger ones by Bruck's all-gather (log2 n rounds).
   int64_t mpi_direct_header_ranks = 64;
+  // CPU outputs of at least this many bytes ask the kernel for transparent huge pages before
+  // their first write (madvise on the 2 MiB-aligned interior); 0 turns it off. Large outputs are
+  // fresh mappings whose 4 KiB page faults cost more than the collective itself.
+  int64_t huge_page_bytes = int64_t{8} << 20;
 };
 
 // A snapshot of the current configuration; cheap enough to take once per collective.

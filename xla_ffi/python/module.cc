@@ -200,7 +200,8 @@ NB_MODULE(_jaxring, m) {
       "set_config",
       [](double timeout_seconds, int64_t ring_threshold_bytes, const std::string& algorithm,
          int64_t pipeline_slice_bytes, int64_t spin_iterations, int64_t p2p_eager_bytes,
-         int64_t mpi_ring_threshold_bytes, int64_t mpi_direct_header_ranks) {
+         int64_t mpi_ring_threshold_bytes, int64_t mpi_direct_header_ranks,
+         int64_t huge_page_bytes) {
         jaxring::Config config;
         config.timeout_seconds = timeout_seconds;
         config.ring_threshold_bytes = ring_threshold_bytes;
@@ -210,11 +211,13 @@ NB_MODULE(_jaxring, m) {
         config.p2p_eager_bytes = p2p_eager_bytes;
         config.mpi_ring_threshold_bytes = mpi_ring_threshold_bytes;
         config.mpi_direct_header_ranks = mpi_direct_header_ranks;
+        config.huge_page_bytes = huge_page_bytes;
         jaxring::SetConfig(config);
       },
       nb::arg("timeout_seconds"), nb::arg("ring_threshold_bytes"), nb::arg("algorithm"),
       nb::arg("pipeline_slice_bytes"), nb::arg("spin_iterations"), nb::arg("p2p_eager_bytes"),
-      nb::arg("mpi_ring_threshold_bytes"), nb::arg("mpi_direct_header_ranks"));
+      nb::arg("mpi_ring_threshold_bytes"), nb::arg("mpi_direct_header_ranks"),
+      nb::arg("huge_page_bytes"));
 
   m.def("get_config", []() {
     const jaxring::Config config = jaxring::CurrentConfig();
@@ -227,6 +230,7 @@ NB_MODULE(_jaxring, m) {
     d["p2p_eager_bytes"] = config.p2p_eager_bytes;
     d["mpi_ring_threshold_bytes"] = config.mpi_ring_threshold_bytes;
     d["mpi_direct_header_ranks"] = config.mpi_direct_header_ranks;
+    d["huge_page_bytes"] = config.huge_page_bytes;
     return d;
   });
 
