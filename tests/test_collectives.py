@@ -62,6 +62,35 @@ def test_all_reduce(n, dtype, op):
             assert_close(result, expected, dtype, count=n if op in ("sum", "mean") else 1)
 
 
+@pytest.mark.parametrize("n", [2, 3, 8])
+@pytest.mark.parametrize("dtype", [d for d in DTYPES if not np.issubdtype(d, np.integer)], ids=str)
+@pytest.mark.parametrize("op", ["max", "min"])
+def test_all_reduce_max_and_min_propagate_nan(n, dtype, op):
+    """A NaN on any device makes that element NaN, as jnp.max over the devices' values would;
+    every other element is the exact extreme, equal to lax.pmax/pmin's. (XLA's CPU all-reduce
+    drops NaN instead: there lax.pmax returns the largest of the other values.) About one element
+    in ten is NaN on each device, so some are NaN on several devices and some on one."""
+    rng = np.random.default_rng(n)
+    count = 1037
+    x = random_array(rng, (n * count,), dtype)
+    x[rng.random(n * count) < 0.1] = np.nan
+    m = mesh(n)
+    xs = shard(x, m)
+    with jaxring.config.override(algorithm="direct"):
+        ours = np.asarray(shmap(lambda v: jaxring.all_reduce(v, "i", op)[None], m)(xs))
+    lax_op = lax.pmax if op == "max" else lax.pmin
+    theirs = np.asarray(shmap(lambda v: lax_op(v, "i")[None], m)(xs))
+    fold = np.maximum if op == "max" else np.minimum  # both propagate NaN
+    expected = fold.reduce(x.astype(np.float64).reshape(n, count), axis=0)
+    assert np.isnan(expected).any() and not np.isnan(expected).all()
+    for device in range(n):
+        result = ours[device].astype(np.float64)
+        np.testing.assert_array_equal(np.isnan(result), np.isnan(expected))
+        np.testing.assert_array_equal(result, expected)  # NaN == NaN here
+        clean = ~np.isnan(expected)
+        np.testing.assert_array_equal(result[clean], theirs[device][clean].astype(np.float64))
+
+
 @pytest.mark.parametrize("n", DEVICE_COUNTS)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_all_reduce_matches_lax_psum(n, dtype):
