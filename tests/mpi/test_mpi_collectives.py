@@ -15,6 +15,10 @@ from helpers import DTYPES, RTOL, assert_close, random_array
 
 COMM = jaxring.mpi.world()
 MPI_COMM = COMM.mpi_comm
+# The same transport with 64 KiB staging slots, so that the larger sizes below move in many
+# chunks, each large enough for the shared-memory all-reduce to share its reduction out.
+SMALL_SLOTS = jaxring.mpi.Communicator(MPI_COMM.Dup(), label="64 KiB slots", slot_bytes=64 << 10)
+COMMS = pytest.mark.parametrize("comm", [COMM, SMALL_SLOTS], ids=["default", "small slots"])
 # Per-rank sizes: empty, one, prime, and larger than a staging slot (several chunks).
 SIZES = [0, 1, 7, 1001, 300_001]
 
@@ -34,11 +38,12 @@ REFERENCE = {
 }
 
 
+@COMMS
 @pytest.mark.parametrize("op", list(jaxring.REDUCE_OPS))
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_all_reduce_against_float64_on_gathered_inputs(dtype, op):
+def test_all_reduce_against_float64_on_gathered_inputs(dtype, op, comm):
     rng = np.random.default_rng([COMM.rank, dtype.num])
-    f = jax.jit(lambda v: jaxring.all_reduce(v, COMM, op))
+    f = jax.jit(lambda v: jaxring.all_reduce(v, comm, op))
     for size in SIZES:
         x = random_array(rng, (size,), dtype)
         y = f(x)
@@ -51,21 +56,22 @@ def test_all_reduce_against_float64_on_gathered_inputs(dtype, op):
         same_on_every_rank(y)
 
 
+@COMMS
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_reduce_scatter_all_gather_broadcast(dtype):
+def test_reduce_scatter_all_gather_broadcast(dtype, comm):
     n = COMM.size
     rng = np.random.default_rng([COMM.rank, dtype.num, 1])
     for block in (0, 1, 7, 200_003):
         x = random_array(rng, (n * block,), dtype)
         inputs = gathered(x).astype(np.float64)
-        scattered = jax.jit(lambda v: jaxring.reduce_scatter(v, COMM))(x)
+        scattered = jax.jit(lambda v: jaxring.reduce_scatter(v, comm))(x)
         assert_close(scattered, inputs.sum(0)[COMM.rank * block:(COMM.rank + 1) * block], dtype,
                      count=n)
         piece = x[:block]
-        together = jax.jit(lambda v: jaxring.all_gather(v, COMM))(piece)
+        together = jax.jit(lambda v: jaxring.all_gather(v, comm))(piece)
         np.testing.assert_array_equal(np.asarray(together), gathered(piece).reshape(-1))
         for root in {0, n - 1}:
-            got = jax.jit(lambda v, root=root: jaxring.broadcast(v, COMM, root=root))(piece)
+            got = jax.jit(lambda v, root=root: jaxring.broadcast(v, comm, root=root))(piece)
             np.testing.assert_array_equal(np.asarray(got), gathered(piece)[root])
 
 

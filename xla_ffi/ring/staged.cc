@@ -83,15 +83,24 @@ Status RunStaged(ShmCommunicator& comm, const Header& h, const CollectiveBuffers
               Reduce(h.dtype, h.op, srcs.data(), n, &dst, 1, len, n);
               return Status();
             }
+            // Each rank reduces its share into the result area and its own output at once, then
+            // copies only the other shares out.
             const Partition share{len, n, std::max<int64_t>(1, 64 / static_cast<int64_t>(width))};
+            const int64_t begin = share.Begin(me);
+            const int64_t end = begin + share.Size(me);
+            char* output = At(b.output, step * chunk, width);
             for (int peer = 0; peer < n; ++peer)
-              srcs[peer] = Operand{At(comm.Slot(peer), share.Begin(me), width)};
-            const Target dst{At(comm.Result(), share.Begin(me), width)};
-            Reduce(h.dtype, h.op, srcs.data(), n, &dst, 1, share.Size(me), n);
+              srcs[peer] = Operand{At(comm.Slot(peer), begin, width)};
+            const Target dsts[2] = {Target{At(output, begin, width)},
+                                    Target{At(comm.Result(), begin, width)}};
+            Reduce(h.dtype, h.op, srcs.data(), n, dsts, 2, end - begin, n);
             comm.Publish(Phase::kReduced);
             Status status = comm.WaitAll(Phase::kReduced, h, deadline, spin);
-            if (status.ok() && len)
-              std::memcpy(At(b.output, step * chunk, width), comm.Result(), len * width);
+            if (status.ok() && len) {
+              std::memcpy(output, comm.Result(), begin * width);
+              std::memcpy(At(output, end, width), At(comm.Result(), end, width),
+                          (len - end) * width);
+            }
             return status;
           });
     }
