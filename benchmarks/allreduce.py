@@ -76,10 +76,13 @@ LOOP_CASES = {"jaxring.all_reduce": lambda v: jaxring.all_reduce(v, "i"),
 
 def measure_in_loop(n: int, nbytes: int) -> list[dict]:
     """Per all-reduce inside one compiled loop that feeds each result to the next: the
-    collective's own cost, without the program launch that dominates a lone call's."""
+    collective's own cost, without the program launch that dominates a lone call's. The loop
+    runs at least 64 times up to 2 MiB and fewer above (8 at 16 MiB and up): each program still
+    pays one launch, jaxring's dearer for its ordered effect, and a short loop would count an
+    eighth of it in every all-reduce."""
     mesh = jax.make_mesh((n,), ("i",), devices=jax.devices()[:n])
     count = max(1, nbytes // 4)
-    repeats = 64 if nbytes <= 64 << 10 else 8
+    repeats = int(min(64, max(8, (128 << 20) // nbytes)))
     x = jax.device_put(np.random.default_rng(0).standard_normal(n * count, np.float32) / n,
                        NamedSharding(mesh, P("i")))
     rows = []
