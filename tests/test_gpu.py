@@ -37,6 +37,7 @@ def test_cuda_library_exports_every_handler():
                              capture_output=True, text=True, check=True).stdout
     exported = {line.split()[-1] for line in symbols.splitlines() if line.strip()}
     expected = {f"Jaxring{name}Cuda" for name in native.COLLECTIVE_TARGETS.values()}
+    expected |= set(native.MODEL_CUDA_TARGETS.values())
     set_up = {"JaxringCudaSetHostCall", "JaxringCudaReduce", "JaxringCudaIpcHandleBytes",
               "JaxringCudaIpcCreate", "JaxringCudaIpcOpen", "JaxringCudaStagedCreate",
               "JaxringCudaDetach"}
@@ -329,3 +330,30 @@ def test_two_gpu_processes_under_memcheck(transport):
         capture_output=True, text=True, timeout=540, env=env, cwd=HERE.parent)
     assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-6000:]
     assert "collectives agree with numpy" in result.stdout
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not native.has_cuda_backend(), reason="no CUDA GPU visible")
+@pytest.mark.parametrize("model,weight_dtype,batch,chunk_steps", [
+    ("conditioned", "float32", 3, 8), ("conditioned", "float16", 5, 1000), ("odd", "float32", 2, 8),
+])
+def test_the_fused_wavenet_sampler_on_the_gpu_equals_naive(model, weight_dtype, batch,
+                                                           chunk_steps):
+    """The CUDA kernel of jaxring_wavenet_sample (xla_ffi/cuda/wavenet_kernels.cu) draws the same
+    samples as the naive JAX sampler on the same GPU, with logits within float tolerance: with
+    speaker and local conditioning, float16 weights, chunks that cut the queues' rings, and
+    channel counts that are not multiples of the panel width."""
+    import jax.numpy as jnp
+    import test_wavenet as wn
+
+    config = wn.CONDITIONED if model == "conditioned" else wn.ODD
+    dtype = jnp.float16 if weight_dtype == "float16" else None
+    # Full float32 products in XLA's reference too (not TF32), as in the kernel.
+    with jax.default_device(jax.devices("cuda")[0]), jax.default_matmul_precision("highest"):
+        weights, key, speaker, local, naive = wn.reference(config, batch, seed=21,
+                                                           weight_dtype=dtype)
+        fused = wn.fused_sampler.sample_fused(
+            weights, config, key, wn.NUM_SAMPLES, batch, speaker, local, return_logits=True,
+            weight_dtype=dtype or jnp.float32, chunk_steps=chunk_steps)
+        assert fused[0].devices() == {jax.devices("cuda")[0]}
+    wn.assert_same_samples(fused, naive)

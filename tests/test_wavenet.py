@@ -202,6 +202,23 @@ def test_fused_team_of_threads_equals_naive(batch, threads):
     assert_same_samples(fused, naive)
 
 
+@pytest.mark.parametrize("model,weight_dtype,batch,chunk_steps", [
+    ("conditioned", None, 3, 8), ("conditioned", jnp.float16, 2, NUM_SAMPLES), ("odd", None, 2, 8),
+], ids=["conditioned-chunks", "conditioned-float16", "odd-channels"])
+def test_gpu_kernel_emulated_on_the_host_equals_naive(model, weight_dtype, batch, chunk_steps):
+    """The CUDA sampling kernel (xla_ffi/cuda/wavenet_sampler.h), run on the host with a thread
+    per GPU thread meeting at every __syncthreads, draws the naive sampler's samples: speaker and
+    local conditioning, float16 weights, chunks that cut the queues' rings, channel counts that
+    are not multiples of the panel width or of the block's threads."""
+    config = CONDITIONED if model == "conditioned" else ODD
+    weights, key, speaker, local, naive = reference(config, batch, seed=31,
+                                                    weight_dtype=weight_dtype)
+    emulated = fused_sampler.sample_fused(
+        weights, config, key, NUM_SAMPLES, batch, speaker, local, return_logits=True,
+        weight_dtype=weight_dtype or jnp.float32, chunk_steps=chunk_steps, gpu_emulation=True)
+    assert_same_samples(emulated, naive)
+
+
 def test_fused_odd_channel_counts_equal_naive():
     weights = random_weights(ODD, seed=11)
     key = jax.random.key(12)

@@ -24,6 +24,8 @@ COLLECTIVE_TARGETS = {
     "jaxring_barrier": "Barrier", "jaxring_ppermute": "Ppermute", "jaxring_send": "Send",
     "jaxring_recv": "Recv",
 }
+# Model kernels with a GPU counterpart: FFI target -> exported symbol of libjaxring_cuda.so.
+MODEL_CUDA_TARGETS = {"jaxring_wavenet_sample": "JaxringWaveNetSampleCuda"}
 CUDA_LIBRARY = os.path.join(os.path.dirname(extension.__file__), "libjaxring_cuda.so")
 
 
@@ -34,8 +36,9 @@ def register_targets() -> None:
         jax.ffi.register_ffi_target(name, capsule, platform="cpu")
     if has_cuda_backend():
         library = cuda_library()
-        for name, symbol in COLLECTIVE_TARGETS.items():
-            handler = getattr(library, f"Jaxring{symbol}Cuda")
+        symbols = {name: f"Jaxring{symbol}Cuda" for name, symbol in COLLECTIVE_TARGETS.items()}
+        for name, symbol in {**symbols, **MODEL_CUDA_TARGETS}.items():
+            handler = getattr(library, symbol)
             jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(handler), platform="CUDA")
 
 

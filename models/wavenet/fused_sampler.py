@@ -25,6 +25,9 @@ from models.wavenet.configs.default import ModelConfig
 
 TARGET = "jaxring_wavenet_sample"
 STAGE_TARGET = "jaxring_wavenet_stage"
+# The GPU kernel (xla_ffi/cuda/wavenet_sampler.h) run on the host, one host thread per GPU
+# thread: a test of that kernel on machines without a GPU, far too slow for anything else.
+GPU_EMULATION_TARGET = "jaxring_wavenet_sample_gpu_emulated"
 # Columns per weight panel: 8 AVX2 vectors, one register tile of a single stream.
 PANEL_WIDTH = 64
 
@@ -75,14 +78,18 @@ def gate_bias_per_stream(weights, batch: int, speaker=None):
 
 
 def fused_steps(packed, config: ModelConfig, gate_bias, local, noise, token, queues, first_step,
-                return_logits: bool, portable: bool = False, threads: int = 1):
+                return_logits: bool, portable: bool = False, threads: int = 1,
+                gpu_emulation: bool = False):
     """`noise.shape[0]` steps in one custom call. Returns tokens `[steps, batch]`, the queues and
     the logits `[steps, batch, levels]` (`[0, batch, levels]` unless `return_logits`).
     `portable` runs the plain C++ loops instead of the AVX2/FMA kernels. `threads` > 1: with at
     least that many streams, each thread samples a share of the streams; with fewer, the threads
     split every step's channels between them and meet once per layer (needs a core per
-    thread: on a busy machine it is slower than one thread)."""
-    return _sampling_call(TARGET, config, noise, queues, return_logits)(
+    thread: on a busy machine it is slower than one thread). `gpu_emulation` runs the GPU
+    kernel on the host instead (GPU_EMULATION_TARGET); on a CUDA device the GPU kernel runs
+    anyway."""
+    target = GPU_EMULATION_TARGET if gpu_emulation else TARGET
+    return _sampling_call(target, config, noise, queues, return_logits)(
         packed, gate_bias, local, noise, token, queues, jnp.asarray(first_step, jnp.int32),
         **_size_attributes(config), portable=portable, threads=np.int64(threads))
 
@@ -166,18 +173,18 @@ def run_chunks(steps_fn, config: ModelConfig, key, num_samples: int, batch: int,
 
 @functools.partial(jax.jit, static_argnames=("config", "num_samples", "batch", "return_logits",
                                              "weight_dtype", "chunk_steps", "portable",
-                                             "threads"))
+                                             "threads", "gpu_emulation"))
 def sample_fused(weights, config: ModelConfig, key, num_samples: int, batch: int = 1,
                  speaker=None, local=None, return_logits: bool = False,
                  weight_dtype=jnp.float32, chunk_steps: int = 1024, portable: bool = False,
-                 threads: int = 1):
+                 threads: int = 1, gpu_emulation: bool = False):
     """Samples `[batch, num_samples]` (and logits), like `sampler.sample_incremental`."""
     packed = pack_weights(weights, config, weight_dtype)
     gate_bias = gate_bias_per_stream(weights, batch, speaker)
 
     def steps_fn(local, noise, token, queues, first_step):
         return fused_steps(packed, config, gate_bias, local, noise, token, queues, first_step,
-                           return_logits, portable, threads)
+                           return_logits, portable, threads, gpu_emulation)
 
     tokens, logits = run_chunks(steps_fn, config, key, num_samples, batch, local, chunk_steps)
     return (tokens, logits) if return_logits else tokens
