@@ -82,8 +82,6 @@ inline A Combine(A a, A b) {
   else return a + b;
 }
 
-// acc[i] = fold of (acc[i] if kFromAcc,) srcs[0][i], ..., srcs[K-1][i], left to right, in
-// registers: one pass over the block however many sources there are.
 template <typename Tr, ReduceOp kOp, bool kUse, typename T>
 inline typename Tr::Acc FoldOne(typename Tr::Acc v, T x) {
   if constexpr (kUse) return Combine<kOp>(v, Tr::Load(x));
@@ -99,6 +97,8 @@ inline typename Tr::Acc FoldAt(typename Tr::Acc v, const T* const* s, int64_t i,
   return v;
 }
 
+// acc[i] = fold of (acc[i] if kFromAcc,) srcs[0][i], ..., srcs[K-1][i], left to right, in
+// registers: one pass over the block however many sources there are.
 template <typename T, ReduceOp kOp, int K, bool kFromAcc>
 void FoldGroup(typename Traits<T>::Acc* acc, const Operand* srcs, int64_t base, int64_t len) {
   using Tr = Traits<T>;
