@@ -55,7 +55,9 @@ def environment() -> dict:
     import jaxlib
 
     return {
-        "device": f"{jax.devices()[0].platform} x{len(jax.devices())} host devices",
+        "device": (f"{jax.devices()[0].platform} x{len(jax.devices())} host devices"
+                   if jax.devices()[0].platform == "cpu" else
+                   f"{jax.devices()[0].device_kind} x{len(jax.devices())}"),
         "cpu": platform.processor() or platform.machine(),
         "cores": os.cpu_count(),
         "python": platform.python_version(),

@@ -11,6 +11,10 @@ Weights are random: speed does not depend on their values.
 
     python benchmarks/sampling.py            # full run (about 25 minutes on 2 busy cores)
     python benchmarks/sampling.py --quick    # one config, fewer samples
+
+On a GPU (JAX's default device) it measures the variants that run on one device of any platform:
+(a), the Python loop, (b) and (d) with the CUDA kernel (xla_ffi/cuda/wavenet_sampler.h), and
+writes benchmarks/results/sampling-gpu.*; `--one-device` selects the same set on CPU.
 """
 
 from __future__ import annotations
@@ -54,8 +58,13 @@ def seconds_per_run(fn, repeats: int) -> float:
     return statistics.median(times)
 
 
+# The variants that run on one device of any platform (the rest need CPU devices: the thread
+# teams of the C++ kernel, and 2 devices of one process for the layer-sharded samplers).
+ONE_DEVICE = ("naive", "python_loop", "incremental", "fused_f32", "fused_f16")
+
+
 def variants(weights, config, key, batch, steps, mesh1, mesh2):
-    """name -> (function, samples per stream it draws)."""
+    """name -> (function, samples per stream it draws). Without `mesh2`, ONE_DEVICE only."""
     s = steps
     out = {
         "naive": (lambda: sampler.sample_naive(weights, config, key, s["naive"], batch),
@@ -73,6 +82,8 @@ def variants(weights, config, key, batch, steps, mesh1, mesh2):
             weights, config, key, s["fused"], batch, weight_dtype=jnp.float16, threads=2),
             s["fused"]),
     }
+    if mesh2 is None:
+        return {name: out[name] for name in ONE_DEVICE}
     for name, mesh, permute in (("sharded_1dev", mesh1, "jaxring"),
                                 ("sharded_2dev", mesh2, "jaxring"),
                                 ("sharded_2dev_lax", mesh2, "lax")):
@@ -120,16 +131,21 @@ def main() -> None:
     parser.add_argument("--configs", nargs="*", default=None, choices=list(CONFIGS))
     parser.add_argument("--batches", nargs="*", type=int, default=None)
     parser.add_argument("--variants", nargs="*", default=None)
-    parser.add_argument("--name", default="sampling-cpu")
+    parser.add_argument("--one-device", action="store_true",
+                        help="only the variants that run on one device (always so on a GPU)")
+    parser.add_argument("--name", default=None, help="results file (default sampling-PLATFORM)")
     args = parser.parse_args()
+    devices = jax.devices()
+    platform = devices[0].platform
+    one_device = args.one_device or platform != "cpu" or len(devices) < 2
+    results_name = args.name or f"sampling-{'gpu' if platform in ('cuda', 'gpu') else platform}"
     configs = args.configs or (["64/256/20"] if args.quick else list(CONFIGS))
     batches = args.batches or ([1, 4] if args.quick else [1, 4, 16])
     steps = ({"naive": 2, "loop": 100, "scan": 1000, "fused": 2000} if args.quick else
              {"naive": 2, "loop": 200, "scan": 4000, "fused": 16000})
     repeats = 1 if args.quick else 3
-    devices = jax.devices()
     mesh1 = jax.make_mesh((1,), ("stage",), devices=devices[:1])
-    mesh2 = jax.make_mesh((2,), ("stage",), devices=devices[:2])
+    mesh2 = None if one_device else jax.make_mesh((2,), ("stage",), devices=devices[:2])
     key = jax.random.key(0)
 
     rows = []
@@ -207,7 +223,7 @@ def main() -> None:
     markdown = "\n".join(lines) + "\n"
     print(markdown)
     payload = {"environment": common.environment(), "steps": steps, "rows": rows}
-    path = common.write_results(args.name, payload, markdown)
+    path = common.write_results(results_name, payload, markdown)
     plot(path.with_suffix(".png"), rows, names or [])
     print(f"wrote {path}, .md and .png")
 
