@@ -13,7 +13,12 @@ Each process has one CPU device. For float32 messages of 4 B .. 64 MiB per rank 
 - mpi4py's comm.Allreduce on numpy buffers;
 - up to 64 KiB, also per all-reduce inside one compiled loop of 64 (mpi4py: a Python loop), which
   leaves out the program launch that dominates a lone small jitted call.
-Every sample starts after a barrier and counts the slowest rank. Reports time, algbw and busbw
+Every sample starts after a barrier and counts the slowest rank; the implementations take turns,
+one call each per round, so that every ratio compares the same stretch of time. glibc's malloc
+is told to keep freed memory (mallopt, as MALLOC_MMAP_THRESHOLD_ / MALLOC_TRIM_THRESHOLD_ would):
+otherwise whichever implementation's fresh 1-32 MiB buffer lands on trimmed or unmapped memory
+pays a page fault per 4 KiB (about 3 ms at 4 MiB on this VM), and which one that is changes from
+run to run. It applies to every implementation alike, in the same processes. Reports time, algbw and busbw
 (nccl-tests definitions) against the copy bandwidth of this machine, and writes
 benchmarks/results/allreduce_mpi-cpu-n{N}.{json,md,png}.
 """
@@ -33,10 +38,24 @@ from mpi4py import MPI  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import jaxring  # noqa: E402
 import jaxring.mpi  # noqa: E402
-import common  # noqa: E402
 from common import (RESULTS, bus_factor, environment, human_bytes,  # noqa: E402
-                    memory_bandwidth_gbps, plot_time_per_size, write_results)
+                    memory_bandwidth_gbps, plot_time_per_size, slowest_rank_medians,
+                    write_results)
 
+def keep_freed_memory() -> None:
+    """mallopt(M_MMAP_THRESHOLD, 32 MiB) and mallopt(M_TRIM_THRESHOLD, 1 GiB), where glibc is."""
+    import ctypes
+    import ctypes.util
+
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c"))
+        libc.mallopt(-3, 32 << 20)  # M_MMAP_THRESHOLD (the largest glibc allows)
+        libc.mallopt(-1, 1 << 30)   # M_TRIM_THRESHOLD
+    except (OSError, AttributeError):
+        pass  # not glibc: nothing to pin
+
+
+keep_freed_memory()
 COMM = jaxring.mpi.world()
 WORLD = MPI.COMM_WORLD
 OVER_MPI = jaxring.mpi.Communicator(WORLD.Dup(), label="over MPI", transport="mpi")
@@ -44,11 +63,6 @@ OVER_MPI = jaxring.mpi.Communicator(WORLD.Dup(), label="over MPI", transport="mp
 TWO_NODES = (jaxring.mpi.Communicator(WORLD.Dup(), label="2 nodes", ranks_per_node=WORLD.size // 2)
              if WORLD.size >= 4 and WORLD.size % 2 == 0 else None)
 SPIN_FOREVER = 1 << 40
-
-
-def slowest_rank_median(fn, budget_seconds: float = 0.5, min_repeats: int = 8) -> float:
-    """Median over repetitions of the slowest rank's time; every repetition starts together."""
-    return common.slowest_rank_median(fn, WORLD, budget_seconds, min_repeats)
 
 
 def implementations():
@@ -127,16 +141,21 @@ def main() -> None:
     for nbytes in sizes:
         x = np.random.default_rng(COMM.rank).standard_normal(max(1, nbytes // 4), np.float32)
         xj = jax.device_put(x)
-        for name, (fn, overrides) in implementations().items():
-            with jaxring.config.override(**overrides):
-                seconds = slowest_rank_median(lambda: fn(x, xj))
+        cases = implementations()
+        medians = slowest_rank_medians(
+            {name: lambda fn=fn: fn(x, xj) for name, (fn, _) in cases.items()}, WORLD,
+            context=lambda name: jaxring.config.override(**cases[name][1]))
+        for name, seconds in medians.items():
             algbw = nbytes / seconds / 1e9
             rows.append({"impl": name, "bytes": nbytes, "seconds": seconds, "algbw_gbps": algbw,
                          "busbw_gbps": algbw * bus_factor("all_reduce", n)})
         if nbytes <= LOOP_MAX_BYTES:
-            for name, fn in loop_implementations().items():
-                seconds = slowest_rank_median(lambda: fn(x, xj)) / LOOP
-                rows.append({"impl": name, "bytes": nbytes, "seconds": seconds, "per_op": True})
+            medians = slowest_rank_medians(
+                {name: lambda fn=fn: fn(x, xj) for name, fn in loop_implementations().items()},
+                WORLD)
+            for name, seconds in medians.items():
+                rows.append({"impl": name, "bytes": nbytes, "seconds": seconds / LOOP,
+                             "per_op": True})
         if COMM.rank == 0:
             line = "  ".join(f"{r['impl']} {r['seconds'] * 1e6:.1f} us"
                              for r in rows if r["bytes"] == nbytes)
@@ -159,7 +178,8 @@ def markdown(rows, env, n, ceiling) -> str:
         "",
         f"{env['cpu']}, {env['cores']} cores; python {env['python']}, jax {env['jax']}; "
         f"{env['mpi']}; {env['date']}. Copy bandwidth: {ceiling:.1f} GB/s. Median of the slowest "
-        "rank's time; busbw = algbw x 2(n-1)/n.", "",
+        "rank's time, the implementations taking turns call by call; glibc malloc keeps freed "
+        "memory (mallopt) in every process. busbw = algbw x 2(n-1)/n.", "",
         "| size | " + " | ".join(f"{m} (us)" for m in names) +
         " | jaxring busbw (GB/s) | vs mpi4jax | vs mpi4py | jaxring[mpi] vs mpi4py |",
         "|---|" + "---|" * (len(names) + 4)]

@@ -83,25 +83,36 @@ def write_results(name: str, payload: dict, markdown: str) -> Path:
     return json_path
 
 
-def slowest_rank_median(fn, world, budget_seconds: float = 0.5, min_repeats: int = 8) -> float:
-    """Median over repetitions of the slowest MPI rank's time of fn(); every repetition starts
-    after a barrier, and rank 0's clock decides when to stop, so that all ranks stop together."""
+def slowest_rank_medians(cases: dict, world, budget_seconds: float = 0.5, min_rounds: int = 8,
+                         context=None) -> dict:
+    """Median over rounds of the slowest MPI rank's time of each case's fn(), the cases
+    interleaved: every round times each case once, in turn, after a barrier, so that all cases
+    see the same machine (this VM's speed drifts by 2x over minutes, and medians taken minutes
+    apart would compare the drift). `context(name)`, if given, is entered around each timed call
+    but outside the clock (e.g. a jaxring.config override). Rank 0's clock decides when to stop,
+    so that all ranks stop together: after `budget_seconds` per case and `min_rounds`, or 300."""
+    import contextlib
+
     from mpi4py import MPI
 
-    fn()
-    fn()
-    samples = []
-    deadline = time.perf_counter() + budget_seconds
-    while True:
-        world.Barrier()
-        start = time.perf_counter()
-        fn()
-        samples.append(world.allreduce(time.perf_counter() - start, op=MPI.MAX))
-        done = len(samples) >= 300 or (len(samples) >= min_repeats and
-                                       time.perf_counter() >= deadline)
+    context = context or (lambda name: contextlib.nullcontext())
+    for name, fn in cases.items():
+        with context(name):
+            fn()
+            fn()
+    samples = {name: [] for name in cases}
+    deadline = time.perf_counter() + budget_seconds * len(cases)
+    for rounds in range(1, 301):
+        for name, fn in cases.items():
+            with context(name):
+                world.Barrier()
+                start = time.perf_counter()
+                fn()
+                samples[name].append(world.allreduce(time.perf_counter() - start, op=MPI.MAX))
+        done = rounds >= min_rounds and time.perf_counter() >= deadline
         if world.bcast(done, root=0):
             break
-    return statistics.median(samples)
+    return {name: statistics.median(times) for name, times in samples.items()}
 
 
 def plot_time_per_size(rows, title: str, path) -> None:
