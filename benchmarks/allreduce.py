@@ -3,8 +3,9 @@
     python benchmarks/allreduce.py            # 2, 4, 8 devices, 4 B .. 64 MiB per device
     python benchmarks/allreduce.py --quick    # a short run (the README's demo)
 
-For each device count and size it times (median of many repetitions, inputs placed with
-device_put + NamedSharding): jaxring.all_reduce (auto, and forced direct and ring) against
+For each device count and size it times (median of many repetitions, the cases taking turns call
+by call so that all see the same machine, glibc malloc keeping freed memory as in
+common.keep_freed_memory; inputs placed with device_put + NamedSharding): jaxring.all_reduce (auto, and forced direct and ring) against
 lax.psum, jaxring.reduce_scatter against lax.psum_scatter, jaxring.all_gather against
 lax.all_gather, each as a lone jitted call; and all_reduce against psum inside one compiled loop,
 which leaves out the program launch. It reports time, algbw and busbw (nccl-tests definitions)
@@ -29,8 +30,8 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import jaxring  # noqa: E402
-from common import (bus_factor, environment, human_bytes, median_seconds,  # noqa: E402
-                    memory_bandwidth_gbps, write_results)
+from common import (bus_factor, environment, human_bytes, keep_freed_memory,  # noqa: E402
+                    medians_in_turns, memory_bandwidth_gbps, write_results)
 
 # (name, collective, jaxring algorithm or None for the lax twin, body)
 CASES = [
@@ -47,9 +48,10 @@ TWIN = {"all_reduce": "lax.psum", "reduce_scatter": "lax.psum_scatter",
 
 
 def measure(n: int, nbytes: int) -> list[dict]:
+    """Every case at `nbytes` per device, the cases taking turns call by call."""
     mesh = jax.make_mesh((n,), ("i",), devices=jax.devices()[:n])
     count = max(1, nbytes // 4)
-    rows = []
+    runs, sizes = {}, {}
     for name, collective, algorithm, body in CASES:
         # reduce_scatter needs its input divisible by n; all_gather's size is its output.
         per_device = count
@@ -60,12 +62,17 @@ def measure(n: int, nbytes: int) -> list[dict]:
         x = jax.device_put(np.random.default_rng(0).standard_normal(n * per_device, np.float32),
                            NamedSharding(mesh, P("i")))
         f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("i"), out_specs=P("i")))
-        with jaxring.config.override(algorithm=algorithm or "auto"):
-            seconds = median_seconds(lambda: f(x).block_until_ready())
-        size = per_device * 4 * (n if collective == "all_gather" else 1)
-        algbw = size / seconds / 1e9
-        rows.append({"devices": n, "bytes": size, "case": name, "collective": collective,
-                     "seconds": seconds, "algbw_GBps": algbw,
+        runs[name] = lambda f=f, x=x: f(x).block_until_ready()
+        sizes[name] = per_device * 4 * (n if collective == "all_gather" else 1)
+    algorithms = {name: algorithm or "auto" for name, _, algorithm, _ in CASES}
+    medians = medians_in_turns(runs, budget_seconds=0.6, min_rounds=10,
+                               context=lambda name: jaxring.config.override(
+                                   algorithm=algorithms[name]))
+    rows = []
+    for name, collective, _, _ in CASES:
+        algbw = sizes[name] / medians[name] / 1e9
+        rows.append({"devices": n, "bytes": sizes[name], "case": name, "collective": collective,
+                     "seconds": medians[name], "algbw_GBps": algbw,
                      "busbw_GBps": algbw * bus_factor(collective, n)})
     return rows
 
@@ -85,16 +92,17 @@ def measure_in_loop(n: int, nbytes: int) -> list[dict]:
     repeats = int(min(64, max(8, (128 << 20) // nbytes)))
     x = jax.device_put(np.random.default_rng(0).standard_normal(n * count, np.float32) / n,
                        NamedSharding(mesh, P("i")))
-    rows = []
+    runs = {}
     for name, reduce in LOOP_CASES.items():
         def body(v, reduce=reduce):
             step = lambda _, a: lax.pcast(reduce(a) * np.float32(1 / n), "i", to="varying")
             return lax.fori_loop(0, repeats, step, v)
 
         f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("i"), out_specs=P("i")))
-        seconds = median_seconds(lambda: f(x).block_until_ready()) / repeats
-        rows.append({"devices": n, "bytes": count * 4, "case": name, "seconds": seconds})
-    return rows
+        runs[name] = lambda f=f: f(x).block_until_ready()
+    medians = medians_in_turns(runs, budget_seconds=0.6, min_rounds=10)
+    return [{"devices": n, "bytes": count * 4, "case": name, "seconds": seconds / repeats}
+            for name, seconds in medians.items()]
 
 
 def loop_markdown(rows: list[dict]) -> str:
@@ -173,6 +181,7 @@ def main(argv=None) -> None:
     parser.add_argument("--quick", action="store_true", help="8 devices, 4 B .. 4 MiB, no files")
     parser.add_argument("--name", default="allreduce-cpu")
     args = parser.parse_args(argv)
+    keep_freed_memory()
     counts = [8] if args.quick else [int(n) for n in args.devices.split(",")]
     max_bytes = 4 << 20 if args.quick else args.max_bytes
     sizes = [4]

@@ -51,7 +51,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import jaxring  # noqa: E402
 import jaxring.mpi  # noqa: E402
 from common import (RESULTS, bus_factor, environment, human_bytes,  # noqa: E402
-                    plot_time_per_size, slowest_rank_medians, write_results)
+                    plot_time_per_size, medians_in_turns, write_results)
 
 WORLD = MPI.COMM_WORLD
 TRANSPORTS = {
@@ -202,8 +202,9 @@ def main() -> None:
         x = np.random.default_rng(rank).standard_normal(nbytes // 4).astype(np.float32)
         xj = jax.device_put(x, GPU)
         check_results(xj, n)
-        medians = slowest_rank_medians(
-            {name: lambda fn=fn: fn(x, xj) for name, fn in implementations().items()}, WORLD)
+        medians = medians_in_turns(
+            {name: lambda fn=fn: fn(x, xj) for name, fn in implementations().items()},
+            world=WORLD)
         for name, seconds in medians.items():
             algbw = nbytes / seconds / 1e9
             rows.append({"impl": name, "bytes": nbytes, "seconds": seconds, "algbw_gbps": algbw,

@@ -39,21 +39,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import jaxring  # noqa: E402
 import jaxring.mpi  # noqa: E402
 from common import (RESULTS, bus_factor, environment, human_bytes,  # noqa: E402
-                    memory_bandwidth_gbps, plot_time_per_size, slowest_rank_medians,
-                    write_results)
-
-def keep_freed_memory() -> None:
-    """mallopt(M_MMAP_THRESHOLD, 32 MiB) and mallopt(M_TRIM_THRESHOLD, 1 GiB), where glibc is."""
-    import ctypes
-    import ctypes.util
-
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c"))
-        libc.mallopt(-3, 32 << 20)  # M_MMAP_THRESHOLD (the largest glibc allows)
-        libc.mallopt(-1, 1 << 30)   # M_TRIM_THRESHOLD
-    except (OSError, AttributeError):
-        pass  # not glibc: nothing to pin
-
+                    keep_freed_memory, medians_in_turns, memory_bandwidth_gbps,
+                    plot_time_per_size, write_results)
 
 keep_freed_memory()
 COMM = jaxring.mpi.world()
@@ -142,17 +129,17 @@ def main() -> None:
         x = np.random.default_rng(COMM.rank).standard_normal(max(1, nbytes // 4), np.float32)
         xj = jax.device_put(x)
         cases = implementations()
-        medians = slowest_rank_medians(
-            {name: lambda fn=fn: fn(x, xj) for name, (fn, _) in cases.items()}, WORLD,
+        medians = medians_in_turns(
+            {name: lambda fn=fn: fn(x, xj) for name, (fn, _) in cases.items()}, world=WORLD,
             context=lambda name: jaxring.config.override(**cases[name][1]))
         for name, seconds in medians.items():
             algbw = nbytes / seconds / 1e9
             rows.append({"impl": name, "bytes": nbytes, "seconds": seconds, "algbw_gbps": algbw,
                          "busbw_gbps": algbw * bus_factor("all_reduce", n)})
         if nbytes <= LOOP_MAX_BYTES:
-            medians = slowest_rank_medians(
+            medians = medians_in_turns(
                 {name: lambda fn=fn: fn(x, xj) for name, fn in loop_implementations().items()},
-                WORLD)
+                world=WORLD)
             for name, seconds in medians.items():
                 rows.append({"impl": name, "bytes": nbytes, "seconds": seconds / LOOP,
                              "per_op": True})

@@ -83,34 +83,58 @@ def write_results(name: str, payload: dict, markdown: str) -> Path:
     return json_path
 
 
-def slowest_rank_medians(cases: dict, world, budget_seconds: float = 0.5, min_rounds: int = 8,
-                         context=None) -> dict:
-    """Median over rounds of the slowest MPI rank's time of each case's fn(), the cases
-    interleaved: every round times each case once, in turn, after a barrier, so that all cases
-    see the same machine (this VM's speed drifts by 2x over minutes, and medians taken minutes
-    apart would compare the drift). `context(name)`, if given, is entered around each timed call
-    but outside the clock (e.g. a jaxring.config override). Rank 0's clock decides when to stop,
-    so that all ranks stop together: after `budget_seconds` per case and `min_rounds`, or 300."""
+def keep_freed_memory() -> None:
+    """mallopt(M_MMAP_THRESHOLD, 32 MiB) and mallopt(M_TRIM_THRESHOLD, 1 GiB), where glibc is,
+    as MALLOC_MMAP_THRESHOLD_ / MALLOC_TRIM_THRESHOLD_ would. Otherwise whichever implementation's
+    fresh 1-32 MiB buffer lands on memory glibc has just trimmed or unmapped pays a page fault per
+    4 KiB (about 3 ms at 4 MiB on this VM), and which one that is changes from run to run. It
+    applies to every implementation a benchmark measures, alike."""
+    import ctypes
+    import ctypes.util
+
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c"))
+        libc.mallopt(-3, 32 << 20)  # M_MMAP_THRESHOLD (the largest glibc allows)
+        libc.mallopt(-1, 1 << 30)   # M_TRIM_THRESHOLD
+    except (OSError, AttributeError):
+        pass  # not glibc: nothing to pin
+
+
+def medians_in_turns(cases: dict, budget_seconds: float = 0.5, min_rounds: int = 8,
+                     context=None, world=None) -> dict:
+    """Median time of each case's fn() (which must block until its result is ready), the cases
+    taking turns: every round times each case once, so that all cases see the same machine (this
+    VM's speed drifts by 2x over minutes, and medians taken minutes apart would compare the
+    drift). `context(name)`, if given, is entered around each timed call but outside the clock
+    (e.g. a jaxring.config override). Stops after `budget_seconds` per case and `min_rounds`, or
+    300 rounds. With an mpi4py `world`: every call starts after a barrier, counts the slowest
+    rank, and rank 0's clock decides when to stop, so that all ranks stop together."""
     import contextlib
 
-    from mpi4py import MPI
-
     context = context or (lambda name: contextlib.nullcontext())
+    if world is not None:
+        from mpi4py import MPI
     for name, fn in cases.items():
         with context(name):
             fn()
-            fn()
+            fn()  # warm-up: compilation and first-touch page faults
     samples = {name: [] for name in cases}
     deadline = time.perf_counter() + budget_seconds * len(cases)
     for rounds in range(1, 301):
         for name, fn in cases.items():
             with context(name):
-                world.Barrier()
+                if world is not None:
+                    world.Barrier()
                 start = time.perf_counter()
                 fn()
-                samples[name].append(world.allreduce(time.perf_counter() - start, op=MPI.MAX))
+                seconds = time.perf_counter() - start
+                if world is not None:
+                    seconds = world.allreduce(seconds, op=MPI.MAX)
+                samples[name].append(seconds)
         done = rounds >= min_rounds and time.perf_counter() >= deadline
-        if world.bcast(done, root=0):
+        if world is not None:
+            done = world.bcast(done, root=0)
+        if done:
             break
     return {name: statistics.median(times) for name, times in samples.items()}
 
