@@ -58,7 +58,7 @@ xla::ffi::Error RunSampleHandler(
   }
   float* logits_out = logits->element_count() == 0 ? nullptr : logits->typed_data();
   const std::string error = device.Launch(
-      weights.untyped_data(), type == ffi::DataType::F16, WaveNetLayout(sizes), sizes, steps,
+      weights.untyped_data(), type == ffi::DataType::F16, LayoutOf(sizes), sizes, steps,
       first_step.typed_data(), gate_bias.typed_data(), local.typed_data(), noise.typed_data(),
       token.typed_data(), queue_data, tokens->typed_data(), logits_out);
   return error.empty() ? ffi::Error::Success()

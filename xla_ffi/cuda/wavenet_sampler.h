@@ -25,6 +25,8 @@
 #include <cstdint>
 #include <string>
 
+#include "models/wavenet_layout.h"
+
 #if defined(__CUDACC__)
 #include <cuda_fp16.h>
 #define JR_DEVICE __device__
@@ -43,30 +45,9 @@ struct WaveNetSizes {
   int32_t queue_offset[kMaxLayers];  // first row of layer i's ring buffer in the queues
 };
 
-// Where each part of the packed weights starts, in elements: the layout of wavenet_cpu.cc, which
-// models/wavenet/fused_sampler.py's pack_weights writes.
-struct WaveNetLayout {
-  int64_t embedding, first_layer, layer_stride;
-  int64_t gate, residual, skip, biases, local;  // offsets within a layer, in this order
-  int64_t hidden, hidden_bias, logits, logits_bias, count;
-
-  explicit WaveNetLayout(const WaveNetSizes& s) {
-    const int64_t r = s.residual;
-    embedding = 0;
-    first_layer = int64_t{s.levels} * r;
-    gate = 0;
-    residual = 4 * r * r;
-    skip = residual + r * r;
-    biases = skip + r * s.skip;
-    local = biases + r + s.skip;
-    layer_stride = local + int64_t{s.local_channels} * 2 * r;
-    hidden = first_layer + s.layers * layer_stride;
-    hidden_bias = hidden + int64_t{s.skip} * s.hidden;
-    logits = hidden_bias + s.hidden;
-    logits_bias = logits + int64_t{s.hidden} * s.levels;
-    count = logits_bias + s.levels;
-  }
-};
+inline WaveNetLayout LayoutOf(const WaveNetSizes& s) {
+  return WaveNetLayout(s.residual, s.skip, s.hidden, s.levels, s.local_channels, s.layers);
+}
 
 // Floats of shared memory one block uses: h, x, z, a, y, the skip sum, the hidden units, the
 // logits and their running sum (SampleBlock carves them in this order), and the token.
@@ -74,20 +55,10 @@ inline int64_t SharedFloats(const WaveNetSizes& s) {
   return 7 * int64_t{s.residual} + 2 * int64_t{s.skip} + s.hidden + 2 * s.levels + 1;
 }
 
-// What a handler reads off XLA's buffers, checked by PlanSample.
-struct SampleShapes {
-  int64_t residual, skip, hidden, levels, local_channels, panel_width;
-  const int64_t* dilations;
-  int64_t layers;
-  int64_t batch;                  // starting tokens
-  int64_t noise_rank, noise_rows, noise_cols;
-  int64_t queues, gate_bias, local, weights;  // element counts
-};
-
-// Fills `s` and the number of steps; returns what is wrong with the call, or "" if nothing.
+// Checks the call (CheckSampleShapes, and at most kMaxLayers layers), then fills `s` and the
+// number of steps; returns what is wrong with the call, or "" if nothing.
 inline std::string PlanSample(const SampleShapes& in, WaveNetSizes* s, int64_t* steps) {
-  if (in.panel_width <= 0 || in.panel_width % 8)
-    return "panel_width must be a positive multiple of 8, got " + std::to_string(in.panel_width);
+  if (std::string error = CheckSampleShapes(in); !error.empty()) return error;
   if (in.layers < 1 || in.layers > kMaxLayers)
     return "1 to " + std::to_string(kMaxLayers) + " layers, got " + std::to_string(in.layers);
   *s = WaveNetSizes{};
@@ -101,32 +72,11 @@ inline std::string PlanSample(const SampleShapes& in, WaveNetSizes* s, int64_t* 
   s->layers = static_cast<int32_t>(in.layers);
   int64_t queue_rows = 0;
   for (int64_t i = 0; i < in.layers; ++i) {
-    if (in.dilations[i] < 1) return "dilations must be positive";
     s->dilation[i] = static_cast<int32_t>(in.dilations[i]);
     s->queue_offset[i] = static_cast<int32_t>(queue_rows);
     queue_rows += in.dilations[i];
   }
-  if (in.noise_rank != 2 || in.noise_cols != in.batch)
-    return "the uniform numbers must be [steps, batch=" + std::to_string(in.batch) + "]";
   *steps = in.noise_rows;
-  if (in.queues != queue_rows * in.batch * in.residual ||
-      in.gate_bias != in.layers * in.batch * 2 * in.residual ||
-      in.local != *steps * in.batch * in.local_channels)
-    return "queues, gate bias or local conditioning do not match the sizes";
-  const WaveNetLayout layout(*s);
-  if (layout.count != in.weights)
-    return "the packed weights have " + std::to_string(in.weights) +
-           " elements, the sizes given need " + std::to_string(layout.count);
-  return "";
-}
-
-// Whether every starting token indexes the embedding; "" or what is wrong.
-inline std::string CheckTokens(const int32_t* tokens, int64_t batch, int64_t levels) {
-  for (int64_t b = 0; b < batch; ++b) {
-    if (tokens[b] < 0 || tokens[b] >= levels)
-      return "stream " + std::to_string(b) + " starts from token " + std::to_string(tokens[b]) +
-             ", outside [0, " + std::to_string(levels) + ")";
-  }
   return "";
 }
 

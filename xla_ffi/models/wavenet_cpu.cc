@@ -48,6 +48,7 @@
 #include "common/types.h"
 #include "kernels/reduce_cpu.h"
 #include "models/targets.h"
+#include "models/wavenet_layout.h"
 #include "transports/mailbox.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -382,35 +383,19 @@ struct PackedWeights {
   const W* hidden_bias;
   const W* logits;
   const W* logits_bias;
-  int64_t count;  // elements in all
 
   PackedWeights(const W* base, const Sizes& s) {
-    const W* p = base;
-    embedding = p;
-    p += s.levels * s.residual;
+    const WaveNetLayout l(s.residual, s.skip, s.hidden, s.levels, s.local_channels,
+                          static_cast<int64_t>(s.dilations.size()));
+    embedding = base + l.embedding;
     for (size_t i = 0; i < s.dilations.size(); ++i) {
-      Layer layer;
-      layer.gate = p;
-      p += 4 * s.residual * s.residual;
-      layer.residual = p;
-      p += s.residual * s.residual;
-      layer.skip = p;
-      p += s.residual * s.skip;
-      layer.residual_skip_bias = p;
-      p += s.residual + s.skip;
-      layer.local = p;
-      p += s.local_channels * 2 * s.residual;
-      layers.push_back(layer);
+      const W* p = base + l.first_layer + static_cast<int64_t>(i) * l.layer_stride;
+      layers.push_back(Layer{p + l.gate, p + l.residual, p + l.skip, p + l.biases, p + l.local});
     }
-    hidden = p;
-    p += s.skip * s.hidden;
-    hidden_bias = p;
-    p += s.hidden;
-    logits = p;
-    p += s.hidden * s.levels;
-    logits_bias = p;
-    p += s.levels;
-    count = p - base;
+    hidden = base + l.hidden;
+    hidden_bias = base + l.hidden_bias;
+    logits = base + l.logits;
+    logits_bias = base + l.logits_bias;
   }
 };
 
@@ -842,45 +827,31 @@ ffi::Error Invalid(const std::string& what) {
   return ffi::Error::InvalidArgument("jaxring_wavenet_sample: " + what);
 }
 
-ffi::Error Prepare(ffi::Buffer<ffi::F32> gate_bias, ffi::Buffer<ffi::F32> local,
+ffi::Error Prepare(int64_t weight_count, ffi::Buffer<ffi::F32> gate_bias,
+                   ffi::Buffer<ffi::F32> local,
                    ffi::Buffer<ffi::F32> noise, ffi::Buffer<ffi::S32> token,
                    ffi::Buffer<ffi::F32> queues, ffi::Buffer<ffi::S32> first_step,
                    ffi::ResultBuffer<ffi::S32>& tokens, ffi::ResultBuffer<ffi::F32>& queues_out,
                    ffi::ResultBuffer<ffi::F32>& logits, int64_t residual, int64_t skip,
                    int64_t hidden, int64_t levels, int64_t local_channels, int64_t panel_width,
                    ffi::Span<const int64_t> dilations, Call* call) {
-  if (panel_width <= 0 || panel_width % 8) {
-    return Invalid("panel_width must be a positive multiple of 8, got " +
-                   std::to_string(panel_width));
-  }
-  call->sizes = Sizes{residual,    skip,       hidden, levels, local_channels,
-                      panel_width, static_cast<int64_t>(token.element_count()),
-                      std::vector<int64_t>(dilations.begin(), dilations.end())};
-  const Sizes& sizes = call->sizes;
   const auto noise_dims = noise.dimensions();
-  if (noise_dims.size() != 2 || noise_dims[1] != sizes.batch) {
-    return Invalid("the uniform numbers must be [steps, batch=" + std::to_string(sizes.batch) +
-                   "]");
-  }
-  call->steps = noise_dims[0];
-  int64_t queue_rows = 0;
-  for (int64_t d : sizes.dilations) queue_rows += d;
   const auto count = [](const auto& buffer) {
     return static_cast<int64_t>(buffer.element_count());
   };
-  const int64_t layers = static_cast<int64_t>(sizes.dilations.size());
-  if (count(queues) != queue_rows * sizes.batch * residual ||
-      count(gate_bias) != layers * sizes.batch * 2 * residual ||
-      count(local) != call->steps * sizes.batch * local_channels) {
-    return Invalid("queues, gate bias or local conditioning do not match the sizes");
-  }
-  for (int64_t b = 0; b < sizes.batch; ++b) {
-    if (token.typed_data()[b] < 0 || token.typed_data()[b] >= sizes.levels) {
-      return Invalid("stream " + std::to_string(b) + " starts from token " +
-                     std::to_string(token.typed_data()[b]) + ", outside [0, " +
-                     std::to_string(sizes.levels) + ")");
-    }
-  }
+  const SampleShapes shapes{
+      residual, skip, hidden, levels, local_channels, panel_width, dilations.begin(),
+      static_cast<int64_t>(dilations.size()), count(token),
+      static_cast<int64_t>(noise_dims.size()), noise_dims.size() > 0 ? noise_dims[0] : 0,
+      noise_dims.size() > 1 ? noise_dims[1] : 0, count(queues), count(gate_bias), count(local),
+      weight_count};
+  if (std::string error = CheckSampleShapes(shapes); !error.empty()) return Invalid(error);
+  if (std::string error = CheckTokens(token.typed_data(), shapes.batch, levels); !error.empty())
+    return Invalid(error);
+  call->sizes = Sizes{residual,    skip,         hidden, levels, local_channels,
+                      panel_width, shapes.batch, std::vector<int64_t>(dilations.begin(),
+                                                                      dilations.end())};
+  call->steps = shapes.noise_rows;
   call->queues = queues_out->typed_data();
   if (call->queues != queues.typed_data()) {
     std::memcpy(call->queues, queues.typed_data(), queues.element_count() * sizeof(float));
@@ -892,15 +863,6 @@ ffi::Error Prepare(ffi::Buffer<ffi::F32> gate_bias, ffi::Buffer<ffi::F32> local,
   call->noise = noise.typed_data();
   call->token = token.typed_data();
   call->tokens_out = tokens->typed_data();
-  return ffi::Error::Success();
-}
-
-template <typename W>
-ffi::Error CheckPacked(const PackedWeights<W>& packed, int64_t weight_count) {
-  if (packed.count != weight_count) {
-    return Invalid("the packed weights have " + std::to_string(weight_count) +
-                   " elements, the sizes given need " + std::to_string(packed.count));
-  }
   return ffi::Error::Success();
 }
 
@@ -918,11 +880,9 @@ ffi::Error WithWeights(ffi::AnyBuffer weights, Run run) {
 }
 
 template <typename W>
-ffi::Error Run(const W* weights, int64_t weight_count, bool allow_simd, int64_t threads,
-               const Call& c) {
+ffi::Error Run(const W* weights, bool allow_simd, int64_t threads, const Call& c) {
   const Sizes& sizes = c.sizes;
   const PackedWeights<W> packed(weights, sizes);
-  if (ffi::Error error = CheckPacked(packed, weight_count); error.failure()) return error;
   const int64_t steps = c.steps, first_step = c.first_step;
   const float *gate_bias = c.gate_bias, *local = c.local, *noise = c.noise;
   const int32_t* token = c.token;
@@ -1007,11 +967,10 @@ std::pair<int64_t, int64_t> StageLayers(const Sizes& s, int64_t stages, int64_t 
 }
 
 template <typename W>
-ffi::Error RunStage(const W* weights, int64_t weight_count, bool allow_simd, const Call& c,
-                    PointToPoint& transport, int64_t op_id, int64_t stream_groups) {
+ffi::Error RunStage(const W* weights, bool allow_simd, const Call& c, PointToPoint& transport,
+                    int64_t op_id, int64_t stream_groups) {
   const Sizes& sizes = c.sizes;
   const PackedWeights<W> packed(weights, sizes);
-  if (ffi::Error error = CheckPacked(packed, weight_count); error.failure()) return error;
   const int64_t stages = transport.size(), rank = transport.rank(), b = sizes.batch;
   const auto [begin, end] = StageLayers(sizes, stages, rank);
   const bool first_stage = rank == 0, last_stage = rank + 1 == stages;
@@ -1096,15 +1055,13 @@ ffi::Error WaveNetSampleImpl(ffi::AnyBuffer weights, ffi::Buffer<ffi::F32> gate_
                              int64_t panel_width, ffi::Span<const int64_t> dilations,
                              bool portable, int64_t threads) {
   Call call;
-  if (ffi::Error error = Prepare(gate_bias, local, noise, token, queues, first_step, tokens,
-                                 queues_out, logits, residual, skip, hidden, levels,
-                                 local_channels, panel_width, dilations, &call);
+  if (ffi::Error error = Prepare(static_cast<int64_t>(weights.element_count()), gate_bias, local,
+                                 noise, token, queues, first_step, tokens, queues_out, logits,
+                                 residual, skip, hidden, levels, local_channels, panel_width,
+                                 dilations, &call);
       error.failure())
     return error;
-  const int64_t count = static_cast<int64_t>(weights.element_count());
-  return WithWeights(weights, [&](const auto* w) {
-    return Run(w, count, !portable, threads, call);
-  });
+  return WithWeights(weights, [&](const auto* w) { return Run(w, !portable, threads, call); });
 }
 
 ffi::Error WaveNetStageImpl(ffi::AnyBuffer weights, ffi::Buffer<ffi::F32> gate_bias,
@@ -1119,9 +1076,10 @@ ffi::Error WaveNetStageImpl(ffi::AnyBuffer weights, ffi::Buffer<ffi::F32> gate_b
                             bool portable, int64_t comm, std::string_view comm_name,
                             int64_t size, int64_t op_id, int64_t stream_groups) {
   Call call;
-  if (ffi::Error error = Prepare(gate_bias, local, noise, token, queues, first_step, tokens,
-                                 queues_out, logits, residual, skip, hidden, levels,
-                                 local_channels, panel_width, dilations, &call);
+  if (ffi::Error error = Prepare(static_cast<int64_t>(weights.element_count()), gate_bias, local,
+                                 noise, token, queues, first_step, tokens, queues_out, logits,
+                                 residual, skip, hidden, levels, local_channels, panel_width,
+                                 dilations, &call);
       error.failure())
     return error;
   const int32_t stage = rank.typed_data()[0];
@@ -1135,9 +1093,8 @@ ffi::Error WaveNetStageImpl(ffi::AnyBuffer weights, ffi::Buffer<ffi::F32> gate_b
       CommunicatorId{static_cast<uint64_t>(comm), group.typed_data()[0], static_cast<int>(size),
                      std::string(comm_name)},
       stage, config.timeout_seconds, config.spin_iterations);
-  const int64_t count = static_cast<int64_t>(weights.element_count());
   return WithWeights(weights, [&](const auto* w) {
-    return RunStage(w, count, !portable, call, transport, op_id, stream_groups);
+    return RunStage(w, !portable, call, transport, op_id, stream_groups);
   });
 }
 
