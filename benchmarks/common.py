@@ -54,10 +54,10 @@ def environment() -> dict:
     import jax
     import jaxlib
 
+    devices = jax.devices()
     return {
-        "device": (f"{jax.devices()[0].platform} x{len(jax.devices())} host devices"
-                   if jax.devices()[0].platform == "cpu" else
-                   f"{jax.devices()[0].device_kind} x{len(jax.devices())}"),
+        "device": (f"cpu x{len(devices)} host devices" if devices[0].platform == "cpu" else
+                   f"{devices[0].device_kind} x{len(devices)}"),
         "cpu": platform.processor() or platform.machine(),
         "cores": os.cpu_count(),
         "python": platform.python_version(),
