@@ -66,16 +66,33 @@ Status RunStaged(ShmCommunicator& comm, const Header& h, const CollectiveBuffers
     case Collective::kAllReduce: {
       const int64_t chunk = slot_elements;
       auto span = [&](int64_t step) { return std::min(chunk, h.count - step * chunk); };
+      auto everywhere = [&](int64_t len) {
+        return len * static_cast<int64_t>(width) <= kReduceEverywhereBytes;
+      };
+      auto shares = [&](int64_t len) {
+        return Partition{len, n, std::max<int64_t>(1, 64 / static_cast<int64_t>(width))};
+      };
       return Steps(
           comm, h, config, StepCount(h.count, chunk),
           [&](int64_t step) {
-            if (h.count) std::memcpy(comm.Slot(me), At(b.input, step * chunk, width),
-                                     span(step) * width);
+            const int64_t len = h.count ? span(step) : 0;
+            if (!len) return;
+            const char* input = At(b.input, step * chunk, width);
+            if (everywhere(len)) {
+              std::memcpy(comm.Slot(me), input, len * width);
+              return;
+            }
+            // Peers read only the shares they reduce; this rank reads its own from its input.
+            const Partition share = shares(len);
+            const int64_t begin = share.Begin(me), end = begin + share.Size(me);
+            std::memcpy(comm.Slot(me), input, begin * width);
+            std::memcpy(At(comm.Slot(me), end, width), At(input, end, width),
+                        (len - end) * width);
           },
           [&](int64_t step, const Deadline& deadline, int64_t spin) {
             const int64_t len = h.count ? span(step) : 0;
             std::vector<Operand> srcs(n);
-            if (len * static_cast<int64_t>(width) <= kReduceEverywhereBytes) {
+            if (everywhere(len)) {
               // Small: every rank reduces the whole step itself (in the same order, so the bits
               // agree), which saves the second round of waiting.
               for (int peer = 0; peer < n; ++peer) srcs[peer] = Operand{comm.Slot(peer)};
@@ -85,12 +102,13 @@ Status RunStaged(ShmCommunicator& comm, const Header& h, const CollectiveBuffers
             }
             // Each rank reduces its share into the result area and its own output at once, then
             // copies only the other shares out.
-            const Partition share{len, n, std::max<int64_t>(1, 64 / static_cast<int64_t>(width))};
+            const Partition share = shares(len);
             const int64_t begin = share.Begin(me);
             const int64_t end = begin + share.Size(me);
             char* output = At(b.output, step * chunk, width);
             for (int peer = 0; peer < n; ++peer)
               srcs[peer] = Operand{At(comm.Slot(peer), begin, width)};
+            srcs[me] = Operand{At(b.input, step * chunk + begin, width)};
             const Target dsts[2] = {Target{At(output, begin, width)},
                                     Target{At(comm.Result(), begin, width)}};
             Reduce(h.dtype, h.op, srcs.data(), n, dsts, 2, end - begin, n);
@@ -113,15 +131,17 @@ Status RunStaged(ShmCommunicator& comm, const Header& h, const CollectiveBuffers
           comm, h, config, StepCount(block, chunk),
           [&](int64_t step) {
             if (!block) return;
-            for (int dest = 0; dest < n; ++dest)
-              std::memcpy(At(comm.Slot(me), dest * chunk, width),
-                          At(b.input, dest * block + step * chunk, width), span(step) * width);
+            for (int dest = 0; dest < n; ++dest)  // this rank reduces its own piece from its input
+              if (dest != me)
+                std::memcpy(At(comm.Slot(me), dest * chunk, width),
+                            At(b.input, dest * block + step * chunk, width), span(step) * width);
           },
           [&](int64_t step, const Deadline&, int64_t) {
             if (!block) return Status();
             std::vector<Operand> srcs(n);
             for (int peer = 0; peer < n; ++peer)
               srcs[peer] = Operand{At(comm.Slot(peer), me * chunk, width)};
+            srcs[me] = Operand{At(b.input, me * block + step * chunk, width)};
             const Target dst{At(b.output, step * chunk, width)};
             Reduce(h.dtype, h.op, srcs.data(), n, &dst, 1, span(step), n);
             return Status();
