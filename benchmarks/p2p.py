@@ -11,7 +11,9 @@ Bandwidth is bytes moved per device per hop time.
 
 It also measures the pipeline (jaxring.parallel.pipeline): an n-stage ring of identical dense
 layers with n interleaved streams, against the same layers on one device running the same
-streams one after another, and batched together. Writes benchmarks/results/p2p-cpu.{json,md,png}.
+streams one after another, and batched together. The cases of each table row group take turns,
+one call each per round (common.medians_in_turns), so that every ratio compares the same stretch of
+this VM's drifting speed. Writes benchmarks/results/p2p-cpu.{json,md,png}.
 """
 
 from __future__ import annotations
@@ -33,8 +35,8 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import jaxring  # noqa: E402
 from jaxring.parallel import pipeline  # noqa: E402
-from common import (environment, human_bytes, median_seconds, memory_bandwidth_gbps,  # noqa: E402
-                    write_results)
+from common import (environment, human_bytes, keep_freed_memory,  # noqa: E402
+                    medians_in_turns, memory_bandwidth_gbps, write_results)
 
 IMPLEMENTATIONS = {"jaxring.ppermute": jaxring.ppermute, "lax.ppermute": lax.ppermute}
 
@@ -47,7 +49,8 @@ def patterns(n: int) -> dict:
     }
 
 
-def hop_seconds(n: int, nbytes: int, pattern: str, permute) -> float:
+def hop_case(n: int, nbytes: int, pattern: str, permute):
+    """(run, hops per run): `run()` makes `steps` steps of the pattern in one program."""
     mesh = jax.make_mesh((n,), ("i",), devices=jax.devices()[:n])
     count = max(1, nbytes // 4)
     hops, step = patterns(n)[pattern]
@@ -59,8 +62,7 @@ def hop_seconds(n: int, nbytes: int, pattern: str, permute) -> float:
     f = jax.jit(jax.shard_map(loop, mesh=mesh, in_specs=P("i"), out_specs=P("i")))
     x = jax.device_put(np.random.default_rng(0).standard_normal(n * count, np.float32),
                        NamedSharding(mesh, P("i")))
-    seconds = median_seconds(lambda: f(x).block_until_ready(), min_repeats=5, budget_seconds=0.5)
-    return seconds / (steps * hops)
+    return (lambda: f(x).block_until_ready()), steps * hops
 
 
 # The pipeline workload: LAYERS dense tanh layers of WIDTH units on ROWS rows per stream.
@@ -84,14 +86,13 @@ def pipeline_rows(n: int) -> list[dict]:
     one_device = jax.jit(lambda x: lax.scan(lambda c, _: (stage_fn(whole, c), None), x,
                                             length=TICKS)[0])
     batched = streams.reshape(n * ROWS, WIDTH)
-    rows = [
-        {"case": "one device, one stream at a time",
-         "passes_per_s": TICKS / median_seconds(lambda: one_device(streams[0]).block_until_ready(),
-                                                min_repeats=5)},
-        {"case": f"one device, {n} streams batched",
-         "passes_per_s": n * TICKS / median_seconds(
-             lambda: one_device(batched).block_until_ready(), min_repeats=5)},
-    ]
+    # case -> (run, passes per run); the cases take turns.
+    cases = {
+        "one device, one stream at a time": (
+            lambda: one_device(streams[0]).block_until_ready(), TICKS),
+        f"one device, {n} streams batched": (
+            lambda: one_device(batched).block_until_ready(), n * TICKS),
+    }
     mesh = jax.make_mesh((n,), ("i",), devices=jax.devices()[:n])
     stacked = jax.device_put(pipeline.stack_stages(layers, n), NamedSharding(mesh, P("i")))
     ring = [(s, (s + 1) % n) for s in range(n)]
@@ -107,16 +108,17 @@ def pipeline_rows(n: int) -> list[dict]:
 
     # The ceiling: every device runs its stage on its own stream and hands nothing on, so the
     # devices only share the cores. No pipeline of XLA-compiled stages can beat it.
+    x = jax.device_put(streams, NamedSharding(mesh, P("i")))
     for name, tick in (("no hand-off (ceiling)", no_hand_off), ("jaxring pipeline", jaxring_tick),
                        ("lax.ppermute pipeline", lax_tick)):
         def body(params, x, tick=tick):
             return lax.scan(lambda c, _: (tick(params, c), None), x[0], None, length=TICKS)[0][None]
 
         f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("i"), P("i")), out_specs=P("i")))
-        x = jax.device_put(streams, NamedSharding(mesh, P("i")))
-        rows.append({"case": f"{name}, {n} stages",
-                     "passes_per_s": TICKS / median_seconds(
-                         lambda: f(stacked, x).block_until_ready(), min_repeats=5)})
+        cases[f"{name}, {n} stages"] = (lambda f=f: f(stacked, x).block_until_ready(), TICKS)
+    medians = medians_in_turns({name: run for name, (run, _) in cases.items()})
+    rows = [{"case": name, "passes_per_s": passes / medians[name]}
+            for name, (_, passes) in cases.items()]
     for row in rows:
         row["n"] = n
         row["speedup_vs_one_stream"] = row["passes_per_s"] / rows[0]["passes_per_s"]
@@ -131,13 +133,17 @@ def main() -> None:
     args = parser.parse_args()
     device_counts = [2, 8] if args.quick else [2, 4, 8]
     sizes = [4, 4096, 1 << 20] if args.quick else [4 ** k for k in range(1, 14)]
+    keep_freed_memory()
     ceiling = memory_bandwidth_gbps()
     rows = []
     for n in device_counts:
         for pattern in patterns(n):
             for nbytes in sizes:
-                for name, permute in IMPLEMENTATIONS.items():
-                    seconds = hop_seconds(n, nbytes, pattern, permute)
+                cases = {name: hop_case(n, nbytes, pattern, permute)
+                         for name, permute in IMPLEMENTATIONS.items()}
+                medians = medians_in_turns({name: run for name, (run, _) in cases.items()})
+                for name, (_, hops) in cases.items():
+                    seconds = medians[name] / hops
                     rows.append({"n": n, "pattern": pattern, "bytes": nbytes, "impl": name,
                                  "hop_seconds": seconds, "gbps": nbytes / seconds / 1e9})
                 ours, theirs = rows[-2]["hop_seconds"], rows[-1]["hop_seconds"]
@@ -158,8 +164,9 @@ def markdown(rows, env, ceiling) -> str:
         f"Device: {env['device']} ({env['cpu']}, {env['cores']} cores); python {env['python']}, "
         f"jax {env['jax']}, jaxlib {env['jaxlib']}; {env['date']}. "
         f"Copy bandwidth of this machine: {ceiling:.1f} GB/s.", "",
-        "Time per hop inside one compiled `lax.scan` (launch excluded); ratio = jaxring / lax "
-        "(below 1: jaxring faster). Bandwidth = bytes per device / hop time.", "",
+        "Time per hop inside one compiled `lax.scan` (launch excluded), medians with jaxring "
+        "and lax taking turns call by call; ratio = jaxring / lax (below 1: jaxring faster). "
+        "Bandwidth = bytes per device / hop time.", "",
         "| n | pattern | size | jaxring (us) | lax (us) | ratio | jaxring GB/s | lax GB/s |",
         "|---|---|---|---|---|---|---|---|"]
     for ours, theirs in zip(rows[::2], rows[1::2]):
@@ -176,7 +183,8 @@ def pipeline_markdown(rows) -> str:
         "", f"## Pipeline: {LAYERS} dense tanh layers ({WIDTH} units, {ROWS} rows per stream)", "",
         "Full passes (all layers, one stream) per second. An n-stage ring with n interleaved "
         "streams delivers one pass per tick; one device runs the same streams one after another "
-        "or batched together. Speedup is against one device, one stream at a time.", "",
+        "or batched together; the cases take turns. Speedup is against one device, one stream "
+        "at a time.", "",
         "| n | case | passes/s | speedup |", "|---|---|---|---|"]
     for row in rows:
         lines.append(f"| {row['n']} | {row['case']} | {row['passes_per_s']:.0f} | "

@@ -41,7 +41,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.dirname(HERE))
 import jaxring  # noqa: E402
-from common import environment, median_seconds, write_results  # noqa: E402
+from common import environment, keep_freed_memory, medians_in_turns, write_results  # noqa: E402
 from jaxring.parallel import data as data_parallel  # noqa: E402
 from models.deepspeech import configs, data  # noqa: E402
 from models.deepspeech import train as training  # noqa: E402
@@ -65,7 +65,8 @@ def random_batch(rng, batch: int, frames: int, config) -> dict:
     }
 
 
-def time_step(step, state, batch, repeats, budget):
+def step_runner(step, state, batch):
+    """One training step per call, each on the state the previous call left."""
     holder = {"state": state}
 
     def run():
@@ -73,7 +74,7 @@ def time_step(step, state, batch, repeats, budget):
         holder["state"] = new_state
         loss.block_until_ready()
 
-    return median_seconds(run, min_repeats=repeats, budget_seconds=budget)
+    return run
 
 
 def measure(n: int, config, per_device_batch: int, frames: int, repeats: int, budget: float):
@@ -96,10 +97,13 @@ def measure(n: int, config, per_device_batch: int, frames: int, repeats: int, bu
     row = {"devices": n, "utterances_per_step": per_device_batch * n, "frames": frames,
            "parameters": int(sum(x.size for x in jax.tree.leaves(params))),
            "gradient_leaves": len(jax.tree.leaves(params))}
+    runs = {}
     for name, step in steps.items():
         state = jax.device_put((params, batch_stats, optimizer.init(params)), replicated)
         state = jax.tree.map(lambda x: x.copy(), state)  # the step donates its inputs
-        row[f"step_ms[{name}]"] = 1e3 * time_step(step, state, batch, repeats, budget)
+        runs[f"step_ms[{name}]"] = step_runner(step, state, batch)
+    for key, seconds in medians_in_turns(runs, budget, repeats).items():
+        row[key] = 1e3 * seconds
 
     # Gradient synchronisation alone, on a gradient-shaped pytree of random values.
     grads = jax.device_put(jax.tree.map(
@@ -110,17 +114,19 @@ def measure(n: int, config, per_device_batch: int, frames: int, repeats: int, bu
         "jaxring per leaf": lambda g: jaxring.all_reduce(g, AXIS, "mean"),
         "lax.psum": lambda g: lax.pmean(g, AXIS),
     }
+    runs, per_call = {}, {}
     for name, sync in syncs.items():
         fn = jax.jit(jax.shard_map(sync, mesh=mesh, in_specs=P(), out_specs=P(), check_vma=False))
-        row[f"sync_ms[{name}]"] = 1e3 * median_seconds(
-            lambda f=fn: jax.block_until_ready(f(grads)), min_repeats=repeats, budget_seconds=budget)
+        runs[f"sync_ms[{name}]"] = lambda f=fn: jax.block_until_ready(f(grads))
+        per_call[f"sync_ms[{name}]"] = 1
         # The same, SYNC_LOOP times inside one program: what a step pays, without the launch.
         looped = jax.jit(jax.shard_map(
             lambda g, sync=sync: lax.fori_loop(0, SYNC_LOOP, lambda i, c: sync(c), g),
             mesh=mesh, in_specs=P(), out_specs=P(), check_vma=False))
-        row[f"sync_loop_ms[{name}]"] = 1e3 / SYNC_LOOP * median_seconds(
-            lambda f=looped: jax.block_until_ready(f(grads)), min_repeats=repeats,
-            budget_seconds=budget)
+        runs[f"sync_loop_ms[{name}]"] = lambda f=looped: jax.block_until_ready(f(grads))
+        per_call[f"sync_loop_ms[{name}]"] = SYNC_LOOP
+    for key, seconds in medians_in_turns(runs, budget, repeats).items():
+        row[key] = 1e3 * seconds / per_call[key]
     row["sync_share[jaxring]"] = row["sync_ms[jaxring]"] / row["step_ms[jaxring]"]
     # The same share read off the whole steps: what synchronising added to a step without it.
     row["step_share[jaxring]"] = 1 - row["step_ms[no sync]"] / row["step_ms[jaxring]"]
@@ -135,7 +141,8 @@ def markdown_table(rows, env, config_name) -> str:
         f"{env['device']}", "",
         f"{env['cpu']}, {env['cores']} cores; python {env['python']}, jax {env['jax']}, "
         f"jaxlib {env['jaxlib']}; {env['date']}.", "",
-        "Weak scaling: a fixed number of utterances per device. Step times are medians; "
+        "Weak scaling: a fixed number of utterances per device. Step times are medians, the "
+        "variants taking turns step by step; "
         "'sync' is the gradient all-reduce of a gradient-shaped pytree timed alone, and its "
         "share is of the jaxring step. All devices share the machine's cores, so step time grows "
         "with n beyond the core count. 'In one program' times the same sync "
@@ -176,6 +183,7 @@ def main(argv=None) -> None:
     config = configs.get_config(args.config)
     counts = [2, 8] if args.quick else [int(n) for n in args.devices.split(",")]
     repeats, budget = (3, 1.0) if args.quick else (10, 5.0)
+    keep_freed_memory()
     env = environment()
     rows = []
     for n in counts:
