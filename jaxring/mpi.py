@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import atexit
 import functools
+import operator
 import os
 import secrets
 import sys
@@ -71,6 +72,18 @@ def _mpi_extension():
     return _jaxring_mpi, None
 
 
+def _check_slot_bytes(slot_bytes, size: int) -> None:
+    """A slot holds one step of every collective: for reduce_scatter one element of the widest
+    dtype (8 bytes) per rank, so that each step moves at least one element per rank."""
+    try:
+        value = operator.index(slot_bytes)
+    except TypeError:
+        value = None
+    if value is None or isinstance(slot_bytes, bool) or value < 8 * size:
+        raise ValueError(f"jaxring.mpi: slot_bytes must be an int of at least 8 x {size} ranks = "
+                         f"{8 * size} bytes, got {slot_bytes!r}")
+
+
 class Communicator:
     """The processes of an mpi4py communicator. Pass it wherever a collective takes an axis name.
 
@@ -91,6 +104,7 @@ class Communicator:
         gpu_options = gpu.GpuOptions.resolve(gpu_transport, gpu_workspace_bytes,
                                               gpu_staging_bytes)
         transport = transport or os.environ.get("JAXRING_MPI_TRANSPORT", "auto")
+        _check_slot_bytes(slot_bytes, mpi_comm.Get_size())
         if transport not in TRANSPORTS:
             raise ValueError(f"jaxring.mpi: transport must be one of {TRANSPORTS}, "
                              f"got {transport!r}")

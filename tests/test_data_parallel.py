@@ -105,6 +105,26 @@ def test_masked_moments_across_replicas_equal_global_batch():
     np.testing.assert_allclose(local[0], moments[0], rtol=1e-5, atol=1e-6)
 
 
+def test_masked_moments_per_feature_masks_and_16_bit_inputs():
+    """A mask shaped like x masks each feature on its own; bfloat16 inputs are summed in float32,
+    so counts past 256 stay exact and the statistics are those of the float64 reference."""
+    n = 2
+    rng = np.random.default_rng(10)
+    x = (rng.standard_normal((n * 40, 16, 3)) + 2).astype(jnp.bfloat16)
+    mask = (rng.random(x.shape) < 0.7).astype(np.float32)
+    m = mesh(n)
+    mean, var = jax.device_get(jax.jit(jax.shard_map(
+        lambda x, mask: data_parallel.masked_moments(x, mask, "i"), mesh=m,
+        in_specs=(P("i"), P("i")), out_specs=P()))(shard(x, m), shard(mask, m)))
+    assert mean.dtype == var.dtype == jnp.bfloat16
+    x64 = np.asarray(x, np.float64).reshape(-1, 3)
+    keep = mask.reshape(-1, 3) > 0
+    for f in range(3):  # about 900 selected elements per feature, a different count each
+        selected = x64[keep[:, f], f]
+        np.testing.assert_allclose(float(mean[f]), selected.mean(), rtol=1e-2)
+        np.testing.assert_allclose(float(var[f]), selected.var(), rtol=2e-2)
+
+
 @pytest.mark.parametrize("make_optimizer", [
     lambda: optax.chain(optax.clip_by_global_norm(0.5), optax.sgd(0.1, 0.9, nesterov=True)),
     lambda: optax.adam(1e-2)], ids=["nesterov+clip", "adam"])

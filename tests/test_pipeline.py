@@ -73,7 +73,7 @@ def test_gradient_through_a_4_stage_pipeline_equals_unsharded(check_vma):
                                atol=1e-12)
 
 
-@pytest.mark.parametrize("n", [2, 4])
+@pytest.mark.parametrize("n", [1, 2, 4])
 def test_interleaved_streams_in_a_ring(n):
     """n autoregressive streams share an n-stage ring: stream k enters stage 0 at tick k, and what
     leaves the last stage is that stream's next input. Every stage is busy at every tick after

@@ -222,6 +222,16 @@ def test_unsupported_op_and_bad_arguments():
         shmap(lambda v: jaxring.reduce_scatter(v, "i", scatter_dimension=1), m)(x)
     with pytest.raises(ValueError, match=r"root must be an int in \[0, 4\)"):
         shmap(lambda v: jaxring.broadcast(v, "i", root=4), m)(x)
+    for root in (True, 1.0):  # not ranks, though Python would compare them equal to 1
+        with pytest.raises(ValueError, match=r"root must be an int in \[0, 4\)"):
+            shmap(lambda v, root=root: jaxring.broadcast(v, "i", root=root), m)(x)
+    for axis in (2, 0.0, "0"):
+        with pytest.raises(ValueError, match=r"axis must be an int in \[-2, 2\) .* got"):
+            shmap(lambda v, axis=axis: jaxring.all_gather(v, "i", axis=axis), m)(x)
+    with pytest.raises(ValueError, match=r"scatter_dimension must be an int in \[-2, 2\)"):
+        shmap(lambda v: jaxring.reduce_scatter(v, "i", scatter_dimension=1.0), m)(x)
+    with pytest.raises(TypeError, match="perm must be a sequence of .* int pairs"):
+        shmap(lambda v: jaxring.ppermute(v, "i", [(0.7, 1)]), m)(x)
     with pytest.raises(ValueError, match="not a device mesh axis"):
         shmap(jax.vmap(lambda v: jaxring.all_reduce(v, "v"), axis_name="v"), m)(x)
     with pytest.raises(ValueError, match="algorithm must be"):

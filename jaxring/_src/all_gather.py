@@ -30,9 +30,11 @@ def all_gather(x, axis_name, axis: int = 0):
         comm = common.communicator("all_gather", axis_name)
         if leaf.ndim == 0:
             leaf = leaf[None]
-        if not -leaf.ndim <= axis < leaf.ndim:
-            raise ValueError(f"jaxring.all_gather: axis {axis} is out of range for rank {leaf.ndim}")
-        dim = axis % leaf.ndim
+        index = common.as_index(axis)
+        if index is None or not -leaf.ndim <= index < leaf.ndim:
+            raise ValueError(f"jaxring.all_gather: axis must be an int in [{-leaf.ndim}, "
+                             f"{leaf.ndim}) for an input of rank {leaf.ndim}, got {axis!r}")
+        dim = index % leaf.ndim
         out = _bind(jnp.moveaxis(leaf, dim, 0), comm)
         return jnp.moveaxis(out, 0, dim)
 

@@ -27,12 +27,13 @@ def broadcast(x, axis_name, root: int = 0):
         leaf = jnp.asarray(leaf)
         common.check_dtype("broadcast", leaf)
         comm = common.communicator("broadcast", axis_name)
-        if not isinstance(root, int) or not 0 <= root < comm.size:
+        index = common.as_index(root)
+        if index is None or not 0 <= index < comm.size:
             raise ValueError(
                 f"jaxring.broadcast: root must be an int in [0, {comm.size}) for {comm.name}, "
                 f"got {root!r}"
             )
-        return _bind(leaf, comm, root)
+        return _bind(leaf, comm, index)
 
     return jax.tree.map(broadcast_leaf, x)
 

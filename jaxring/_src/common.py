@@ -12,6 +12,7 @@ import dataclasses
 import hashlib
 import itertools
 import math
+import operator
 import os
 import sys
 from typing import Any, Sequence
@@ -87,10 +88,23 @@ def reset_after_error() -> None:
     native.extension.reset_point_to_point()
 
 
+def as_index(value) -> int | None:
+    """`value` as a Python int if it is an integer (numpy's too), else None: floats and bools are
+    not ranks, roots or axes."""
+    if isinstance(value, bool):
+        return None
+    try:
+        return operator.index(value)
+    except TypeError:
+        return None
+
+
 def check_perm(name: str, perm, size: int, where: str) -> tuple[tuple[int, int], ...]:
     """Validates a permutation given as (source, destination) pairs, as lax.ppermute takes it."""
     try:
-        pairs = tuple((int(s), int(d)) for s, d in perm)
+        pairs = tuple((as_index(s), as_index(d)) for s, d in perm)
+        if any(None in pair for pair in pairs):
+            raise TypeError
     except (TypeError, ValueError):
         raise TypeError(
             f"jaxring.{name}: perm must be a sequence of (source, destination) int pairs, "
@@ -276,6 +290,12 @@ def lower_collective(target: str, ctx, *operands, comm: AxisCommunicator, op_id:
     """Lowers to the FFI custom call `target`, threading the ordered effect's token through it.
 
     Operands are (rank, group, *data); results are (token, *data)."""
+    if comm.process_rank is not None and _program_device_count(ctx) > 1:
+        raise ValueError(
+            f"{target}: {comm.name} is a process communicator, one device per process, but this "
+            f"program runs on {_program_device_count(ctx)} devices of this process. Every one "
+            "of them would act as the same rank; run one device per process, or use a mesh "
+            "axis between the devices of one process")
     native.register_targets()
     token = ctx.tokens_in.get(collective_effect)
     lowering = jax.ffi.ffi_lowering(target, has_side_effect=True)
@@ -295,6 +315,15 @@ def lower_collective(target: str, ctx, *operands, comm: AxisCommunicator, op_id:
     )
     ctx.set_tokens_out(mlir.TokenSet({collective_effect: results[0]}))
     return results[1:]
+
+
+def _program_device_count(ctx) -> int:
+    """How many devices run the program being lowered (its mesh under shard_map)."""
+    axis_context = ctx.module_context.axis_context
+    mesh = getattr(axis_context, "mesh", None)
+    if mesh is not None:
+        return mesh.size
+    return getattr(axis_context, "num_devices", 1)
 
 
 def register_lowering_rule(primitive, rule) -> None:

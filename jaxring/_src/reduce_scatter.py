@@ -48,9 +48,11 @@ def reduce_scatter(x, axis_name, op: str = "sum", scatter_dimension: int = 0):
 
 
 def _canonical_dimension(dim: int, ndim: int) -> int:
-    if not -ndim <= dim < ndim:
-        raise ValueError(f"jaxring: dimension {dim} is out of range for rank {ndim}")
-    return dim % ndim
+    index = common.as_index(dim)
+    if index is None or not -ndim <= index < ndim:
+        raise ValueError(f"jaxring.reduce_scatter: scatter_dimension must be an int in [{-ndim}, "
+                         f"{ndim}) for an input of rank {ndim}, got {dim!r}")
+    return index % ndim
 
 
 def _bind(x, comm: common.AxisCommunicator, op: str):

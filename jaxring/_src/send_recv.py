@@ -48,7 +48,8 @@ def recv(like, axis_name, perm):
     """
 
     def recv_leaf(leaf):
-        aval = core.ShapedArray(np.shape(leaf), np.dtype(leaf.dtype))
+        dtype = leaf.dtype if hasattr(leaf, "dtype") else jnp.result_type(leaf)  # Python scalars
+        aval = core.ShapedArray(np.shape(leaf), np.dtype(dtype))
         common.check_dtype("recv", aval)
         comm = common.point_to_point_communicator("recv", axis_name)
         pairs = common.check_perm("recv", perm, comm.size, comm.name)

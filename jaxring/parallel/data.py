@@ -112,18 +112,22 @@ def masked_moments(x, mask, axis_name=None):
     """Mean and (biased) variance over every axis of `x` but the last, counting only elements
     where `mask` (broadcastable to `x`) is 1, over all replicas of `axis_name` (None: this
     device only). Sums, sums of squares and counts travel in one all-reduce, so N replicas get
-    exactly the statistics of one device holding the global batch."""
-    mask = jnp.broadcast_to(mask, x.shape[:-1] + (1,)).astype(x.dtype)
+    exactly the statistics of one device holding the global batch. A mask shaped like `x` masks
+    each feature on its own. 16-bit inputs are summed in float32 (counts past 256 are not exact
+    in bfloat16); the statistics come back in the dtype of `x`."""
+    acc = jnp.promote_types(x.dtype, jnp.float32)
+    xs = x.astype(acc)
+    mask = jnp.broadcast_to(mask, x.shape).astype(acc)
     axes = tuple(range(x.ndim - 1))
-    sums = jnp.concatenate([jnp.sum(x * mask, axes), jnp.sum(x * x * mask, axes),
+    sums = jnp.concatenate([jnp.sum(xs * mask, axes), jnp.sum(xs * xs * mask, axes),
                             jnp.sum(mask, axes)])
     if axis_name is not None:
         sums = jaxring.all_reduce(sums, axis_name, "sum")
     features = x.shape[-1]
-    count = jnp.maximum(sums[2 * features], 1.0)
+    count = jnp.maximum(sums[2 * features:], 1.0)
     mean = sums[:features] / count
     var = jnp.maximum(sums[features:2 * features] / count - mean * mean, 0.0)
-    return mean, var
+    return mean.astype(x.dtype), var.astype(x.dtype)
 
 
 # ---- optimizer ---------------------------------------------------------------------------------

@@ -72,7 +72,7 @@ def local_stage(stage_params: PyTree) -> PyTree:
 
 
 def _hand_off(n: int, ring: bool):
-    return [(s, s + 1) for s in range(n - 1)] + ([(n - 1, 0)] if ring and n > 1 else [])
+    return [(s, s + 1) for s in range(n - 1)] + ([(n - 1, 0)] if ring else [])
 
 
 def pipeline_step(stage_fn, stage_params: PyTree, carry: PyTree, axis_name, *,

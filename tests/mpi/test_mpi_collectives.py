@@ -144,6 +144,28 @@ def test_bad_arguments_are_refused_at_trace_time():
         jax.jit(lambda v: jaxring.all_reduce(v, COMM))(np.ones(3, np.uint8))
     with pytest.raises(ValueError, match="unsupported op 'prod'"):
         jax.jit(lambda v: jaxring.all_reduce(v, COMM, "prod"))(np.ones(3))
+    for slot_bytes in (0, 8 * COMM.size - 1, 4096.0):  # too small for one element per rank
+        with pytest.raises(ValueError, match=r"slot_bytes must be an int of at least 8 x"):
+            jaxring.mpi.Communicator(MPI_COMM, slot_bytes=slot_bytes)
+
+
+@pytest.mark.skipif(COMM.transport != "shm", reason="a shared-memory communicator")
+def test_a_segment_larger_than_dev_shm_is_an_error_not_a_crash():
+    """The segment's pages are reserved when it is made; mapping more than /dev/shm holds would
+    otherwise only fail at the first large collective, with SIGBUS on every rank."""
+    with pytest.raises(RuntimeError, match=r"cannot reserve \d+ bytes of shared memory"):
+        jaxring.mpi.Communicator(MPI_COMM.Dup(), slot_bytes=1 << 40)
+
+
+@pytest.mark.skipif(COMM.size < 2 or len(jax.local_devices()) < 2,
+                    reason="needs two ranks (one alone communicates nothing) and two devices")
+def test_a_process_communicator_refuses_several_devices_of_one_process():
+    """Every device of the program would act as this process's rank: refused when lowered."""
+    mesh = jax.make_mesh((2,), ("i",), devices=jax.local_devices()[:2])
+    f = jax.jit(jax.shard_map(lambda v: jaxring.all_reduce(v, COMM), mesh=mesh,
+                              in_specs=jax.P("i"), out_specs=jax.P("i")))
+    with pytest.raises(ValueError, match="one device per process, but this program runs on 2"):
+        f(jax.device_put(np.ones(2, np.float32), jax.NamedSharding(mesh, jax.P("i"))))
 
 
 @pytest.mark.skipif(COMM.size < 2, reason="needs two ranks")

@@ -53,11 +53,11 @@ Status CheckProcess(const Transport& processes, const Header& header, int rank, 
 Status RunCollectiveCall(const JaxringHostCall& c, const Header& header) {
   const Config config = CurrentConfig();
   const CollectiveBuffers buffers{c.input, c.output, c.output_count};
-  if (ShmCommunicator* processes = ShmCommunicator::Find(c.comm)) {
+  if (auto processes = ShmCommunicator::Find(c.comm)) {
     Status status = CheckProcess(*processes, header, c.rank, c.size);
     return status.ok() ? RunStaged(*processes, header, buffers, config) : status;
   }
-  if (ProcessTransport* processes = ProcessTransport::Find(c.comm)) {
+  if (auto processes = ProcessTransport::Find(c.comm)) {
     Status status = CheckProcess(*processes, header, c.rank, c.size);
     if (!status.ok()) return status;
     std::lock_guard<std::mutex> lock(processes->mutex());
@@ -76,11 +76,11 @@ Status RunCollectiveCall(const JaxringHostCall& c, const Header& header) {
 // The header exchange alone, on a process communicator (kJaxringHostAgree).
 Status RunAgreeCall(const JaxringHostCall& c, const Header& header) {
   const Config config = CurrentConfig();
-  if (ShmCommunicator* processes = ShmCommunicator::Find(c.comm)) {
+  if (auto processes = ShmCommunicator::Find(c.comm)) {
     Status status = CheckProcess(*processes, header, c.rank, c.size);
     return status.ok() ? RunAgree(*processes, header, config) : status;
   }
-  if (ProcessTransport* processes = ProcessTransport::Find(c.comm)) {
+  if (auto processes = ProcessTransport::Find(c.comm)) {
     Status status = CheckProcess(*processes, header, c.rank, c.size);
     if (!status.ok()) return status;
     std::lock_guard<std::mutex> lock(processes->mutex());
@@ -114,14 +114,14 @@ Status RunPointToPointCall(const JaxringHostCall& c, const Header& header) {
         return Receive(transport, header, Partner(c, false), c.output, bytes);
     }
   };
-  if (ProcessTransport* processes = ProcessTransport::Find(c.comm)) {
+  if (auto processes = ProcessTransport::Find(c.comm)) {
     Status status = CheckProcess(*processes, header, c.rank, c.size);
     if (!status.ok()) return status;
     std::lock_guard<std::mutex> lock(processes->mutex());
     processes->Configure(config);
     return run(*processes);
   }
-  if (ShmCommunicator* processes = ShmCommunicator::Find(c.comm))
+  if (auto processes = ShmCommunicator::Find(c.comm))
     return Status::Error(processes->Where(header) + ": this process communicator has no "
                          "point-to-point transport (jaxring was built without MPI)");
   LocalPointToPoint transport(CommunicatorId{c.comm, c.group, c.size, CommName(c)}, c.rank,

@@ -5,8 +5,8 @@
 namespace jaxring {
 namespace {
 std::mutex registry_mutex;
-std::map<uint64_t, std::unique_ptr<ProcessTransport>>& Registry() {
-  static auto* registry = new std::map<uint64_t, std::unique_ptr<ProcessTransport>>();
+std::map<uint64_t, std::shared_ptr<ProcessTransport>>& Registry() {
+  static auto* registry = new std::map<uint64_t, std::shared_ptr<ProcessTransport>>();
   return *registry;
 }
 }  // namespace
@@ -17,7 +17,7 @@ void ProcessTransport::Register(uint64_t key, std::unique_ptr<ProcessTransport> 
 }
 
 void ProcessTransport::Unregister(uint64_t key) {
-  std::unique_ptr<ProcessTransport> gone;
+  std::shared_ptr<ProcessTransport> gone;  // a call still running holds its own reference
   {
     std::lock_guard<std::mutex> lock(registry_mutex);
     auto it = Registry().find(key);
@@ -25,13 +25,12 @@ void ProcessTransport::Unregister(uint64_t key) {
     gone = std::move(it->second);
     Registry().erase(it);
   }
-  if (gone) std::lock_guard<std::mutex> call(gone->mutex());  // let a running call finish
 }
 
-ProcessTransport* ProcessTransport::Find(uint64_t key) {
+std::shared_ptr<ProcessTransport> ProcessTransport::Find(uint64_t key) {
   std::lock_guard<std::mutex> lock(registry_mutex);
   auto it = Registry().find(key);
-  return it == Registry().end() ? nullptr : it->second.get();
+  return it == Registry().end() ? nullptr : it->second;
 }
 
 }  // namespace jaxring

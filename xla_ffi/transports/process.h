@@ -33,8 +33,9 @@ class ProcessTransport : public PointToPoint {
   // Takes ownership of `transport` under `key`, replacing any earlier one.
   static void Register(uint64_t key, std::unique_ptr<ProcessTransport> transport);
   static void Unregister(uint64_t key);
-  // The transport registered under `key`, or null.
-  static ProcessTransport* Find(uint64_t key);
+  // The transport registered under `key`, or null. The caller's reference keeps it alive for
+  // the call even if its communicator is collected meanwhile.
+  static std::shared_ptr<ProcessTransport> Find(uint64_t key);
 
  private:
   std::mutex mutex_;

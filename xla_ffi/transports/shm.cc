@@ -48,8 +48,8 @@ struct ShmSegment {
 
 namespace {
 std::mutex registry_mutex;
-std::map<uint64_t, std::unique_ptr<ShmCommunicator>>& Registry() {
-  static auto* registry = new std::map<uint64_t, std::unique_ptr<ShmCommunicator>>();
+std::map<uint64_t, std::shared_ptr<ShmCommunicator>>& Registry() {
+  static auto* registry = new std::map<uint64_t, std::shared_ptr<ShmCommunicator>>();
   return *registry;
 }
 }  // namespace
@@ -70,12 +70,19 @@ Status ShmCommunicator::Attach(uint64_t key, const std::string& path, bool creat
   if (fd < 0)
     return Status::Error("jaxring: cannot open shared memory segment " + path + ": " +
                          std::strerror(errno));
-  if (create && ftruncate(fd, static_cast<off_t>(bytes)) != 0) {
-    const int error = errno;
-    close(fd);
-    return Status::Error("jaxring: cannot size shared memory segment " + path + " to " +
-                         std::to_string(bytes) + " bytes: " + std::strerror(error) +
-                         " (is /dev/shm large enough?)");
+  if (create) {
+    // ftruncate alone reserves nothing on tmpfs: a segment larger than what /dev/shm has left
+    // would map fine and then kill every rank with SIGBUS at the first large collective. So the
+    // creator reserves the pages now, and a shortage is an error here instead.
+    int error = ftruncate(fd, static_cast<off_t>(bytes)) == 0 ? 0 : errno;
+    if (error == 0) error = posix_fallocate(fd, 0, static_cast<off_t>(bytes));
+    if (error != 0) {
+      close(fd);
+      return Status::Error("jaxring: cannot reserve " + std::to_string(bytes) +
+                           " bytes of shared memory for segment " + path + ": " +
+                           std::strerror(error) +
+                           " (is /dev/shm large enough? a smaller slot_bytes needs less)");
+    }
   }
   void* mapped = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
   close(fd);
@@ -100,20 +107,25 @@ Status ShmCommunicator::Attach(uint64_t key, const std::string& path, bool creat
   return Status();
 }
 
+ShmCommunicator::~ShmCommunicator() { munmap(segment_, mapped_bytes_); }
+
 void ShmCommunicator::Detach(uint64_t key) {
-  std::lock_guard<std::mutex> lock(registry_mutex);
-  auto it = Registry().find(key);
-  if (it == Registry().end()) return;
-  munmap(it->second->segment_, it->second->mapped_bytes_);
-  Registry().erase(it);
+  std::shared_ptr<ShmCommunicator> gone;  // unmapped once a call still running lets go of it
+  {
+    std::lock_guard<std::mutex> lock(registry_mutex);
+    auto it = Registry().find(key);
+    if (it == Registry().end()) return;
+    gone = std::move(it->second);
+    Registry().erase(it);
+  }
 }
 
 void ShmCommunicator::Unlink(const std::string& path) { shm_unlink(path.c_str()); }
 
-ShmCommunicator* ShmCommunicator::Find(uint64_t key) {
+std::shared_ptr<ShmCommunicator> ShmCommunicator::Find(uint64_t key) {
   std::lock_guard<std::mutex> lock(registry_mutex);
   auto it = Registry().find(key);
-  return it == Registry().end() ? nullptr : it->second.get();
+  return it == Registry().end() ? nullptr : it->second;
 }
 
 std::string ShmCommunicator::Where(const Header& header) const {

@@ -11,6 +11,7 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <string>
 
 #include "common/status.h"
@@ -30,8 +31,10 @@ class ShmCommunicator {
                        int64_t slot_bytes, const std::string& name);
   static void Detach(uint64_t key);
   static void Unlink(const std::string& path);
-  // The communicator registered under `key`, or null (then `key` names mesh axes).
-  static ShmCommunicator* Find(uint64_t key);
+  // The communicator registered under `key`, or null (then `key` names mesh axes). The caller's
+  // reference keeps the segment mapped for the call even if its communicator is collected.
+  static std::shared_ptr<ShmCommunicator> Find(uint64_t key);
+  ~ShmCommunicator();
 
   int rank() const { return rank_; }
   int size() const { return size_; }
