@@ -1,6 +1,7 @@
 """All-reduce across processes: jaxring against mpi4jax and mpi4py, measured in one run.
 
     mpiexec -n 2 python benchmarks/allreduce_mpi.py      # also -n 4; add --quick for a short run
+    mpiexec -bind-to core -n 2 python benchmarks/allreduce_mpi.py   # ranks pinned: *-bound.*
 
 Each process has one CPU device. For float32 messages of 4 B .. 64 MiB per rank it times
 - jaxring.all_reduce(x, jaxring.mpi.world()) inside jax.jit (the shared-memory transport),
@@ -154,10 +155,14 @@ def main() -> None:
             line = "  ".join(f"{r['impl']} {r['seconds'] * 1e6:.1f} us"
                              for r in rows if r["bytes"] == nbytes)
             print(f"n={n} {human_bytes(nbytes):>9s}: {line}", flush=True)
+    cores = WORLD.gather(sorted(os.sched_getaffinity(0)), root=0)
     if COMM.rank == 0:
         env = environment()
         env["mpi"] = MPI.Get_library_version().splitlines()[0]
-        name = f"allreduce_mpi-cpu-n{n}"
+        bound = any(len(c) < os.cpu_count() for c in cores)
+        env["binding"] = (f"ranks bound to cores {cores} (mpiexec -bind-to core)" if bound else
+                          "ranks not bound to cores")
+        name = f"allreduce_mpi-cpu-n{n}" + ("-bound" if bound else "")
         write_results(name, {"environment": env, "ranks": n, "copy_bandwidth_gbps": ceiling,
                              "rows": rows}, markdown(rows, env, n, ceiling))
         plot_time_per_size(rows, f"all-reduce, {n} processes", RESULTS / f"{name}.png")
@@ -171,7 +176,8 @@ def markdown(rows, env, n, ceiling) -> str:
         f"# All-reduce across {n} processes (one CPU device each): jaxring vs mpi4jax vs mpi4py",
         "",
         f"{env['cpu']}, {env['cores']} cores; python {env['python']}, jax {env['jax']}; "
-        f"{env['mpi']}; {env['date']}. Copy bandwidth: {ceiling:.1f} GB/s. Median of the slowest "
+        f"{env['mpi']}; {env['date']}; {env['binding']}. Copy bandwidth: {ceiling:.1f} GB/s. "
+        "Median of the slowest "
         "rank's time, the implementations taking turns call by call; glibc malloc keeps freed "
         "memory (mallopt) in every process. busbw = algbw x 2(n-1)/n.", "",
         "| size | " + " | ".join(f"{m} (us)" for m in names) +
