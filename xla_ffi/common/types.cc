@@ -79,14 +79,14 @@ std::string Describe(const Header& h) {
   return s.str();
 }
 
-Status CheckHeadersAgree(const std::string& where, int size,
+Status CheckHeadersAgree(const std::function<std::string()>& where, int size,
                          const std::function<const Header&(int)>& header_of) {
   const Header& reference = header_of(0);
   for (int peer = 1; peer < size; ++peer) {
     const Header& other = header_of(peer);
     if (other == reference) continue;
     std::ostringstream s;
-    s << where << ": mismatched collectives: rank 0 called " << Describe(reference) << " but rank "
+    s << where() << ": mismatched collectives: rank 0 called " << Describe(reference) << " but rank "
       << peer << " called " << Describe(other)
       << ". Every rank must make the same collective calls in the same order.";
     if ((reference.root ^ other.root) & kGpuStepTag)

@@ -302,7 +302,7 @@ Status MpiTransport::ExchangeHeaders(const Header& h, const Deadline& deadline) 
   }
   sends_.Clear();
   recvs_.Clear();
-  return CheckHeadersAgree(Where(h), size_, [&](int rank) -> const Header& {
+  return CheckHeadersAgree([&] { return Where(h); }, size_, [&](int rank) -> const Header& {
     return known[(rank - rank_ + size_) % size_];
   });
 }

@@ -163,7 +163,7 @@ void ShmCommunicator::PostHeader(const Header& header) {
 
 Status ShmCommunicator::CheckHeaders(const Header& mine) const {
   const int parity = static_cast<int>((step_ - 1) & 1);
-  return CheckHeadersAgree(Where(mine), size_, [&](int rank) -> const Header& {
+  return CheckHeadersAgree([&] { return Where(mine); }, size_, [&](int rank) -> const Header& {
     return segment_->ranks[rank].headers[parity];
   });
 }
