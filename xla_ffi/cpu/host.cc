@@ -22,18 +22,19 @@ HostResult Invalid(std::string message) { return {Status::Error(std::move(messag
 
 // What every call must satisfy before any peer is contacted.
 HostResult Check(const JaxringHostCall& c, Collective kind) {
-  const std::string name = "jaxring " + std::string(CollectiveName(kind));
+  // Named only on failure: a string built here on every call would cost a heap allocation.
+  auto name = [&] { return "jaxring " + std::string(CollectiveName(kind)); };
   if (c.rank < 0 || c.rank >= c.size)
-    return Invalid(name + ": rank " + std::to_string(c.rank) + " is outside [0, " +
+    return Invalid(name() + ": rank " + std::to_string(c.rank) + " is outside [0, " +
                    std::to_string(c.size) + ")");
   if (!IsSupported(static_cast<DType>(c.dtype)))
-    return Invalid(name + ": unsupported element type");
+    return Invalid(name() + ": unsupported element type");
   if (kind == Collective::kReduceScatter && c.output_count * c.size != c.input_count)
-    return Invalid(name + ": output size times world size must equal the input size");
+    return Invalid(name() + ": output size times world size must equal the input size");
   if (kind == Collective::kAllGather && c.input_count * c.size != c.output_count)
-    return Invalid(name + ": output size must be the input size times world size");
+    return Invalid(name() + ": output size must be the input size times world size");
   if (kind == Collective::kBroadcast && (c.root < 0 || c.root >= c.size))
-    return Invalid(name + ": root " + std::to_string(c.root) + " is outside [0, " +
+    return Invalid(name() + ": root " + std::to_string(c.root) + " is outside [0, " +
                    std::to_string(c.size) + ")");
   return {};
 }
