@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import atexit
 import functools
-import operator
 import os
 import secrets
 import sys
@@ -78,11 +77,8 @@ def _mpi_extension():
 def _check_slot_bytes(slot_bytes, size: int) -> None:
     """A slot holds one step of every collective: for reduce_scatter one element of the widest
     dtype (8 bytes) per rank, so that each step moves at least one element per rank."""
-    try:
-        value = operator.index(slot_bytes)
-    except TypeError:
-        value = None
-    if value is None or isinstance(slot_bytes, bool) or value < 8 * size:
+    value = common.as_index(slot_bytes)
+    if value is None or value < 8 * size:
         raise ValueError(f"jaxring.mpi: slot_bytes must be an int of at least 8 x {size} ranks = "
                          f"{8 * size} bytes, got {slot_bytes!r}")
 
