@@ -5,7 +5,8 @@
 
 For each device count and size it times (median of many repetitions, the cases taking turns call
 by call so that all see the same machine, glibc malloc keeping freed memory as in
-common.keep_freed_memory; inputs placed with device_put + NamedSharding): jaxring.all_reduce (auto, and forced direct and ring) against
+common.keep_freed_memory; inputs placed with device_put + NamedSharding): jaxring.all_reduce
+(auto, and forced direct and ring) against
 lax.psum, jaxring.reduce_scatter against lax.psum_scatter, jaxring.all_gather against
 lax.all_gather, each as a lone jitted call; and all_reduce against psum inside one compiled loop,
 which leaves out the program launch. It reports time, algbw and busbw (nccl-tests definitions)

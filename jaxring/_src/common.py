@@ -290,12 +290,13 @@ def lower_collective(target: str, ctx, *operands, comm: AxisCommunicator, op_id:
     """Lowers to the FFI custom call `target`, threading the ordered effect's token through it.
 
     Operands are (rank, group, *data); results are (token, *data)."""
-    if comm.process_rank is not None and _program_device_count(ctx) > 1:
+    devices = _program_device_count(ctx)
+    if comm.process_rank is not None and devices > 1:
         raise ValueError(
             f"{target}: {comm.name} is a process communicator, one device per process, but this "
-            f"program runs on {_program_device_count(ctx)} devices of this process. Every one "
-            "of them would act as the same rank; run one device per process, or use a mesh "
-            "axis between the devices of one process")
+            f"program runs on {devices} devices of this process. Every one of them would act as "
+            "the same rank; run one device per process, or use a mesh axis between the devices "
+            "of one process")
     native.register_targets()
     token = ctx.tokens_in.get(collective_effect)
     lowering = jax.ffi.ffi_lowering(target, has_side_effect=True)
