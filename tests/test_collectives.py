@@ -104,6 +104,23 @@ def test_all_reduce_matches_lax_psum(n, dtype):
         assert_close(out, theirs.astype(np.float64), dtype, count=2 * n, exact_reference=False)
 
 
+@pytest.mark.parametrize("n", [2, 3, 4, 8])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64], ids=str)
+def test_mean_divides_the_sum_bit_for_bit(n, dtype):
+    """"mean" is the sum divided by n, as lax.pmean computes it, to the bit: a power-of-two n
+    multiplies by its exact reciprocal instead (kernels/reduce_cpu.cc); 3 must still divide
+    (x * (1/3) differs from x / 3 in the last bit for many x)."""
+    rng = np.random.default_rng(n)
+    m = mesh(n)
+    x = shard(random_array(rng, (n * 4099,), dtype), m)
+    for algorithm in ALGORITHMS:
+        with jaxring.config.override(algorithm=algorithm):
+            total = np.asarray(shmap(lambda v: jaxring.all_reduce(v, "i"), m, out_specs=P())(x))
+            mean = np.asarray(shmap(lambda v: jaxring.all_reduce(v, "i", "mean"), m,
+                                    out_specs=P())(x))
+        np.testing.assert_array_equal(mean, total / dtype(n), err_msg=algorithm)
+
+
 @pytest.mark.parametrize("n", [2, 3])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("op", ["sum", "max"])

@@ -97,10 +97,38 @@ inline typename Tr::Acc FoldAt(typename Tr::Acc v, const T* const* s, int64_t i,
   return v;
 }
 
+// How "mean" finishes each element: divided by n, or multiplied by 1/n when n is a power of two
+// (that product rounds the same real number the quotient does, so the bits agree with
+// lax.pmean's division, at a multiply's cost instead of the divider's).
+enum class Finish { kNone, kMultiply, kDivide };
+
+template <typename Acc>
+struct Mean {
+  Finish finish = Finish::kNone;
+  Acc factor = Acc(1);
+};
+
+template <typename Acc>
+Mean<Acc> MeanOf(ReduceOp op, int64_t divisor) {
+  if (op != ReduceOp::kMean || divisor <= 0) return {};
+  if (std::is_floating_point_v<Acc> && (divisor & (divisor - 1)) == 0)
+    return {Finish::kMultiply, Acc(1) / static_cast<Acc>(divisor)};
+  return {Finish::kDivide, static_cast<Acc>(divisor)};
+}
+
+template <Finish kFinish, typename Acc>
+inline Acc Apply(Acc v, Acc factor) {
+  if constexpr (kFinish == Finish::kMultiply) return v * factor;
+  else if constexpr (kFinish == Finish::kDivide) return v / factor;
+  else return v;
+}
+
 // acc[i] = fold of (acc[i] if kFromAcc,) srcs[0][i], ..., srcs[K-1][i], left to right, in
-// registers: one pass over the block however many sources there are.
-template <typename T, ReduceOp kOp, int K, bool kFromAcc>
-void FoldGroup(typename Traits<T>::Acc* acc, const Operand* srcs, int64_t base, int64_t len) {
+// registers, finished by the mean's scaling when this is the last group: one pass over the block
+// however many sources there are.
+template <typename T, ReduceOp kOp, int K, bool kFromAcc, Finish kFinish>
+void FoldGroup(typename Traits<T>::Acc* acc, const Operand* srcs, int64_t base, int64_t len,
+               typename Traits<T>::Acc factor) {
   using Tr = Traits<T>;
   using Acc = typename Tr::Acc;
   const T* s[K];
@@ -108,41 +136,60 @@ void FoldGroup(typename Traits<T>::Acc* acc, const Operand* srcs, int64_t base, 
   for (int64_t i = 0; i < len; ++i) {
     Acc v = kFromAcc ? acc[i] : Tr::Load(s[0][i]);
     v = FoldAt<Tr, kOp, kFromAcc ? 0 : 1>(v, s, i, std::make_integer_sequence<int, K>{});
-    acc[i] = v;
+    acc[i] = Apply<kFinish>(v, factor);
   }
 }
 
 constexpr int kMaxGroup = 8;  // sources folded in registers at once
 
-template <typename T, ReduceOp kOp, bool kFromAcc>
+template <typename T, ReduceOp kOp, bool kFromAcc, Finish kFinish>
 void FoldGroupOf(int k, typename Traits<T>::Acc* acc, const Operand* srcs, int64_t base,
-                 int64_t len) {
+                 int64_t len, typename Traits<T>::Acc factor) {
   switch (k) {
-    case 1: return FoldGroup<T, kOp, 1, kFromAcc>(acc, srcs, base, len);
-    case 2: return FoldGroup<T, kOp, 2, kFromAcc>(acc, srcs, base, len);
-    case 3: return FoldGroup<T, kOp, 3, kFromAcc>(acc, srcs, base, len);
-    case 4: return FoldGroup<T, kOp, 4, kFromAcc>(acc, srcs, base, len);
-    case 5: return FoldGroup<T, kOp, 5, kFromAcc>(acc, srcs, base, len);
-    case 6: return FoldGroup<T, kOp, 6, kFromAcc>(acc, srcs, base, len);
-    case 7: return FoldGroup<T, kOp, 7, kFromAcc>(acc, srcs, base, len);
-    default: return FoldGroup<T, kOp, kMaxGroup, kFromAcc>(acc, srcs, base, len);
+    case 1: return FoldGroup<T, kOp, 1, kFromAcc, kFinish>(acc, srcs, base, len, factor);
+    case 2: return FoldGroup<T, kOp, 2, kFromAcc, kFinish>(acc, srcs, base, len, factor);
+    case 3: return FoldGroup<T, kOp, 3, kFromAcc, kFinish>(acc, srcs, base, len, factor);
+    case 4: return FoldGroup<T, kOp, 4, kFromAcc, kFinish>(acc, srcs, base, len, factor);
+    case 5: return FoldGroup<T, kOp, 5, kFromAcc, kFinish>(acc, srcs, base, len, factor);
+    case 6: return FoldGroup<T, kOp, 6, kFromAcc, kFinish>(acc, srcs, base, len, factor);
+    case 7: return FoldGroup<T, kOp, 7, kFromAcc, kFinish>(acc, srcs, base, len, factor);
+    default: return FoldGroup<T, kOp, kMaxGroup, kFromAcc, kFinish>(acc, srcs, base, len, factor);
   }
 }
 
+// One group of the fold, finished as `mean` says (only "mean" instantiates the scaled kinds).
+template <typename T, ReduceOp kOp, bool kFromAcc>
+void FoldGroupFinished(int k, typename Traits<T>::Acc* acc, const Operand* srcs, int64_t base,
+                       int64_t len, const Mean<typename Traits<T>::Acc>& mean) {
+  if constexpr (kOp == ReduceOp::kMean) {
+    if (mean.finish == Finish::kMultiply)
+      return FoldGroupOf<T, kOp, kFromAcc, Finish::kMultiply>(k, acc, srcs, base, len,
+                                                               mean.factor);
+    if (mean.finish == Finish::kDivide)
+      return FoldGroupOf<T, kOp, kFromAcc, Finish::kDivide>(k, acc, srcs, base, len,
+                                                             mean.factor);
+  }
+  FoldGroupOf<T, kOp, kFromAcc, Finish::kNone>(k, acc, srcs, base, len, mean.factor);
+}
+
 // acc[0, len) = srcs[0] op srcs[1] op ... at elements [base, base + len), folded left to right
-// (the same order whatever the grouping, so the bits do not depend on it). `partial_sums`: some
-// source is in accumulator type.
+// (the same order whatever the grouping, so the bits do not depend on it), then finished as
+// `mean` says. `partial_sums`: some source is in accumulator type.
 template <typename T, ReduceOp kOp>
 void FoldSources(typename Traits<T>::Acc* acc, const Operand* srcs, int num_srcs,
-                 bool partial_sums, int64_t base, int64_t len) {
+                 bool partial_sums, int64_t base, int64_t len,
+                 const Mean<typename Traits<T>::Acc>& mean) {
   using Tr = Traits<T>;
   using Acc = typename Tr::Acc;
   if (!partial_sums) {
+    const Mean<Acc> unfinished;
     int done = std::min(num_srcs, kMaxGroup);
-    FoldGroupOf<T, kOp, false>(done, acc, srcs, base, len);
+    FoldGroupFinished<T, kOp, false>(done, acc, srcs, base, len,
+                                     done == num_srcs ? mean : unfinished);
     while (done < num_srcs) {
       const int k = std::min(num_srcs - done, kMaxGroup);
-      FoldGroupOf<T, kOp, true>(k, acc, srcs + done, base, len);
+      FoldGroupFinished<T, kOp, true>(k, acc, srcs + done, base, len,
+                                      done + k == num_srcs ? mean : unfinished);
       done += k;
     }
     return;
@@ -158,6 +205,10 @@ void FoldSources(typename Traits<T>::Acc* acc, const Operand* srcs, int num_srcs
         acc[i] = s == 0 ? Tr::Load(src[i]) : Combine<kOp>(acc[i], Tr::Load(src[i]));
     }
   }
+  if (mean.finish == Finish::kMultiply)
+    for (int64_t i = 0; i < len; ++i) acc[i] = acc[i] * mean.factor;
+  else if (mean.finish == Finish::kDivide)
+    for (int64_t i = 0; i < len; ++i) acc[i] = acc[i] / mean.factor;
 }
 
 template <typename T, ReduceOp kOp>
@@ -175,17 +226,12 @@ void ReduceTyped(const Operand* srcs, int num_srcs, const Target* dsts, int num_
   const bool one_pass = !partial_sums && num_srcs <= kMaxGroup;
   const bool into_first = kStoredAsAccumulated && one_pass && num_dsts > 0 && !dsts[0].streaming;
   bool streamed = false;
+  const Mean<Acc> mean = MeanOf<Acc>(kOp, mean_divisor);
   alignas(64) Acc acc[kBlock];
   for (int64_t base = 0; base < count; base += kBlock) {
     const int64_t len = count - base < kBlock ? count - base : kBlock;
     Acc* out = into_first ? static_cast<Acc*>(dsts[0].data) + base : acc;
-    FoldSources<T, kOp>(out, srcs, num_srcs, partial_sums, base, len);
-    if constexpr (kOp == ReduceOp::kMean) {
-      if (mean_divisor > 0) {
-        const Acc divisor = static_cast<Acc>(mean_divisor);
-        for (int64_t i = 0; i < len; ++i) out[i] = out[i] / divisor;
-      }
-    }
+    FoldSources<T, kOp>(out, srcs, num_srcs, partial_sums, base, len, mean);
     for (int d = into_first ? 1 : 0; d < num_dsts; ++d) {
       if (dsts[d].is_accumulator) {
         std::memcpy(static_cast<Acc*>(dsts[d].data) + base, out, len * sizeof(Acc));
