@@ -129,7 +129,8 @@ class Communicator:
                                f"{'' if on_one_node else ' (its ranks are on several nodes)'}, "
                                f"but {self.point_to_point_unavailable}")
         self.transport = transport
-        self.key = mpi_comm.bcast(secrets.randbits(63) if self.rank == 0 else None, root=0)
+        self.key = mpi_comm.bcast(
+            secrets.randbits(62) | common.PROCESS_KEY_BIT if self.rank == 0 else None, root=0)
         if extension is not None:
             try:
                 transport_capsule = extension.create(MPI._addressof(mpi_comm), self.name)
@@ -198,7 +199,7 @@ class Communicator:
 
     def axis_communicator(self) -> common.AxisCommunicator:
         return common.AxisCommunicator(axes=(), size=self.size, key=self.key, name=self.name,
-                                       process_rank=self.rank)
+                                       process_rank=self.rank, owner=self)
 
     def __repr__(self) -> str:
         gpu_part = "" if self.gpu_transport == "none" else f", GPU {self.gpu_transport}"

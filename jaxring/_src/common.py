@@ -158,19 +158,27 @@ def next_op_id(comm: "AxisCommunicator") -> int:
 # ---- communicators of mesh axes ------------------------------------------------------------------
 
 
+# Process communicators' keys carry this bit and mesh axes' never do, so that a call whose process
+# communicator is gone fails at once (cpu/host.cc, kProcessKeyBit) instead of waiting for peers.
+PROCESS_KEY_BIT = 1 << 62
+
+
 @dataclasses.dataclass(frozen=True)
 class AxisCommunicator:
     """The devices along `axes` of the current shard_map/pmap mesh. Devices that differ in the
     other mesh axes form separate groups of this communicator; `key` is the same in every group.
 
     A process communicator (``jaxring.mpi``) has no axes: its rank is the process's
-    (`process_rank`) and `key` names the shared segment the native side has mapped."""
+    (`process_rank`) and `key` names the shared segment the native side has mapped. `owner` (the
+    ``jaxring.mpi.Communicator``, left out of equality and hashing) keeps that segment alive for
+    as long as a traced program refers to it, e.g. ``all_reduce(x, world().split(0))`` in jit."""
 
     axes: tuple[Any, ...]
     size: int
     key: int
     name: str
     process_rank: int | None = None
+    owner: Any = dataclasses.field(default=None, compare=False, repr=False)
 
     def rank_and_group(self):
         """The (rank, group) int32 operands every jaxring custom call takes."""
@@ -223,7 +231,7 @@ def communicator(name: str, axis_name) -> AxisCommunicator:
     size = math.prod(env.axis_size(a) for a in axes)
     label = ", ".join(repr(a) for a in axes)
     digest = hashlib.blake2b(repr((axes, tuple(mesh.shape.items()))).encode(), digest_size=8)
-    key = int.from_bytes(digest.digest(), "little") & ((1 << 63) - 1)
+    key = int.from_bytes(digest.digest(), "little") & (PROCESS_KEY_BIT - 1)
     return AxisCommunicator(axes=axes, size=size, key=key, name=f"mesh axis {label}")
 
 

@@ -2,7 +2,10 @@
 3 and 4 ranks; under plain pytest it runs as one rank). Results are compared against float64
 numpy on the gathered inputs of every rank, and against each other across ranks."""
 
+import dataclasses
+import gc
 import os
+import time
 
 import jax
 import jax.numpy as jnp
@@ -181,6 +184,45 @@ def test_mismatched_shapes_raise_on_every_rank_naming_both_sides():
     with pytest.raises(Exception, match="failed earlier"):
         np.asarray(jax.jit(lambda v: jaxring.all_reduce(v, sub))(np.ones(3, np.float32)))
     jaxring.reset_after_error()
+
+
+@pytest.mark.skipif(COMM.size < 2, reason="needs two ranks")
+def test_a_communicator_made_while_tracing_lives_as_long_as_the_program():
+    """The split communicator has no reference left once tracing returns: the traced program
+    keeps it alive (before, it was collected and the call waited out the timeout)."""
+    f = jax.jit(lambda v: jaxring.all_reduce(v, COMM.split(0, key=COMM.rank)))
+    rng = np.random.default_rng(COMM.rank)
+    for _ in range(2):
+        gc.collect()
+        x = random_array(rng, (33,), np.float32)
+        with jaxring.config.override(timeout_seconds=30.0):
+            out = np.asarray(f(x))
+        assert_close(out, gathered(x).astype(np.float64).sum(0), np.float32, count=COMM.size)
+
+
+class _Detached:
+    """A process communicator's handle that does not keep the communicator alive."""
+
+    def __init__(self, comm):
+        self._axis = dataclasses.replace(comm.axis_communicator(), owner=None)
+
+    def axis_communicator(self):
+        return self._axis
+
+
+@pytest.mark.skipif(COMM.size < 2, reason="needs two ranks")
+def test_a_call_on_a_collected_communicator_fails_at_once():
+    sub = COMM.split(0, key=COMM.rank)
+    handle = _Detached(sub)
+    del sub
+    gc.collect()
+    start = time.monotonic()
+    with jaxring.config.override(timeout_seconds=60.0):
+        with pytest.raises(Exception, match="this process communicator is closed"):
+            np.asarray(jax.jit(lambda v: jaxring.all_reduce(v, handle))(np.ones(4, np.float32)))
+    assert time.monotonic() - start < 30, "it waited for peers instead of failing"
+    jaxring.reset_after_error()
+    MPI_COMM.Barrier()
 
 
 @pytest.mark.skipif(COMM.size < 2, reason="needs two ranks")

@@ -43,6 +43,17 @@ std::string CommName(const JaxringHostCall& c) {
   return std::string(c.comm_name, c.comm_name_size);
 }
 
+// jaxring.mpi marks its communicators' keys with this bit and mesh axes' keys never carry it
+// (common.PROCESS_KEY_BIT), so a call on a process communicator that no longer exists fails at
+// once instead of waiting, as if in-process, for peers that are in other processes.
+constexpr uint64_t kProcessKeyBit = uint64_t{1} << 62;
+
+Status ProcessCommunicatorGone(const JaxringHostCall& c, const Header& header) {
+  return Status::Error(Where(header, CommName(c), c.rank, c.size) +
+                       ": this process communicator is closed (its jaxring.mpi.Communicator was "
+                       "garbage-collected); keep it alive while programs that use it run");
+}
+
 // A process transport compiled for one rank must be run by that rank.
 template <typename Transport>
 Status CheckProcess(const Transport& processes, const Header& header, int rank, int size) {
@@ -64,6 +75,7 @@ Status RunCollectiveCall(const JaxringHostCall& c, const Header& header) {
     std::lock_guard<std::mutex> lock(processes->mutex());
     return processes->RunCollective(header, buffers, config);
   }
+  if (c.comm & kProcessKeyBit) return ProcessCommunicatorGone(c, header);
   const Algorithm algorithm = ChooseAlgorithm(header, c.size, config);
   ScratchLease scratch = ScratchLease::Acquire(ScratchBytes(header, c.size, algorithm));
   CommunicatorId comm{c.comm, c.group, c.size, CommName(c)};
@@ -87,6 +99,7 @@ Status RunAgreeCall(const JaxringHostCall& c, const Header& header) {
     std::lock_guard<std::mutex> lock(processes->mutex());
     return processes->Agree(header, config);
   }
+  if (c.comm & kProcessKeyBit) return ProcessCommunicatorGone(c, header);
   return Status::Error(Where(header, CommName(c), c.rank, c.size) +
                        ": a header exchange needs a process communicator (jaxring.mpi)");
 }
@@ -125,6 +138,7 @@ Status RunPointToPointCall(const JaxringHostCall& c, const Header& header) {
   if (auto processes = ShmCommunicator::Find(c.comm))
     return Status::Error(processes->Where(header) + ": this process communicator has no "
                          "point-to-point transport (jaxring was built without MPI)");
+  if (c.comm & kProcessKeyBit) return ProcessCommunicatorGone(c, header);
   LocalPointToPoint transport(CommunicatorId{c.comm, c.group, c.size, CommName(c)}, c.rank,
                               config.timeout_seconds, config.spin_iterations);
   return run(transport);
