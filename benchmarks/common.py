@@ -101,7 +101,7 @@ def keep_freed_memory() -> None:
 
 
 def medians_in_turns(cases: dict, budget_seconds: float = 0.5, min_rounds: int = 8,
-                     context=None, world=None) -> dict:
+                     context=None, world=None, warmups: int = 2) -> dict:
     """Median time of each case's fn() (which must block until its result is ready), the cases
     taking turns: every round times each case once, so that all cases see the same machine (this
     VM's speed drifts by 2x over minutes, and medians taken minutes apart would compare the
@@ -116,8 +116,8 @@ def medians_in_turns(cases: dict, budget_seconds: float = 0.5, min_rounds: int =
         from mpi4py import MPI
     for name, fn in cases.items():
         with context(name):
-            fn()
-            fn()  # warm-up: compilation and first-touch page faults
+            for _ in range(warmups):  # compilation and first-touch page faults
+                fn()
     samples = {name: [] for name in cases}
     deadline = time.perf_counter() + budget_seconds * len(cases)
     for rounds in range(1, 301):

@@ -25,9 +25,7 @@ os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=2").strip()
 
 import argparse  # noqa: E402
-import statistics  # noqa: E402
 import sys  # noqa: E402
-import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import jax  # noqa: E402
@@ -47,15 +45,13 @@ CONFIGS = {  # residual / skip / layers
 RIVAL = "incremental"
 
 
-def seconds_per_run(fn, repeats: int) -> float:
-    """Median wall time of fn() after one warm-up call (compilation)."""
-    jax.block_until_ready(fn())
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        jax.block_until_ready(fn())
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+def seconds_per_run(table: dict, repeats: int) -> dict:
+    """name -> median wall time of its function, after one warm-up call each (compilation), the
+    variants taking turns run by run (common.medians_in_turns): every ratio then compares the
+    same stretch of this VM's drifting speed, not runs minutes apart."""
+    return common.medians_in_turns(
+        {name: (lambda fn=fn: jax.block_until_ready(fn())) for name, (fn, _) in table.items()},
+        budget_seconds=0.0, min_rounds=repeats, warmups=1)
 
 
 # The variants that run on one device of any platform (the rest need CPU devices: the thread
@@ -156,10 +152,11 @@ def main() -> None:
         for batch in batches:
             table = variants(weights, config, key, batch, steps, mesh1, mesh2)
             names = names or list(table)
+            table = {name: v for name, v in table.items()
+                     if not args.variants or name in args.variants}
+            medians = seconds_per_run(table, repeats)
             for name, (fn, samples) in table.items():
-                if args.variants and name not in args.variants:
-                    continue
-                seconds = seconds_per_run(fn, 1 if name == "naive" else repeats)
+                seconds = medians[name]
                 per_stream = samples / seconds
                 rows.append({"config": config_name, "batch": batch, "variant": name,
                              "samples_per_stream": samples, "seconds": seconds,
@@ -187,7 +184,8 @@ def main() -> None:
         "",
         "Samples/s per stream and in total; real-time factor = samples/s per stream / 16,000. "
         f"`vs (b)` is the ratio to the plain incremental sampler ({RIVAL}: one `lax.scan` with "
-        "ring buffers) measured in the same run. Random weights (speed does not depend on them).",
+        f"ring buffers) measured in the same run. Medians of {repeats} runs, the variants taking "
+        "turns run by run. Random weights (speed does not depend on them).",
         "",
         "| config | streams | variant | samples/s per stream | samples/s total "
         "| real-time factor (16 kHz) | vs (b) |",
