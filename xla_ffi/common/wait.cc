@@ -90,6 +90,19 @@ void Flag::Abandon() {
 
 void YieldCore() { sched_yield(); }
 
+namespace {
+// This thread's spin, as a fraction of the configured one (kSpinScale = all of it).
+constexpr int64_t kSpinScale = 16;
+thread_local int64_t spin_share = kSpinScale;
+}  // namespace
+
+int64_t SpinBudget(int64_t spin) { return spin * spin_share / kSpinScale; }
+
+void RecordSpin(bool arrived, int64_t spin) {
+  if (spin <= 0) return;
+  spin_share = arrived ? std::min(kSpinScale, spin_share * 2) : std::max<int64_t>(1, spin_share / 2);
+}
+
 template <typename Done>
 bool Flag::Wait(Done done, const Deadline& deadline, int64_t spin_iterations) const {
   if (SpinThenYield([&] { return done(value_.load(std::memory_order_acquire)); },
