@@ -32,7 +32,7 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import jaxring  # noqa: E402
 from common import (bus_factor, environment, human_bytes, keep_freed_memory,  # noqa: E402
-                    medians_in_turns, memory_bandwidth_gbps, write_results)
+                    medians_in_turns, memory_bandwidth_gbps, steal_sentence, write_results)
 
 # (name, collective, jaxring algorithm or None for the lax twin, body)
 CASES = [
@@ -124,7 +124,7 @@ def markdown(env: dict, ceiling: float, rows: list[dict]) -> str:
         "# In-process collectives on CPU devices: jaxring vs lax",
         "",
         f"Device: {env['device']}, {env['cores']} cores ({env['cpu']}); python {env['python']}, "
-        f"jax {env['jax']}, jaxlib {env['jaxlib']}; {env['date']}.",
+        f"jax {env['jax']}, jaxlib {env['jaxlib']}; {env['date']}.{steal_sentence(env)}",
         f"Memory copy bandwidth measured in the same run: **{ceiling:.1f} GB/s** (read + write).",
         "",
         "Times are medians; `ratio` is jaxring time / lax twin time (below 1 is faster).",

@@ -43,7 +43,7 @@ import jaxring  # noqa: E402
 import jaxring.mpi  # noqa: E402
 from common import (RESULTS, bus_factor, environment, human_bytes,  # noqa: E402
                     keep_freed_memory, medians_in_turns, memory_bandwidth_gbps,
-                    plot_time_per_size, write_results)
+                    plot_time_per_size, steal_sentence, write_results)
 
 keep_freed_memory()
 COMM = jaxring.mpi.world()
@@ -178,7 +178,8 @@ def markdown(rows, env, n, ceiling) -> str:
         f"# All-reduce across {n} processes (one CPU device each): jaxring vs mpi4jax vs mpi4py",
         "",
         f"{env['cpu']}, {env['cores']} cores; python {env['python']}, jax {env['jax']}; "
-        f"{env['mpi']}; {env['date']}; {env['binding']}. Copy bandwidth: {ceiling:.1f} GB/s. "
+        f"{env['mpi']}; {env['date']}; {env['binding']}. Copy bandwidth: {ceiling:.1f} GB/s."
+        f"{steal_sentence(env)} "
         "Median of the slowest "
         "rank's time, the implementations taking turns call by call; glibc malloc keeps freed "
         "memory (mallopt) in every process. busbw = algbw x 2(n-1)/n.", "",

@@ -50,6 +50,36 @@ def memory_bandwidth_gbps(nbytes: int = 256 << 20) -> float:
     return 2 * nbytes / seconds / 1e9
 
 
+def _cpu_times() -> list[int] | None:
+    """The "cpu" line of /proc/stat: user, nice, system, idle, iowait, irq, softirq, steal, ..."""
+    try:
+        with open("/proc/stat") as stat:
+            return [int(v) for v in stat.readline().split()[1:]]
+    except (OSError, ValueError):
+        return None
+
+
+_CPU_TIMES_AT_START = _cpu_times()
+
+
+def cpu_steal_percent() -> float | None:
+    """Share of this machine's CPU time that the hypervisor gave to other guests since this module
+    was imported (the steal column of /proc/stat). Runs of this shared VM that differ by 2x in
+    speed differ in it, so it comes with every result; None where there is no /proc/stat."""
+    now = _cpu_times()
+    if now is None or _CPU_TIMES_AT_START is None or len(now) < 8:
+        return None
+    delta = [b - a for a, b in zip(_CPU_TIMES_AT_START, now)]
+    total = sum(delta[:8])
+    return 100.0 * delta[7] / total if total > 0 else 0.0
+
+
+def steal_sentence(env: dict) -> str:
+    steal = env.get("cpu_steal_percent")
+    return ("" if steal is None else
+            f" CPU steal during the run (time the hypervisor gave other guests): {steal:.1f}%.")
+
+
 def environment() -> dict:
     import jax
     import jaxlib
@@ -64,6 +94,7 @@ def environment() -> dict:
         "jax": jax.__version__,
         "jaxlib": jaxlib.__version__,
         "date": time.strftime("%Y-%m-%d"),
+        "cpu_steal_percent": cpu_steal_percent(),
     }
 
 

@@ -29,7 +29,7 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import jaxring  # noqa: E402
-from common import environment, median_seconds, write_results  # noqa: E402
+from common import environment, median_seconds, steal_sentence, write_results  # noqa: E402
 from jaxring._src import common as jr  # noqa: E402
 from jaxring._src import native  # noqa: E402
 
@@ -165,7 +165,8 @@ def main() -> None:
     floor = one_device_floor()
     env = environment()
     md = ["# Small-message cost: per program vs per collective (CPU devices, 4 B)", "",
-          f"Device: {env['device']}, {env['cores']} cores; jax {env['jax']}; {env['date']}. "
+          f"Device: {env['device']}, {env['cores']} cores; jax {env['jax']}; {env['date']}."
+          f"{steal_sentence(env)} "
           "Best of 3 interleaved rounds of medians.", "",
           "| case | 2 devices (us) | 8 devices (us) |", "|---|---|---|"]
     names = list(dict.fromkeys(r["case"] for r in rows))

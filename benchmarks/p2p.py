@@ -36,7 +36,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import jaxring  # noqa: E402
 from jaxring.parallel import pipeline  # noqa: E402
 from common import (environment, human_bytes, keep_freed_memory,  # noqa: E402
-                    medians_in_turns, memory_bandwidth_gbps, write_results)
+                    medians_in_turns, memory_bandwidth_gbps, steal_sentence, write_results)
 
 IMPLEMENTATIONS = {"jaxring.ppermute": jaxring.ppermute, "lax.ppermute": lax.ppermute}
 
@@ -165,7 +165,7 @@ def markdown(rows, env, ceiling) -> str:
         "# Point-to-point: jaxring.ppermute vs lax.ppermute (CPU devices)", "",
         f"Device: {env['device']} ({env['cpu']}, {env['cores']} cores); python {env['python']}, "
         f"jax {env['jax']}, jaxlib {env['jaxlib']}; {env['date']}. "
-        f"Copy bandwidth of this machine: {ceiling:.1f} GB/s.", "",
+        f"Copy bandwidth of this machine: {ceiling:.1f} GB/s.{steal_sentence(env)}", "",
         "Time per hop inside one compiled `lax.scan` of 16 to 200 steps (the launch spread over "
         "them), medians with jaxring "
         "and lax taking turns call by call; ratio = jaxring / lax (below 1: jaxring faster). "

@@ -41,7 +41,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.dirname(HERE))
 import jaxring  # noqa: E402
-from common import environment, keep_freed_memory, medians_in_turns, write_results  # noqa: E402
+from common import (environment, keep_freed_memory, medians_in_turns, steal_sentence,
+                    write_results)  # noqa: E402
 from jaxring.parallel import data as data_parallel  # noqa: E402
 from models.deepspeech import configs, data  # noqa: E402
 from models.deepspeech import train as training  # noqa: E402
@@ -140,7 +141,7 @@ def markdown_table(rows, env, config_name) -> str:
         f"# Deep Speech 2 training step ({config_name} config), data-parallel on "
         f"{env['device']}", "",
         f"{env['cpu']}, {env['cores']} cores; python {env['python']}, jax {env['jax']}, "
-        f"jaxlib {env['jaxlib']}; {env['date']}.", "",
+        f"jaxlib {env['jaxlib']}; {env['date']}.{steal_sentence(env)}", "",
         "Weak scaling: a fixed number of utterances per device. Step times are medians, the "
         "variants taking turns step by step; "
         "'sync' is the gradient all-reduce of a gradient-shaped pytree timed alone, and its "
