@@ -2,7 +2,8 @@
 
 Environment variables (JAXRING_TIMEOUT_SECONDS, JAXRING_RING_THRESHOLD_BYTES, JAXRING_ALGORITHM,
 JAXRING_PIPELINE_SLICE_BYTES, JAXRING_SPIN_ITERATIONS, JAXRING_P2P_EAGER_BYTES,
-JAXRING_MPI_RING_THRESHOLD_BYTES, JAXRING_MPI_DIRECT_HEADER_RANKS, JAXRING_HUGE_PAGE_BYTES) override the defaults at import time;
+JAXRING_MPI_RING_THRESHOLD_BYTES, JAXRING_MPI_DIRECT_HEADER_RANKS, JAXRING_HUGE_PAGE_BYTES,
+JAXRING_SHM_STORES) override the defaults at import time;
 ``update`` and ``override`` change them at run time. Values are read when a collective runs.
 """
 
@@ -43,6 +44,10 @@ class Config:
     # first write; 0 turns it off. Outputs this large are usually fresh mappings, and on a VM each
     # 4 KiB page fault costs about 2.7 us: 64 MiB took 48 ms to fault in, 10 ms as huge pages.
     huge_page_bytes: int = 8 << 20
+    # How ranks on one node write into their shared memory: "auto" times plain copies and switches
+    # to non-temporal stores while they run slow (the reading core on another die), "plain" or
+    # "streaming" force one kind.
+    shm_stores: str = "auto"
 
 
 _ENV = {
@@ -55,6 +60,7 @@ _ENV = {
     "mpi_ring_threshold_bytes": ("JAXRING_MPI_RING_THRESHOLD_BYTES", int),
     "mpi_direct_header_ranks": ("JAXRING_MPI_DIRECT_HEADER_RANKS", int),
     "huge_page_bytes": ("JAXRING_HUGE_PAGE_BYTES", int),
+    "shm_stores": ("JAXRING_SHM_STORES", str),
 }
 
 
@@ -63,6 +69,9 @@ def _validate(config: Config) -> Config:
         raise ValueError(
             f"jaxring.config: algorithm must be 'auto', 'direct' or 'ring', got {config.algorithm!r}"
         )
+    if config.shm_stores not in ("auto", "plain", "streaming"):
+        raise ValueError("jaxring.config: shm_stores must be 'auto', 'plain' or 'streaming', got "
+                         f"{config.shm_stores!r}")
     if not config.timeout_seconds > 0:
         raise ValueError(f"jaxring.config: timeout_seconds must be > 0, got {config.timeout_seconds}")
     if (config.pipeline_slice_bytes <= 0 or config.spin_iterations < 0

@@ -336,6 +336,12 @@ def test_config_override_restores_and_reaches_native():
         assert native_config["timeout_seconds"] == 7.5 and native_config["algorithm"] == "ring"
     assert jaxring.config.get() == before
     assert native.extension.get_config()["algorithm"] == before.algorithm
+    for stores in ("plain", "streaming", "auto"):
+        with jaxring.config.override(shm_stores=stores):
+            assert native.extension.get_config()["shm_stores"] == stores
+    with pytest.raises(ValueError, match="shm_stores must be 'auto', 'plain' or 'streaming'"):
+        jaxring.config.update(shm_stores="fast")
+    assert jaxring.config.get() == before
 
 
 def test_config_from_environment():

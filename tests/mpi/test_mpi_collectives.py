@@ -78,6 +78,38 @@ def test_reduce_scatter_all_gather_broadcast(dtype, comm):
             np.testing.assert_array_equal(np.asarray(got), gathered(piece)[root])
 
 
+@COMMS
+@pytest.mark.parametrize("stores", ["plain", "streaming", "auto"])
+def test_every_kind_of_shared_memory_store(stores, comm):
+    """Ranks write into their shared memory with plain or non-temporal stores (chosen by timing
+    under "auto"); every collective's result must not depend on which. Odd element counts put
+    the copies at offsets that are not 16-byte aligned (the streamed copy's unaligned head)."""
+    n = COMM.size
+    rng = np.random.default_rng([COMM.rank, 7])
+    with jaxring.config.override(shm_stores=stores):
+        for dtype in (np.float32, jnp.bfloat16, np.int64):
+            dtype = np.dtype(dtype)
+            for size in (4_099, 300_001):
+                x = random_array(rng, (size,), dtype)
+                inputs = gathered(x).astype(np.float64)
+                for op in ("sum", "mean"):
+                    y = jax.jit(lambda v, op=op: jaxring.all_reduce(v, comm, op))(x)
+                    if op == "mean" and np.issubdtype(dtype, np.integer):
+                        assert_close(y, REFERENCE[op](inputs), np.asarray(y).dtype)
+                    else:
+                        assert_close(y, REFERENCE[op](inputs), dtype, count=n)
+                    same_on_every_rank(y)
+                block = size // n
+                scattered = jax.jit(lambda v: jaxring.reduce_scatter(v, comm))(x[:n * block])
+                assert_close(scattered,
+                             inputs[:, :n * block].sum(0)[COMM.rank * block:(COMM.rank + 1) * block],
+                             dtype, count=n)
+                together = jax.jit(lambda v: jaxring.all_gather(v, comm))(x)
+                np.testing.assert_array_equal(np.asarray(together), gathered(x).reshape(-1))
+                got = jax.jit(lambda v: jaxring.broadcast(v, comm, root=n - 1))(x)
+                np.testing.assert_array_equal(np.asarray(got), gathered(x)[n - 1])
+
+
 def test_scalars_pytrees_vmap_and_barrier():
     rng = np.random.default_rng(COMM.rank)
     tree = {"a": np.float32(rng.standard_normal()), "b": rng.standard_normal((3, 4))}

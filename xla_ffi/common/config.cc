@@ -17,6 +17,15 @@ const char* AlgorithmName(Algorithm a) {
   return "unknown";
 }
 
+const char* ShmStoresName(ShmStores s) {
+  switch (s) {
+    case ShmStores::kAuto: return "auto";
+    case ShmStores::kPlain: return "plain";
+    case ShmStores::kStreaming: return "streaming";
+  }
+  return "unknown";
+}
+
 Config CurrentConfig() {
   std::lock_guard<std::mutex> lock(config_mutex);
   return global_config;

@@ -10,6 +10,10 @@ namespace jaxring {
 enum class Algorithm : uint8_t { kAuto = 0, kDirect = 1, kRing = 2 };
 const char* AlgorithmName(Algorithm a);
 
+// How a rank writes into the shared-memory transport's segment (ShmCommunicator::CopyIn).
+enum class ShmStores : uint8_t { kAuto = 0, kPlain = 1, kStreaming = 2 };
+const char* ShmStoresName(ShmStores s);
+
 struct Config {
   // Every wait gives up after this long and names the peers that never arrived.
   double timeout_seconds = 300.0;
@@ -40,6 +44,10 @@ struct Config {
   // their first write (madvise on the 2 MiB-aligned interior); 0 turns it off. Large outputs are
   // fresh mappings whose 4 KiB page faults cost more than the collective itself.
   int64_t huge_page_bytes = int64_t{8} << 20;
+  // Writes into shared memory (process communicators on one node): kAuto times plain copies and
+  // streams (non-temporal stores) while they run slow, which is when the reading core sits on
+  // another die; kPlain and kStreaming force one kind. See ShmCommunicator::CopyIn.
+  ShmStores shm_stores = ShmStores::kAuto;
 };
 
 // A snapshot of the current configuration; cheap enough to take once per collective.

@@ -28,8 +28,9 @@ void YieldCore();  // sched_yield
 // (down to a sixteenth of `spin`) each time the peer had not arrived by the end of the spin, doubled
 // (up to `spin`) each time it had. A thread whose peers run on other cores keeps spinning, which
 // answers fastest; one whose peer shares its core (2 devices on 1 core, or 8 on 2) stops burning
-// the time slice its peer needs: a 2-device ring pass on one core took 13 us a hop with the
-// full spin before every yield, 6 us with a short one (benchmarks/p2p.py).
+// the time slice its peer needs. A 2-device ring pass with both device threads on one core (the
+// scheduler often puts them there) took 13 us a hop with the full spin before every yield and
+// takes 5 us now; an 8-device ring pass on 2 cores went from 18 to 12 us (benchmarks/p2p.py).
 int64_t SpinBudget(int64_t spin);
 void RecordSpin(bool arrived, int64_t spin);
 

@@ -51,21 +51,21 @@ template <typename A> inline A Min(A a, A b) { return (a < b) | (a != a) ? a : b
 
 constexpr int64_t kBlock = 512;  // elements per block: the block's accumulators stay in L1
 
-// Copies `bytes` from `src` to `dst` with non-temporal stores where dst is 16-byte aligned (plain
-// stores for the tail, and for all of an unaligned dst); the caller fences once at the end.
+// Copies `bytes` from `src` to `dst` with non-temporal stores from dst's first 16-byte boundary
+// on (plain stores for the unaligned head and the tail); the caller fences once at the end.
 void StreamBytes(void* dst, const void* src, size_t bytes) {
 #if defined(__SSE2__)
-  if ((reinterpret_cast<uintptr_t>(dst) & 15) == 0) {
-    auto* d = static_cast<__m128i*>(dst);
-    const auto* s = static_cast<const __m128i*>(src);
-    const size_t vectors = bytes / 16;
-    for (size_t i = 0; i < vectors; ++i) _mm_stream_si128(d + i, _mm_loadu_si128(s + i));
-    std::memcpy(static_cast<char*>(dst) + vectors * 16, static_cast<const char*>(src) + vectors * 16,
-                bytes - vectors * 16);
-    return;
-  }
-#endif
+  const size_t head = std::min(bytes, (16 - (reinterpret_cast<uintptr_t>(dst) & 15)) & 15);
+  std::memcpy(dst, src, head);
+  auto* d = reinterpret_cast<__m128i*>(static_cast<char*>(dst) + head);
+  const auto* s = reinterpret_cast<const __m128i*>(static_cast<const char*>(src) + head);
+  const size_t vectors = (bytes - head) / 16;
+  for (size_t i = 0; i < vectors; ++i) _mm_stream_si128(d + i, _mm_loadu_si128(s + i));
+  const size_t done = head + vectors * 16;
+  std::memcpy(static_cast<char*>(dst) + done, static_cast<const char*>(src) + done, bytes - done);
+#else
   std::memcpy(dst, src, bytes);
+#endif
 }
 
 void StoreFence() {
@@ -265,6 +265,11 @@ void ReduceDispatchOp(ReduceOp op, const Operand* srcs, int num_srcs, const Targ
 }
 
 }  // namespace
+
+void CopyStreamed(void* dst, const void* src, size_t bytes) {
+  StreamBytes(dst, src, bytes);
+  StoreFence();
+}
 
 bool StreamingPays(int64_t total_output_bytes) {
   // Half the last-level cache of the machines we measure on (32 MiB L3 for 2 cores); the

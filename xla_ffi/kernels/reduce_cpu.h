@@ -30,6 +30,10 @@ struct Target {
 // stores: when they exceed the last-level cache, so that nothing written would still be cached.
 bool StreamingPays(int64_t total_output_bytes);
 
+// Copies with non-temporal (streaming) stores, then fences, so that the data is visible before
+// any flag set afterwards. For memory another core reads next (see ShmCommunicator::CopyIn).
+void CopyStreamed(void* dst, const void* src, size_t bytes);
+
 // For i in [0, count): v = op(srcs[0][i], srcs[1][i], ...) folded left to right, divided by
 // mean_divisor when op is kMean and mean_divisor > 0, then written to every target. Reading each
 // source once and writing each target once is what makes the direct all-reduce memory-optimal.

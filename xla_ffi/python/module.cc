@@ -170,6 +170,14 @@ jaxring::Algorithm ParseAlgorithm(const std::string& name) {
                             .c_str());
 }
 
+jaxring::ShmStores ParseShmStores(const std::string& name) {
+  if (name == "auto") return jaxring::ShmStores::kAuto;
+  if (name == "plain") return jaxring::ShmStores::kPlain;
+  if (name == "streaming") return jaxring::ShmStores::kStreaming;
+  throw nb::value_error(
+      ("shm_stores must be one of 'auto', 'plain', 'streaming'; got '" + name + "'").c_str());
+}
+
 }  // namespace
 
 NB_MODULE(_jaxring, m) {
@@ -201,7 +209,7 @@ NB_MODULE(_jaxring, m) {
       [](double timeout_seconds, int64_t ring_threshold_bytes, const std::string& algorithm,
          int64_t pipeline_slice_bytes, int64_t spin_iterations, int64_t p2p_eager_bytes,
          int64_t mpi_ring_threshold_bytes, int64_t mpi_direct_header_ranks,
-         int64_t huge_page_bytes) {
+         int64_t huge_page_bytes, const std::string& shm_stores) {
         jaxring::Config config;
         config.timeout_seconds = timeout_seconds;
         config.ring_threshold_bytes = ring_threshold_bytes;
@@ -212,12 +220,13 @@ NB_MODULE(_jaxring, m) {
         config.mpi_ring_threshold_bytes = mpi_ring_threshold_bytes;
         config.mpi_direct_header_ranks = mpi_direct_header_ranks;
         config.huge_page_bytes = huge_page_bytes;
+        config.shm_stores = ParseShmStores(shm_stores);
         jaxring::SetConfig(config);
       },
       nb::arg("timeout_seconds"), nb::arg("ring_threshold_bytes"), nb::arg("algorithm"),
       nb::arg("pipeline_slice_bytes"), nb::arg("spin_iterations"), nb::arg("p2p_eager_bytes"),
       nb::arg("mpi_ring_threshold_bytes"), nb::arg("mpi_direct_header_ranks"),
-      nb::arg("huge_page_bytes"));
+      nb::arg("huge_page_bytes"), nb::arg("shm_stores"));
 
   m.def("get_config", []() {
     const jaxring::Config config = jaxring::CurrentConfig();
@@ -231,6 +240,7 @@ NB_MODULE(_jaxring, m) {
     d["mpi_ring_threshold_bytes"] = config.mpi_ring_threshold_bytes;
     d["mpi_direct_header_ranks"] = config.mpi_direct_header_ranks;
     d["huge_page_bytes"] = config.huge_page_bytes;
+    d["shm_stores"] = std::string(jaxring::ShmStoresName(config.shm_stores));
     return d;
   });
 

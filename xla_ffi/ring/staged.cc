@@ -62,6 +62,9 @@ Status RunStaged(ShmCommunicator& comm, const Header& h, const CollectiveBuffers
   const size_t width = ByteWidth(h.dtype);
   const int64_t slot_elements = comm.slot_bytes() / static_cast<int64_t>(width);
   auto none = [](int64_t) {};
+  auto copy_in = [&](void* dst, const void* src, int64_t bytes) {
+    comm.CopyIn(dst, src, static_cast<size_t>(bytes), config.shm_stores);
+  };
   switch (h.kind) {
     case Collective::kAllReduce: {
       const int64_t chunk = slot_elements;
@@ -79,15 +82,14 @@ Status RunStaged(ShmCommunicator& comm, const Header& h, const CollectiveBuffers
             if (!len) return;
             const char* input = At(b.input, step * chunk, width);
             if (everywhere(len)) {
-              std::memcpy(comm.Slot(me), input, len * width);
+              copy_in(comm.Slot(me), input, len * width);
               return;
             }
             // Peers read only the shares they reduce; this rank reads its own from its input.
             const Partition share = shares(len);
             const int64_t begin = share.Begin(me), end = begin + share.Size(me);
-            std::memcpy(comm.Slot(me), input, begin * width);
-            std::memcpy(At(comm.Slot(me), end, width), At(input, end, width),
-                        (len - end) * width);
+            copy_in(comm.Slot(me), input, begin * width);
+            copy_in(At(comm.Slot(me), end, width), At(input, end, width), (len - end) * width);
           },
           [&](int64_t step, const Deadline& deadline, int64_t spin) {
             const int64_t len = h.count ? span(step) : 0;
@@ -110,7 +112,8 @@ Status RunStaged(ShmCommunicator& comm, const Header& h, const CollectiveBuffers
               srcs[peer] = Operand{At(comm.Slot(peer), begin, width)};
             srcs[me] = Operand{At(b.input, step * chunk + begin, width)};
             const Target dsts[2] = {Target{At(output, begin, width)},
-                                    Target{At(comm.Result(), begin, width)}};
+                                    Target{At(comm.Result(), begin, width), false,
+                                           comm.StreamStores(config.shm_stores)}};
             Reduce(h.dtype, h.op, srcs.data(), n, dsts, 2, end - begin, n);
             comm.Publish(Phase::kReduced);
             Status status = comm.WaitAll(Phase::kReduced, h, deadline, spin);
@@ -133,8 +136,8 @@ Status RunStaged(ShmCommunicator& comm, const Header& h, const CollectiveBuffers
             if (!block) return;
             for (int dest = 0; dest < n; ++dest)  // this rank reduces its own piece from its input
               if (dest != me)
-                std::memcpy(At(comm.Slot(me), dest * chunk, width),
-                            At(b.input, dest * block + step * chunk, width), span(step) * width);
+                copy_in(At(comm.Slot(me), dest * chunk, width),
+                        At(b.input, dest * block + step * chunk, width), span(step) * width);
           },
           [&](int64_t step, const Deadline&, int64_t) {
             if (!block) return Status();
@@ -154,8 +157,7 @@ Status RunStaged(ShmCommunicator& comm, const Header& h, const CollectiveBuffers
       return Steps(
           comm, h, config, StepCount(block, chunk),
           [&](int64_t step) {
-            if (block) std::memcpy(comm.Slot(me), At(b.input, step * chunk, width),
-                                   span(step) * width);
+            if (block) copy_in(comm.Slot(me), At(b.input, step * chunk, width), span(step) * width);
           },
           [&](int64_t step, const Deadline&, int64_t) {
             if (!block) return Status();
@@ -173,7 +175,7 @@ Status RunStaged(ShmCommunicator& comm, const Header& h, const CollectiveBuffers
           comm, h, config, StepCount(h.count, chunk),
           [&](int64_t step) {
             if (me == root && h.count)
-              std::memcpy(comm.Slot(root), At(b.input, step * chunk, width), span(step) * width);
+              copy_in(comm.Slot(root), At(b.input, step * chunk, width), span(step) * width);
           },
           [&](int64_t step, const Deadline&, int64_t) {
             if (h.count) std::memcpy(At(b.output, step * chunk, width), comm.Slot(root),
