@@ -50,6 +50,28 @@ def memory_bandwidth_gbps(nbytes: int = 256 << 20) -> float:
     return 2 * nbytes / seconds / 1e9
 
 
+# The pipeline workload of benchmarks/p2p.py and benchmarks/pipeline_mpi.py: PIPELINE_LAYERS
+# dense tanh layers of PIPELINE_WIDTH units on PIPELINE_ROWS rows per stream, PIPELINE_TICKS
+# ticks per measured program.
+PIPELINE_LAYERS, PIPELINE_WIDTH, PIPELINE_ROWS, PIPELINE_TICKS = 8, 256, 16, 100
+
+
+def dense_layer(params, h):
+    import jax.numpy as jnp
+
+    return jnp.tanh(h @ params["w"] + params["b"])
+
+
+def pipeline_workload(streams: int) -> tuple[list[dict], np.ndarray]:
+    """The layers (a list of {"w", "b"}) and `streams` input streams [streams, ROWS, WIDTH]."""
+    rng = np.random.default_rng(0)
+    width = PIPELINE_WIDTH
+    layers = [{"w": (rng.standard_normal((width, width)) / 16).astype(np.float32),
+               "b": rng.standard_normal(width).astype(np.float32)}
+              for _ in range(PIPELINE_LAYERS)]
+    return layers, rng.standard_normal((streams, PIPELINE_ROWS, width)).astype(np.float32)
+
+
 def _cpu_times() -> list[int] | None:
     """The "cpu" line of /proc/stat: user, nice, system, idle, iowait, irq, softirq, steal, ..."""
     try:

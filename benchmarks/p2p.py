@@ -35,8 +35,10 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import jaxring  # noqa: E402
 from jaxring.parallel import pipeline  # noqa: E402
-from common import (environment, human_bytes, keep_freed_memory,  # noqa: E402
-                    medians_in_turns, memory_bandwidth_gbps, steal_sentence, write_results)
+from common import (PIPELINE_LAYERS, PIPELINE_ROWS, PIPELINE_TICKS,  # noqa: E402
+                    PIPELINE_WIDTH, dense_layer, environment, human_bytes, keep_freed_memory,
+                    medians_in_turns, memory_bandwidth_gbps, pipeline_workload, steal_sentence,
+                    write_results)
 
 IMPLEMENTATIONS = {"jaxring.ppermute": jaxring.ppermute, "lax.ppermute": lax.ppermute}
 
@@ -67,33 +69,22 @@ def hop_case(n: int, nbytes: int, pattern: str, permute):
     return (lambda: f(x).block_until_ready()), steps * hops
 
 
-# The pipeline workload: LAYERS dense tanh layers of WIDTH units on ROWS rows per stream.
-LAYERS, WIDTH, ROWS, TICKS = 8, 256, 16, 100
-
-
-def dense(params, h):
-    return jnp.tanh(h @ params["w"] + params["b"])
-
-
 def pipeline_rows(n: int) -> list[dict]:
     """Full passes (all layers, one stream) per second: an n-stage ring with n streams delivers
     one per tick in steady state; one device runs them one stream at a time, or batched."""
-    rng = np.random.default_rng(0)
-    layers = [{"w": (rng.standard_normal((WIDTH, WIDTH)) / 16).astype(np.float32),
-               "b": rng.standard_normal(WIDTH).astype(np.float32)} for _ in range(LAYERS)]
-    stage_fn = pipeline.scan_layers(dense)
-    streams = rng.standard_normal((n, ROWS, WIDTH)).astype(np.float32)
+    layers, streams = pipeline_workload(n)
+    stage_fn = pipeline.scan_layers(dense_layer)
     whole = pipeline.stack_stages(layers, 1)
     whole = jax.tree.map(lambda leaf: jnp.asarray(leaf[0]), whole)
     one_device = jax.jit(lambda x: lax.scan(lambda c, _: (stage_fn(whole, c), None), x,
-                                            length=TICKS)[0])
-    batched = streams.reshape(n * ROWS, WIDTH)
+                                            length=PIPELINE_TICKS)[0])
+    batched = streams.reshape(n * PIPELINE_ROWS, PIPELINE_WIDTH)
     # case -> (run, passes per run); the cases take turns.
     cases = {
         "one device, one stream at a time": (
-            lambda: one_device(streams[0]).block_until_ready(), TICKS),
+            lambda: one_device(streams[0]).block_until_ready(), PIPELINE_TICKS),
         f"one device, {n} streams batched": (
-            lambda: one_device(batched).block_until_ready(), n * TICKS),
+            lambda: one_device(batched).block_until_ready(), n * PIPELINE_TICKS),
     }
     mesh = jax.make_mesh((n,), ("i",), devices=jax.devices()[:n])
     stacked = jax.device_put(pipeline.stack_stages(layers, n), NamedSharding(mesh, P("i")))
@@ -114,10 +105,12 @@ def pipeline_rows(n: int) -> list[dict]:
     for name, tick in (("no hand-off (ceiling)", no_hand_off), ("jaxring pipeline", jaxring_tick),
                        ("lax.ppermute pipeline", lax_tick)):
         def body(params, x, tick=tick):
-            return lax.scan(lambda c, _: (tick(params, c), None), x[0], None, length=TICKS)[0][None]
+            return lax.scan(lambda c, _: (tick(params, c), None), x[0], None,
+                            length=PIPELINE_TICKS)[0][None]
 
         f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("i"), P("i")), out_specs=P("i")))
-        cases[f"{name}, {n} stages"] = (lambda f=f: f(stacked, x).block_until_ready(), TICKS)
+        cases[f"{name}, {n} stages"] = (lambda f=f: f(stacked, x).block_until_ready(),
+                                        PIPELINE_TICKS)
     medians = medians_in_turns({name: run for name, (run, _) in cases.items()})
     rows = [{"case": name, "passes_per_s": passes / medians[name]}
             for name, (_, passes) in cases.items()]
@@ -183,7 +176,8 @@ def markdown(rows, env, ceiling) -> str:
 
 def pipeline_markdown(rows) -> str:
     lines = [
-        "", f"## Pipeline: {LAYERS} dense tanh layers ({WIDTH} units, {ROWS} rows per stream)", "",
+        "", f"## Pipeline: {PIPELINE_LAYERS} dense tanh layers ({PIPELINE_WIDTH} units, "
+        f"{PIPELINE_ROWS} rows per stream)", "",
         "Full passes (all layers, one stream) per second. An n-stage ring with n interleaved "
         "streams delivers one pass per tick; one device runs the same streams one after another "
         "or batched together; the cases take turns. Speedup is against one device, one stream "

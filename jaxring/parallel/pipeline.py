@@ -97,7 +97,7 @@ def pipeline_apply(stage_fn, stage_params: PyTree, microbatches: PyTree, axis_na
     """
     comm = common.communicator("pipeline", axis_name)
     n = comm.size
-    stage = lax.axis_index(axis_name)
+    stage = comm.rank_and_group()[0]  # a mesh axis index, or a process communicator's rank
     count = jax.tree.leaves(microbatches)[0].shape[0]
 
     def tick(carry, t):

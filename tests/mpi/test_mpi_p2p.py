@@ -90,6 +90,53 @@ def test_grad_through_ppermute_is_the_inverse_permutation():
 
 
 @pytest.mark.skipif(N < 2, reason="needs two ranks")
+def test_pipeline_over_processes_equals_the_unsharded_layers():
+    """jaxring.parallel.pipeline with a process communicator for the axis: each rank holds one
+    stage (two tanh layers) and the activations travel over MPI; GPipe's schedule and the ring of
+    interleaved streams both equal running every layer in order on one process."""
+    from jaxring.parallel import pipeline
+
+    n, width, rows = COMM.size, 16, 3
+    rng = np.random.default_rng(11)  # the same layers and inputs on every rank
+    layers = [{"w": (rng.standard_normal((width, width)) / 4).astype(np.float32),
+               "b": rng.standard_normal(width).astype(np.float32)} for _ in range(2 * n)]
+    microbatches = rng.standard_normal((5, rows, width)).astype(np.float32)
+
+    def dense(params, h):
+        return jnp.tanh(h @ params["w"] + params["b"])
+
+    def unsharded(x):
+        for layer in layers:
+            x = dense(layer, x)
+        return x
+
+    stage_fn = pipeline.scan_layers(dense)
+    mine = jax.tree.map(lambda leaf: leaf[COMM.rank:COMM.rank + 1],
+                        pipeline.stack_stages(layers, n))
+    got = jax.jit(lambda p, m: pipeline.pipeline_apply(stage_fn, p, m, COMM))(mine, microbatches)
+    expected = jax.vmap(unsharded)(microbatches)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(expected), rtol=2e-5, atol=2e-6)
+
+    # The ring of n interleaved streams (ring=True: the last stage hands on to the first), as an
+    # autoregressive loop runs it: the stream that starts on rank r goes through stages r, r+1,
+    # ..., n-1, 0, ..., r-1 and is back on rank r after n ticks.
+    passes = 3
+    start = microbatches[COMM.rank]
+
+    def ring(p, x):
+        def tick(carry, _):
+            return pipeline.pipeline_step(stage_fn, p, carry, COMM, ring=True)[1], None
+        return jax.lax.scan(tick, x, None, length=n * passes)[0]
+
+    want = start
+    for tick in range(n * passes):
+        stage = (COMM.rank + tick) % n
+        for layer in layers[2 * stage:2 * stage + 2]:
+            want = dense(layer, want)
+    np.testing.assert_allclose(np.asarray(jax.jit(ring)(mine, start)), np.asarray(want),
+                               rtol=2e-5, atol=2e-6)
+
+
 def test_mismatched_point_to_point_calls_name_both_sides():
     sub = COMM.split(0, key=COMM.rank)  # a fresh communicator: an error leaves it unusable
     x = np.ones(3 if COMM.rank == 0 else 4, np.float32)
