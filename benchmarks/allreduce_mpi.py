@@ -155,6 +155,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--sizes", type=int, nargs="*", help="bytes per rank (default: 4 B..64 MiB)")
+    parser.add_argument("--name", default=None,
+                        help="results file (default allreduce_mpi-cpu-n{N}[-bound])")
     args = parser.parse_args()
     n = COMM.size
     sizes = args.sizes or ([4, 4096, 1 << 20, 4 << 20] if args.quick else
@@ -193,7 +195,7 @@ def main() -> None:
         bound = any(len(c) < os.cpu_count() for c in cores)
         env["binding"] = (f"ranks bound to cores {cores} (mpiexec -bind-to core)" if bound else
                           "ranks not bound to cores")
-        name = f"allreduce_mpi-cpu-n{n}" + ("-bound" if bound else "")
+        name = args.name or f"allreduce_mpi-cpu-n{n}" + ("-bound" if bound else "")
         write_results(name, {"environment": env, "ranks": n, "copy_bandwidth_gbps": ceiling,
                              "rows": rows}, markdown(rows, env, n, ceiling))
         plot_time_per_size(rows, f"all-reduce, {n} processes", RESULTS / f"{name}.png")

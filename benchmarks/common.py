@@ -93,7 +93,7 @@ def cpu_steal_percent() -> float | None:
         return None
     delta = [b - a for a, b in zip(_CPU_TIMES_AT_START, now)]
     total = sum(delta[:8])
-    return 100.0 * delta[7] / total if total > 0 else 0.0
+    return round(100.0 * delta[7] / total, 2) if total > 0 else 0.0
 
 
 def steal_sentence(env: dict) -> str:
