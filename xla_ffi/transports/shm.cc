@@ -149,8 +149,11 @@ namespace {
 // Copies smaller than this are too short to time and just follow the current mode.
 constexpr size_t kTimedCopyBytes = 64 * 1024;
 // Plain copies into shared memory ran at 11-36 GB/s with both cores on one die and 2.2 GB/s
-// across dies (1 MiB, the peer having read the lines last).
+// across dies (1 MiB, the peer having read the lines last). On one die about one in 30 still
+// ran slow (a preempted copy, a page touched for the first time), so it takes kSlowInARow slow
+// ones in a row to switch to streaming; one fast probe switches back.
 constexpr double kSlowPlainBytesPerSecond = 5e9;
+constexpr int64_t kSlowInARow = 3;
 constexpr int64_t kProbeEvery = 64;
 }  // namespace
 
@@ -171,7 +174,9 @@ void ShmCommunicator::CopyIn(void* dst, const void* src, size_t bytes, ShmStores
   std::memcpy(dst, src, bytes);
   const double seconds =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-  streaming_ = static_cast<double>(bytes) < kSlowPlainBytesPerSecond * seconds;
+  const bool slow = static_cast<double>(bytes) < kSlowPlainBytesPerSecond * seconds;
+  slow_in_a_row_ = slow ? slow_in_a_row_ + 1 : 0;
+  streaming_ = slow && (streaming_ || slow_in_a_row_ >= kSlowInARow);
   streamed_since_probe_ = 0;
 }
 

@@ -56,8 +56,8 @@ class ShmCommunicator {
   // few minutes) and plain stores ran at 2.2 GB/s against 27 GB/s for non-temporal ones: a 1 MiB
   // all-reduce at 2 ranks took 540 us with plain stores and 120 us streamed, but 90 us plain
   // against 120-140 us streamed on one die. So every rank times its plain copies and streams
-  // once they run below kSlowPlainBytesPerSecond, then tries a plain copy again every
-  // kProbeEvery copies to see whether the placement has changed back.
+  // once kSlowInARow in a row ran below kSlowPlainBytesPerSecond, then tries a plain copy again
+  // every kProbeEvery copies to see whether the placement has changed back.
   // `mode` (Config::shm_stores) may force one kind.
   void CopyIn(void* dst, const void* src, size_t bytes, ShmStores mode);
   bool StreamStores(ShmStores mode) const {
@@ -90,6 +90,7 @@ class ShmCommunicator {
   bool broken_ = false;
   bool streaming_ = false;          // CopyIn streams (and so does the reduction into Result())
   int64_t streamed_since_probe_ = 0;
+  int64_t slow_in_a_row_ = 0;  // timed plain copies that ran slow, in a row
 };
 
 }  // namespace jaxring
