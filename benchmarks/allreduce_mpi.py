@@ -43,7 +43,7 @@ import jaxring  # noqa: E402
 import jaxring.mpi  # noqa: E402
 from common import (RESULTS, bus_factor, environment, human_bytes,  # noqa: E402
                     keep_freed_memory, medians_in_turns, memory_bandwidth_gbps,
-                    plot_time_per_size, steal_sentence, write_results)
+                    plot_time_per_size, rank_binding, steal_sentence, write_results)
 
 keep_freed_memory()
 COMM = jaxring.mpi.world()
@@ -188,13 +188,11 @@ def main() -> None:
             line = "  ".join(f"{r['impl']} {r['seconds'] * 1e6:.1f} us"
                              for r in rows if r["bytes"] == nbytes)
             print(f"n={n} {human_bytes(nbytes):>9s}: {line}", flush=True)
-    cores = WORLD.gather(sorted(os.sched_getaffinity(0)), root=0)
+    binding = rank_binding(WORLD)
     if COMM.rank == 0:
         env = environment()
         env["mpi"] = MPI.Get_library_version().splitlines()[0]
-        bound = any(len(c) < os.cpu_count() for c in cores)
-        env["binding"] = (f"ranks bound to cores {cores} (mpiexec -bind-to core)" if bound else
-                          "ranks not bound to cores")
+        bound, env["binding"] = binding
         name = args.name or f"allreduce_mpi-cpu-n{n}" + ("-bound" if bound else "")
         write_results(name, {"environment": env, "ranks": n, "copy_bandwidth_gbps": ceiling,
                              "rows": rows}, markdown(rows, env, n, ceiling))

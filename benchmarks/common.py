@@ -96,6 +96,18 @@ def cpu_steal_percent() -> float | None:
     return round(100.0 * delta[7] / total, 2) if total > 0 else 0.0
 
 
+def rank_binding(world) -> tuple[bool, str] | None:
+    """Whether the ranks of the mpi4py communicator `world` are bound to cores (mpiexec
+    -bind-to core), and a sentence saying to which; on rank 0 only (None elsewhere). A
+    collective call: every rank makes it."""
+    cores = world.gather(sorted(os.sched_getaffinity(0)), root=0)
+    if world.rank != 0:
+        return None
+    bound = any(len(c) < os.cpu_count() for c in cores)
+    return bound, (f"ranks bound to cores {cores} (mpiexec -bind-to core)" if bound else
+                   "ranks not bound to cores")
+
+
 def steal_sentence(env: dict) -> str:
     steal = env.get("cpu_steal_percent")
     return ("" if steal is None else

@@ -38,7 +38,7 @@ import jaxring.mpi  # noqa: E402
 from jaxring.parallel import pipeline  # noqa: E402
 from common import (PIPELINE_LAYERS, PIPELINE_ROWS, PIPELINE_TICKS,  # noqa: E402
                     PIPELINE_WIDTH, dense_layer, environment, medians_in_turns,
-                    pipeline_workload, steal_sentence, write_results)
+                    pipeline_workload, rank_binding, steal_sentence, write_results)
 
 COMM = jaxring.mpi.world()
 WORLD = MPI.COMM_WORLD
@@ -98,13 +98,11 @@ def main() -> None:
             for name, (_, passes) in table.items()]
     for row in rows:
         row["speedup"] = row["passes_per_s"] / rows[0]["passes_per_s"]
-    cores = WORLD.gather(sorted(os.sched_getaffinity(0)), root=0)
+    binding = rank_binding(WORLD)
     if rank != 0:
         return
     env = environment()
-    bound = any(len(c) < os.cpu_count() for c in cores)
-    env["binding"] = (f"ranks bound to cores {cores} (mpiexec -bind-to core)" if bound else
-                      "ranks not bound to cores")
+    bound, env["binding"] = binding
     for row in rows:
         print(f"n={n} {row['case']:40s} {row['passes_per_s']:9.1f} passes/s  "
               f"x{row['speedup']:.2f}", flush=True)

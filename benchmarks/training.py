@@ -41,8 +41,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.dirname(HERE))
 import jaxring  # noqa: E402
-from common import (environment, keep_freed_memory, medians_in_turns, steal_sentence,
-                    write_results)  # noqa: E402
+from common import (environment, keep_freed_memory, medians_in_turns,  # noqa: E402
+                    steal_sentence, write_results)
 from jaxring.parallel import data as data_parallel  # noqa: E402
 from models.deepspeech import configs, data  # noqa: E402
 from models.deepspeech import train as training  # noqa: E402
