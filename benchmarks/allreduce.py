@@ -8,8 +8,9 @@ by call so that all see the same machine, glibc malloc keeping freed memory as i
 common.keep_freed_memory; inputs placed with device_put + NamedSharding): jaxring.all_reduce
 (auto, and forced direct and ring) against
 lax.psum, jaxring.reduce_scatter against lax.psum_scatter, jaxring.all_gather against
-lax.all_gather, each as a lone jitted call; and all_reduce against psum inside one compiled loop,
-which leaves out the program launch. It reports time, algbw and busbw (nccl-tests definitions)
+lax.all_gather, each as a lone jitted call, beside each collective's effect floor (what any lone
+call carrying jaxring's ordered effect costs at least); and all_reduce against psum inside one
+compiled loop, which leaves out the program launch. It reports time, algbw and busbw (nccl-tests definitions)
 against the copy bandwidth of this machine measured in the same run, and writes
 benchmarks/results/allreduce-cpu.{json,md,png}.
 """
@@ -24,6 +25,7 @@ os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
 
 import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from jax import lax  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
@@ -32,7 +34,8 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import jaxring  # noqa: E402
 from common import (bus_factor, environment, human_bytes, keep_freed_memory,  # noqa: E402
-                    medians_in_turns, memory_bandwidth_gbps, steal_sentence, write_results)
+                    medians_in_turns, memory_bandwidth_gbps, steal_sentence,
+                    with_jaxring_effect, write_results)
 
 # (name, collective, jaxring algorithm or None for the lax twin, body)
 CASES = [
@@ -46,6 +49,17 @@ CASES = [
 ]
 TWIN = {"all_reduce": "lax.psum", "reduce_scatter": "lax.psum_scatter",
         "all_gather": "lax.all_gather"}
+# The effect floor of each collective on n devices: a program that reads the collective's input,
+# writes an output of its shape in one XLA elementwise pass, and carries jaxring's ordered effect
+# without communicating (common.with_jaxring_effect). Every lone call of a collective that carries
+# the effect, as issue 2 asks of jaxring's, costs at least this; where it exceeds the twin's time,
+# no such collective matches the twin in a lone call, however it moves the data.
+FLOOR = "effect floor"
+FLOOR_BODIES = {
+    "all_reduce": lambda v, n: v + 1,
+    "reduce_scatter": lambda v, n: v[: v.shape[0] // n] + 1,
+    "all_gather": lambda v, n: jnp.tile(v, n) + 1,
+}
 
 
 def measure(n: int, nbytes: int) -> list[dict]:
@@ -53,7 +67,10 @@ def measure(n: int, nbytes: int) -> list[dict]:
     mesh = jax.make_mesh((n,), ("i",), devices=jax.devices()[:n])
     count = max(1, nbytes // 4)
     runs, sizes = {}, {}
-    for name, collective, algorithm, body in CASES:
+    floors = [(f"{FLOOR}[{collective}]", collective, None,
+               lambda v, floor=floor: with_jaxring_effect(floor(v, n)))
+              for collective, floor in FLOOR_BODIES.items()]
+    for name, collective, algorithm, body in CASES + floors:
         # reduce_scatter needs its input divisible by n; all_gather's size is its output.
         per_device = count
         if collective == "reduce_scatter":
@@ -65,12 +82,12 @@ def measure(n: int, nbytes: int) -> list[dict]:
         f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("i"), out_specs=P("i")))
         runs[name] = lambda f=f, x=x: f(x).block_until_ready()
         sizes[name] = per_device * 4 * (n if collective == "all_gather" else 1)
-    algorithms = {name: algorithm or "auto" for name, _, algorithm, _ in CASES}
+    algorithms = {name: algorithm or "auto" for name, _, algorithm, _ in CASES + floors}
     medians = medians_in_turns(runs, budget_seconds=0.6, min_rounds=10,
                                context=lambda name: jaxring.config.override(
                                    algorithm=algorithms[name]))
     rows = []
-    for name, collective, _, _ in CASES:
+    for name, collective, _, _ in CASES + floors:
         algbw = sizes[name] / medians[name] / 1e9
         rows.append({"devices": n, "bytes": sizes[name], "case": name, "collective": collective,
                      "seconds": medians[name], "algbw_GBps": algbw,
@@ -83,20 +100,21 @@ LOOP_CASES = {"jaxring.all_reduce": lambda v: jaxring.all_reduce(v, "i"),
 
 
 def measure_in_loop(n: int, nbytes: int) -> list[dict]:
-    """Per all-reduce inside one compiled loop that feeds each result to the next: the
-    collective's own cost, without the program launch that dominates a lone call's. The loop
-    runs at least 64 times up to 2 MiB and fewer above (8 at 16 MiB and up): each program still
-    pays one launch, jaxring's dearer for its ordered effect, and a short loop would count an
-    eighth of it in every all-reduce."""
+    """Per all-reduce inside one compiled loop that feeds each result to the next, with nothing
+    else in the loop: the collective's own cost, without the program launch that dominates a lone
+    call's. The loop runs at least 64 times up to 2 MiB and fewer above (8 at 16 MiB and up): each
+    program still pays one launch, jaxring's dearer for its ordered effect, and a short loop would
+    count an eighth of it in every all-reduce. Each pass multiplies the values by about n, so they
+    start near 2^-100: after 64 passes on 8 devices they are still finite float32 numbers."""
     mesh = jax.make_mesh((n,), ("i",), devices=jax.devices()[:n])
     count = max(1, nbytes // 4)
     repeats = int(min(64, max(8, (128 << 20) // nbytes)))
-    x = jax.device_put(np.random.default_rng(0).standard_normal(n * count, np.float32) / n,
-                       NamedSharding(mesh, P("i")))
+    start = np.random.default_rng(0).standard_normal(n * count).astype(np.float32) * 2.0 ** -100
+    x = jax.device_put(start, NamedSharding(mesh, P("i")))
     runs = {}
     for name, reduce in LOOP_CASES.items():
         def body(v, reduce=reduce):
-            step = lambda _, a: lax.pcast(reduce(a) * np.float32(1 / n), "i", to="varying")
+            step = lambda _, a: lax.pcast(reduce(a), "i", to="varying")
             return lax.fori_loop(0, repeats, step, v)
 
         f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("i"), out_specs=P("i")))
@@ -109,8 +127,7 @@ def measure_in_loop(n: int, nbytes: int) -> list[dict]:
 def loop_markdown(rows: list[dict]) -> str:
     by_key = {(r["devices"], r["bytes"], r["case"]): r["seconds"] for r in rows}
     lines = ["## all_reduce inside one compiled loop (program launch excluded)", "",
-             "Per all-reduce, each result scaled by 1/n and fed to the next (the scaling, an XLA "
-             "elementwise op, is in both columns).", "",
+             "Per all-reduce, each result fed to the next with nothing else in the loop.", "",
              "| n | size | jaxring.all_reduce (us) | lax.psum (us) | ratio |", "|---|---|---|---|---|"]
     for n, size in sorted({(r["devices"], r["bytes"]) for r in rows}):
         ours, theirs = by_key[(n, size, "jaxring.all_reduce")], by_key[(n, size, "lax.psum")]
@@ -131,23 +148,33 @@ def markdown(env: dict, ceiling: float, rows: list[dict]) -> str:
         "busbw follows nccl-tests (all-reduce: algbw x 2(n-1)/n; reduce-scatter and all-gather:"
         " algbw x (n-1)/n).",
         "",
+        f"`{FLOOR}`: a program that reads the collective's input, writes an output of its shape in"
+        " one XLA elementwise pass and carries jaxring's ordered effect, communicating nothing"
+        " (`common.with_jaxring_effect`). Every lone call of a collective that carries the effect"
+        " costs at least this. `floor / twin` above 1: no collective with the effect, however it"
+        " moves the data, matches the lax twin in a lone call on this machine; the time goes to"
+        " JAX's dispatch of a program with an ordered effect (`overhead-cpu.md`).",
+        "",
     ]
     by_key = {(r["devices"], r["bytes"], r["case"]): r for r in rows}
     for collective, twin in TWIN.items():
         ours = [c[0] for c in CASES if c[1] == collective and c[0] != twin]
+        floor = f"{FLOOR}[{collective}]"
         lines += [f"## {collective}", "",
                   "| n | size | " + " | ".join(f"{c} (us)" for c in ours) + f" | {twin} (us) | "
-                  + " | ".join(f"ratio {c.split('.')[1]}" for c in ours)
-                  + " | busbw jaxring (GB/s) |",
-                  "|" + "---|" * (3 + 2 * len(ours) + 1)]
+                  + f"{FLOOR} (us) | " + " | ".join(f"ratio {c.split('.')[1]}" for c in ours)
+                  + " | floor / twin | busbw jaxring (GB/s) |",
+                  "|" + "---|" * (3 + 2 * len(ours) + 3)]
         keys = sorted({(r["devices"], r["bytes"]) for r in rows if r["collective"] == collective})
         for n, size in keys:
             t = by_key[(n, size, twin)]["seconds"]
             cells = [f"{by_key[(n, size, c)]['seconds'] * 1e6:.1f}" for c in ours]
             ratios = [f"{by_key[(n, size, c)]['seconds'] / t:.2f}" for c in ours]
+            f = by_key[(n, size, floor)]["seconds"]
             busbw = by_key[(n, size, ours[0])]["busbw_GBps"]
             lines.append(f"| {n} | {human_bytes(size)} | " + " | ".join(cells)
-                         + f" | {t * 1e6:.1f} | " + " | ".join(ratios) + f" | {busbw:.2f} |")
+                         + f" | {t * 1e6:.1f} | {f * 1e6:.1f} | " + " | ".join(ratios)
+                         + f" | {f / t:.2f} | {busbw:.2f} |")
         lines.append("")
     return "\n".join(lines)
 

@@ -72,6 +72,35 @@ def pipeline_workload(streams: int) -> tuple[list[dict], np.ndarray]:
     return layers, rng.standard_normal((streams, PIPELINE_ROWS, width)).astype(np.float32)
 
 
+_EFFECT_ONLY = None
+
+
+def with_jaxring_effect(x):
+    """`x`, carrying jaxring's ordered effect and doing nothing else (a measurement-only
+    primitive). A program with it pays what JAX's dispatch of a program with an ordered effect
+    costs (the runtime token handed in and out, and JAX's Python path instead of its C++ fast
+    path), which every program with a jaxring collective pays too: `with_jaxring_effect(f(x))`,
+    where f reads the collective's input and writes an output of its shape, is a floor under any
+    lone call of a collective that carries the effect, however it moves the data."""
+    global _EFFECT_ONLY
+    if _EFFECT_ONLY is None:
+        from jax._src import core
+        from jax._src.interpreters import mlir
+
+        from jaxring._src import common as jr
+
+        primitive = core.Primitive("benchmark_jaxring_effect_only")
+        primitive.def_effectful_abstract_eval(lambda v: (v, {jr.collective_effect}))
+
+        def lowering(ctx, v):
+            ctx.set_tokens_out(ctx.tokens_in)
+            return [v]
+
+        mlir.register_lowering(primitive, lowering)
+        _EFFECT_ONLY = primitive
+    return _EFFECT_ONLY.bind(x)
+
+
 def _cpu_times() -> list[int] | None:
     """The "cpu" line of /proc/stat: user, nice, system, idle, iowait, irq, softirq, steal, ..."""
     try:

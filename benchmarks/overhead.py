@@ -29,22 +29,13 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import jaxring  # noqa: E402
-from common import environment, median_seconds, steal_sentence, write_results  # noqa: E402
+from common import (environment, median_seconds, steal_sentence,  # noqa: E402
+                    with_jaxring_effect, write_results)
 from jaxring._src import common as jr  # noqa: E402
 from jaxring._src import native  # noqa: E402
 
-# ---- two measurement-only primitives ------------------------------------------------------------
-
-effect_only_p = core.Primitive("overhead_effect_only")  # x, with jaxring's ordered effect
-effect_only_p.def_effectful_abstract_eval(lambda x: (x, {jr.collective_effect}))
-
-
-def _effect_only_lowering(ctx, x):
-    ctx.set_tokens_out(ctx.tokens_in)
-    return [x]
-
-
-mlir.register_lowering(effect_only_p, _effect_only_lowering, platform="cpu")
+# ---- the all-reduce custom call without the token (measurement only; the effect without a
+# collective is common.with_jaxring_effect) ------------------------------------------------
 
 stripped_p = core.Primitive("overhead_all_reduce_without_effect")
 stripped_p.def_abstract_eval(
@@ -89,7 +80,7 @@ def cases():
     """name -> (body, how many all-reduces it chains; 0: the body returns x + 1)."""
     out = {
         "empty program (x + 1)": (lambda v: v + 1, 0),
-        "empty program + jaxring's effect": (lambda v: effect_only_p.bind(v + 1), 0),
+        "empty program + jaxring's effect": (lambda v: with_jaxring_effect(v + 1), 0),
         "jaxring.barrier only": (lambda v: (jaxring.barrier("i"), v + 1)[1], 0),
         "1 x jaxring.all_reduce, effect stripped": (lambda v: all_reduce_without_effect(v, "i"), 1),
     }
@@ -135,7 +126,7 @@ def one_device_floor() -> list[dict]:
     small collective across processes, whatever carries the data."""
     x = jax.device_put(np.ones(1, np.float32), jax.devices()[0])
     fns = {"empty program (x + 1)": jax.jit(lambda v: v + 1),
-           "empty program + jaxring's effect": jax.jit(lambda v: effect_only_p.bind(v + 1))}
+           "empty program + jaxring's effect": jax.jit(lambda v: with_jaxring_effect(v + 1))}
     for name, f in fns.items():
         np.testing.assert_array_equal(np.asarray(f(x)), [2.0], err_msg=name)
     rows = [{"devices": 1, "case": name, "seconds": seconds}
