@@ -3,7 +3,7 @@
 Environment variables (JAXRING_TIMEOUT_SECONDS, JAXRING_RING_THRESHOLD_BYTES, JAXRING_ALGORITHM,
 JAXRING_PIPELINE_SLICE_BYTES, JAXRING_SPIN_ITERATIONS, JAXRING_P2P_EAGER_BYTES,
 JAXRING_MPI_RING_THRESHOLD_BYTES, JAXRING_MPI_DIRECT_HEADER_RANKS, JAXRING_HUGE_PAGE_BYTES,
-JAXRING_SHM_STORES) override the defaults at import time;
+JAXRING_SHM_STORES, JAXRING_COPY_INPUT_BYTES) override the defaults at import time;
 ``update`` and ``override`` change them at run time. Values are read when a collective runs.
 """
 
@@ -48,6 +48,11 @@ class Config:
     # to non-temporal stores while they run slow (the reading core on another die), "plain" or
     # "streaming" force one kind.
     shm_stores: str = "auto"
+    # Devices of one process: direct collectives up to this many input bytes per device copy
+    # their input into the rendezvous as they arrive, and each device then writes only its own
+    # output from the copies and leaves without waiting for its peers to finish reading (one
+    # hand-off instead of two); 0 turns it off.
+    copy_input_bytes: int = 16 * 1024
 
 
 _ENV = {
@@ -61,6 +66,7 @@ _ENV = {
     "mpi_direct_header_ranks": ("JAXRING_MPI_DIRECT_HEADER_RANKS", int),
     "huge_page_bytes": ("JAXRING_HUGE_PAGE_BYTES", int),
     "shm_stores": ("JAXRING_SHM_STORES", str),
+    "copy_input_bytes": ("JAXRING_COPY_INPUT_BYTES", int),
 }
 
 
@@ -75,9 +81,10 @@ def _validate(config: Config) -> Config:
     if not config.timeout_seconds > 0:
         raise ValueError(f"jaxring.config: timeout_seconds must be > 0, got {config.timeout_seconds}")
     if (config.pipeline_slice_bytes <= 0 or config.spin_iterations < 0
-            or config.p2p_eager_bytes < 0 or config.huge_page_bytes < 0):
+            or config.p2p_eager_bytes < 0 or config.huge_page_bytes < 0
+            or config.copy_input_bytes < 0):
         raise ValueError("jaxring.config: pipeline_slice_bytes must be > 0, spin_iterations, "
-                         "p2p_eager_bytes and huge_page_bytes >= 0")
+                         "p2p_eager_bytes, huge_page_bytes and copy_input_bytes >= 0")
     return config
 
 

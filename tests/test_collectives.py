@@ -1,6 +1,6 @@
 """Every collective x dtype x device count x awkward size, against float64 references and the lax
-twins, with both algorithms (the algorithm is read when the collective runs, so one compiled
-program serves both)."""
+twins, with both algorithms and with the direct one reading small inputs from copies and in place
+(the configuration is read when the collective runs, so one compiled program serves all)."""
 
 import jax
 import jax.numpy as jnp
@@ -13,7 +13,13 @@ import jaxring
 from helpers import (AWKWARD_SIZES, DEVICE_COUNTS, DTYPES, assert_close, mesh, random_array,
                      shard, shmap)
 
-ALGORITHMS = ["direct", "ring"]
+# name -> jaxring.config overrides. The direct algorithm copies inputs up to copy_input_bytes
+# into the rendezvous and lets each device leave as soon as its own output is written.
+VARIANTS = {
+    "direct": {"algorithm": "direct"},
+    "direct, read in place": {"algorithm": "direct", "copy_input_bytes": 0},
+    "ring": {"algorithm": "ring"},
+}
 
 
 def _inputs(rng, n, dtype, trailing=(3,)):
@@ -29,11 +35,11 @@ def _per_device(data):
     return {k: v[0] if k == "scalar" else v for k, v in data.items()}
 
 
-def _run_both(fn, *args):
+def _run_variants(fn, *args):
     results = {}
-    for algorithm in ALGORITHMS:
-        with jaxring.config.override(algorithm=algorithm):
-            results[algorithm] = jax.tree.map(np.asarray, fn(*args))
+    for name, overrides in VARIANTS.items():
+        with jaxring.config.override(**overrides):
+            results[name] = jax.tree.map(np.asarray, fn(*args))
     return results
 
 
@@ -46,7 +52,7 @@ def test_all_reduce(n, dtype, op):
     data = _inputs(rng, n, dtype)
     f = shmap(lambda d: jaxring.all_reduce(_per_device(d), "i", op), m, out_specs=P())
     sharded = {k: shard(v, m) for k, v in data.items()}
-    for algorithm, out in _run_both(f, sharded).items():
+    for algorithm, out in _run_variants(f, sharded).items():
         for key, stacked in data.items():
             ref = stacked.astype(np.float64).reshape(n, -1, *stacked.shape[1:])
             if key == "scalar":
@@ -97,7 +103,7 @@ def test_all_reduce_matches_lax_psum(n, dtype):
     rng = np.random.default_rng(n)
     m = mesh(n)
     x = shard(random_array(rng, (n * 37, 5), dtype), m)
-    ours = _run_both(shmap(lambda v: jaxring.all_reduce(v, "i"), m, out_specs=P()), x)
+    ours = _run_variants(shmap(lambda v: jaxring.all_reduce(v, "i"), m, out_specs=P()), x)
     theirs = np.asarray(shmap(lambda v: lax.psum(v, "i"), m, out_specs=P())(x))
     for algorithm, out in ours.items():
         assert out.shape == theirs.shape and out.dtype == theirs.dtype
@@ -113,8 +119,8 @@ def test_mean_divides_the_sum_bit_for_bit(n, dtype):
     rng = np.random.default_rng(n)
     m = mesh(n)
     x = shard(random_array(rng, (n * 4099,), dtype), m)
-    for algorithm in ALGORITHMS:
-        with jaxring.config.override(algorithm=algorithm):
+    for algorithm, overrides in VARIANTS.items():
+        with jaxring.config.override(**overrides):
             total = np.asarray(shmap(lambda v: jaxring.all_reduce(v, "i"), m, out_specs=P())(x))
             mean = np.asarray(shmap(lambda v: jaxring.all_reduce(v, "i", "mean"), m,
                                     out_specs=P())(x))
@@ -207,7 +213,7 @@ def test_reduce_scatter(n, dtype, dim):
     shape[dim] = n * n * 3  # per-device block divisible by n along dim
     x = random_array(rng, (n * shape[0], *shape[1:]), dtype)
     xs = shard(x, m)
-    ours = _run_both(shmap(lambda v: jaxring.reduce_scatter(v, "i", scatter_dimension=dim), m), xs)
+    ours = _run_variants(shmap(lambda v: jaxring.reduce_scatter(v, "i", scatter_dimension=dim), m), xs)
     theirs = np.asarray(shmap(lambda v: lax.psum_scatter(v, "i", scatter_dimension=dim,
                                                          tiled=True), m)(xs))
     expected = x.astype(np.float64).reshape(n, *shape).sum(0)  # the full reduction
@@ -227,7 +233,7 @@ def test_all_gather(n, dtype, axis):
         x = random_array(rng, (n * size, 3, 2), dtype)
         gathered = np.concatenate(np.split(x, n, axis=0), axis=axis)  # what each device gets
         expected = np.concatenate([gathered] * n, axis=0)
-        ours = _run_both(shmap(lambda v: jaxring.all_gather(v, "i", axis=axis), m), shard(x, m))
+        ours = _run_variants(shmap(lambda v: jaxring.all_gather(v, "i", axis=axis), m), shard(x, m))
         for algorithm, out in ours.items():
             np.testing.assert_array_equal(out, expected, err_msg=f"{algorithm} size {size}")
         if size:  # lax cannot gather empty blocks
@@ -271,3 +277,48 @@ def test_barrier_orders_and_returns(n):
 
     out = shmap(body, m, out_specs=P())(x)
     np.testing.assert_array_equal(np.asarray(out), np.arange(n * 2).reshape(n, 2).sum(0))
+
+
+@pytest.mark.parametrize("n", [2, 3, 8])
+def test_copied_and_in_place_inputs_give_the_same_bits(n):
+    """Inputs up to copy_input_bytes are copied into the rendezvous and every device reduces the
+    whole message itself; above it, or with copy_input_bytes=0, each device reduces its share of
+    the peers' buffers in place and writes it into every output. Both fold the devices in the same
+    order, so every device's result has the same bits either way, at the default threshold and
+    one element past it."""
+    from jaxring._src import native
+
+    limit = jaxring.config.get().copy_input_bytes // 4
+    always, never = {"copy_input_bytes": 1 << 40}, {"copy_input_bytes": 0}
+    for overrides in (always, never):
+        with jaxring.config.override(**overrides):
+            assert native.extension.get_config()["copy_input_bytes"] == overrides["copy_input_bytes"]
+    rng = np.random.default_rng(n)
+    m = mesh(n)
+    bodies = {
+        "all_reduce sum": lambda v: jaxring.all_reduce(v, "i"),
+        "all_reduce mean": lambda v: jaxring.all_reduce(v, "i", "mean"),
+        "all_reduce max": lambda v: jaxring.all_reduce(v, "i", "max"),
+        "reduce_scatter": lambda v: jaxring.reduce_scatter(v, "i"),
+        "all_gather": lambda v: jaxring.all_gather(v, "i"),
+        "broadcast": lambda v: jaxring.broadcast(v, "i", root=n - 1),
+    }
+    for count in (limit // n * n, limit // n * n + n):  # at the threshold and just past it
+        x = random_array(rng, (n * count,), np.float32)
+        blocks = x.astype(np.float64).reshape(n, count)
+        expected = {"all_reduce sum": np.tile(blocks.sum(0), n),
+                    "all_reduce mean": np.tile(blocks.mean(0), n),
+                    "all_reduce max": np.tile(blocks.max(0), n),
+                    "reduce_scatter": blocks.sum(0),
+                    "all_gather": np.tile(blocks.reshape(-1), n),
+                    "broadcast": np.tile(blocks[n - 1], n)}
+        for name, body in bodies.items():
+            f = shmap(body, m)
+            with jaxring.config.override(algorithm="direct", **always):
+                copied = np.asarray(f(shard(x, m)))
+            with jaxring.config.override(algorithm="direct", **never):
+                in_place = np.asarray(f(shard(x, m)))
+            np.testing.assert_array_equal(copied, in_place, err_msg=f"{name}, {count} per device")
+            assert_close(copied, expected[name], np.float32,
+                         count=n if name.startswith("all_reduce") or name == "reduce_scatter"
+                         else 1)

@@ -48,6 +48,10 @@ struct Config {
   // streams (non-temporal stores) while they run slow, which is when the reading core sits on
   // another die; kPlain and kStreaming force one kind. See ShmCommunicator::CopyIn.
   ShmStores shm_stores = ShmStores::kAuto;
+  // Devices of one process: direct collectives up to this many input bytes per device copy their
+  // input into the rendezvous as they arrive; each device then writes only its own output from
+  // the copies and leaves without waiting for its peers (LocalTransport::Join's copy_input).
+  int64_t copy_input_bytes = 16 * 1024;
 };
 
 // A snapshot of the current configuration; cheap enough to take once per collective.

@@ -79,8 +79,11 @@ Status RunCollectiveCall(const JaxringHostCall& c, const Header& header) {
   const Algorithm algorithm = ChooseAlgorithm(header, c.size, config);
   ScratchLease scratch = ScratchLease::Acquire(ScratchBytes(header, c.size, algorithm));
   CommunicatorId comm{c.comm, c.group, c.size, CommName(c)};
+  const bool copy_input =
+      algorithm == Algorithm::kDirect &&
+      header.count * static_cast<int64_t>(ByteWidth(header.dtype)) <= config.copy_input_bytes;
   auto transport = LocalTransport::Join(comm, c.run_id, c.rank, header, c.input, c.output,
-                                        scratch.data(), config.timeout_seconds,
+                                        scratch.data(), copy_input, config.timeout_seconds,
                                         config.spin_iterations);
   Status status = transport->WaitForPeers();
   return status.ok() ? RunCollective(*transport, algorithm, config, buffers) : status;

@@ -209,7 +209,7 @@ NB_MODULE(_jaxring, m) {
       [](double timeout_seconds, int64_t ring_threshold_bytes, const std::string& algorithm,
          int64_t pipeline_slice_bytes, int64_t spin_iterations, int64_t p2p_eager_bytes,
          int64_t mpi_ring_threshold_bytes, int64_t mpi_direct_header_ranks,
-         int64_t huge_page_bytes, const std::string& shm_stores) {
+         int64_t huge_page_bytes, const std::string& shm_stores, int64_t copy_input_bytes) {
         jaxring::Config config;
         config.timeout_seconds = timeout_seconds;
         config.ring_threshold_bytes = ring_threshold_bytes;
@@ -221,12 +221,13 @@ NB_MODULE(_jaxring, m) {
         config.mpi_direct_header_ranks = mpi_direct_header_ranks;
         config.huge_page_bytes = huge_page_bytes;
         config.shm_stores = ParseShmStores(shm_stores);
+        config.copy_input_bytes = copy_input_bytes;
         jaxring::SetConfig(config);
       },
       nb::arg("timeout_seconds"), nb::arg("ring_threshold_bytes"), nb::arg("algorithm"),
       nb::arg("pipeline_slice_bytes"), nb::arg("spin_iterations"), nb::arg("p2p_eager_bytes"),
       nb::arg("mpi_ring_threshold_bytes"), nb::arg("mpi_direct_header_ranks"),
-      nb::arg("huge_page_bytes"), nb::arg("shm_stores"));
+      nb::arg("huge_page_bytes"), nb::arg("shm_stores"), nb::arg("copy_input_bytes"));
 
   m.def("get_config", []() {
     const jaxring::Config config = jaxring::CurrentConfig();
@@ -241,6 +242,7 @@ NB_MODULE(_jaxring, m) {
     d["mpi_direct_header_ranks"] = config.mpi_direct_header_ranks;
     d["huge_page_bytes"] = config.huge_page_bytes;
     d["shm_stores"] = std::string(jaxring::ShmStoresName(config.shm_stores));
+    d["copy_input_bytes"] = config.copy_input_bytes;
     return d;
   });
 

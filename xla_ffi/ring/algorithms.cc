@@ -30,12 +30,23 @@ bool IsReduction(Collective kind) {
 // ---- direct (one-shot) algorithms --------------------------------------------------------------
 // Every rank handles 1/n of the data, reading every peer's input once and writing every peer's
 // output once: the least memory traffic possible in shared memory, and two hand-offs in all
-// (arrival and Finish), which is what a small message needs.
+// (arrival and Finish). Small messages (Config::copy_input_bytes) need only the first: every rank
+// copies its input into the meeting as it arrives, then writes only its own output from the
+// copies, so no rank waits for the others to finish reading its buffers.
 
 Status DirectAllReduce(LocalTransport& t, const CollectiveBuffers& b) {
   const Header& h = t.header();
   const int n = t.size();
   const size_t width = ByteWidth(h.dtype);
+  if (t.inputs_copied()) {
+    // A small message: every rank reduces all of it into its own output, folding the ranks in
+    // the same order (so the bits agree), and leaves without waiting for the others.
+    std::vector<Operand> srcs(n);
+    for (int peer = 0; peer < n; ++peer) srcs[peer] = Operand{t.PeerInput(peer)};
+    const Target dst{b.output};
+    Reduce(h.dtype, h.op, srcs.data(), n, &dst, 1, h.count, n);
+    return Status();
+  }
   const Partition partition{h.count, n, AlignElements(h.dtype)};
   const int64_t begin = partition.Begin(t.rank());
   const int64_t count = partition.Size(t.rank());
@@ -59,7 +70,7 @@ Status DirectReduceScatter(LocalTransport& t, const CollectiveBuffers& b) {
     srcs[peer] = Operand{Offset(t.PeerInput(peer), t.rank() * b.output_count, width)};
   const Target dst{b.output};
   Reduce(h.dtype, h.op, srcs.data(), n, &dst, 1, b.output_count, n);
-  return t.Finish();
+  return t.inputs_copied() ? Status() : t.Finish();
 }
 
 Status DirectAllGather(LocalTransport& t, const CollectiveBuffers& b) {
@@ -68,14 +79,14 @@ Status DirectAllGather(LocalTransport& t, const CollectiveBuffers& b) {
   for (int peer = 0; peer < t.size(); ++peer)
     if (bytes) std::memcpy(Offset(b.output, peer * h.count, ByteWidth(h.dtype)),
                            t.PeerInput(peer), bytes);
-  return t.Finish();
+  return t.inputs_copied() ? Status() : t.Finish();
 }
 
 Status DirectBroadcast(LocalTransport& t, const CollectiveBuffers& b) {
   const Header& h = t.header();
   const size_t bytes = h.count * ByteWidth(h.dtype);
   if (bytes) std::memcpy(b.output, t.PeerInput(static_cast<int>(h.root)), bytes);
-  return t.Finish();
+  return t.inputs_copied() ? Status() : t.Finish();
 }
 
 // ---- the ring ----------------------------------------------------------------------------------

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cstdlib>
+#include <cstring>
 #include <deque>
 #include <map>
 #include <mutex>
@@ -14,6 +15,8 @@ namespace jaxring {
 struct PeerSlot {
   Header header;
   const void* input = nullptr;
+  std::unique_ptr<unsigned char[]> input_copy;  // Join's copy_input
+  bool copied = false;                           // `input` points into this meeting
   void* output = nullptr;
   void* scratch = nullptr;
   Flag progress;
@@ -85,12 +88,20 @@ class Registry {
 std::unique_ptr<LocalTransport> LocalTransport::Join(const CommunicatorId& comm, int64_t run_id,
                                                      int rank, const Header& header,
                                                      const void* input, void* output,
-                                                     void* scratch, double timeout_seconds,
+                                                     void* scratch, bool copy_input,
+                                                     double timeout_seconds,
                                                      int64_t spin_iterations) {
   uint64_t sequence = 0;
   std::shared_ptr<Meeting> meeting = Registry::Get().Enter(comm, run_id, rank, &sequence);
   PeerSlot& me = meeting->peers[rank];
   me.header = header;
+  const size_t input_bytes = header.count * ByteWidth(header.dtype);
+  if (copy_input && input_bytes > 0) {
+    me.input_copy.reset(new unsigned char[input_bytes]);
+    std::memcpy(me.input_copy.get(), input, input_bytes);
+    input = me.input_copy.get();
+  }
+  me.copied = copy_input;
   me.input = input;
   me.output = output;
   me.scratch = scratch;
@@ -155,6 +166,11 @@ Status LocalTransport::WaitForPeers() {
       return Status::Error(s.str());
     }
   }
+  // Every rank reads the same flags, so all take the same way out (had one rank left early while
+  // another still wrote a share into its output, the write would land in a freed buffer).
+  inputs_copied_ = true;
+  for (int peer = 0; peer < comm_.size; ++peer)
+    inputs_copied_ = inputs_copied_ && meeting_->peers[peer].copied;
   return Status();
 }
 

@@ -32,10 +32,14 @@ class LocalTransport {
  public:
   // Joins the next collective of `rank` in `comm` during XLA run `run_id`. Calls of one rank are
   // matched with its peers' in program order; the header check then proves they are the same call.
+  // With `copy_input`, the rank first copies its input (header.count elements) into the
+  // meeting, which lives until the last rank lets go of it: peers then read the copy, never this
+  // rank's buffer, and once every rank did so nobody has to wait for the others to finish
+  // reading (inputs_copied()).
   static std::unique_ptr<LocalTransport> Join(const CommunicatorId& comm, int64_t run_id, int rank,
                                               const Header& header, const void* input,
-                                              void* output, void* scratch, double timeout_seconds,
-                                              int64_t spin_iterations);
+                                              void* output, void* scratch, bool copy_input,
+                                              double timeout_seconds, int64_t spin_iterations);
   ~LocalTransport();
 
   int rank() const { return rank_; }
@@ -46,6 +50,11 @@ class LocalTransport {
   Status WaitForPeers();
   // Waits until every peer has called Finish (or this rank's deadline passes).
   Status Finish();
+
+  // Whether every rank joined with copy_input (valid after WaitForPeers): then PeerInput()
+  // returns copies owned by the meeting, and a rank that writes only its own output may leave
+  // without Finish().
+  bool inputs_copied() const { return inputs_copied_; }
 
   // Peers' published buffers (valid after WaitForPeers).
   const void* PeerInput(int peer) const;
@@ -69,6 +78,7 @@ class LocalTransport {
   int rank_;
   Header header_;
   std::shared_ptr<Meeting> meeting_;
+  bool inputs_copied_ = false;
   Deadline deadline_;
   int64_t spin_iterations_;
 };
