@@ -167,8 +167,10 @@ def main() -> None:
     md += ["| one device (an MPI rank) | median (us) |", "|---|---|",
            *[f"| {r['case']} | {r['seconds'] * 1e6:.1f} |" for r in floor],
            "", "A lone jitted call in a process with one device costs at least the first row, "
-           "whatever carries the data; mpi4py's Allreduce of a few bytes on numpy buffers takes "
-           "5-9 us (benchmarks/results/allreduce_mpi-cpu-n2.md).", ""]
+           "and one with a jaxring collective at least the second, whatever carries the data; "
+           "mpi4py's Allreduce of a few bytes on numpy buffers takes a few tens of us or less "
+           "(the effect floor against mpi4py in benchmarks/results/allreduce_mpi-cpu-n2.md).",
+           ""]
     md += ["\"effect stripped\" is a measurement only: without the token, programs dispatched "
            "back to back can deadlock PJRT CPU's device threads (README, \"Dispatch\"). What "
            "separates jaxring from lax.psum for a lone small call is JAX's dispatch of a "
