@@ -28,14 +28,16 @@ def random_tree(rng, n):
 
 @pytest.mark.parametrize("n", [1, 3, 8])
 @pytest.mark.parametrize("bucket_bytes", [400, 1 << 20])
-def test_fused_buckets_equal_per_leaf_psum(n, bucket_bytes):
+@pytest.mark.parametrize("fuse_below_bytes", [None, 60])  # 60: "w", "big" and "f64"[0] go alone
+def test_fused_buckets_equal_per_leaf_psum(n, bucket_bytes, fuse_below_bytes):
     rng = np.random.default_rng(n * 1000 + bucket_bytes)
     tree = random_tree(rng, n)
     m = mesh(n)
 
     def both(local):
         local = jax.tree.map(lambda x: x[0], local)
-        fused = data_parallel.all_reduce_gradients(local, "i", "sum", bucket_bytes)
+        fused = data_parallel.all_reduce_gradients(local, "i", "sum", bucket_bytes,
+                                                   fuse_below_bytes)
         reference = jax.tree.map(lambda x: lax.psum(x, "i"), local)
         return jax.tree.map(lambda x: x[None], (fused, reference))
 
@@ -57,18 +59,26 @@ def count_all_reduces(fn, *args):
 
 
 def test_one_all_reduce_per_bucket():
-    """The point of fusion: the number of collective calls is the number of buckets."""
+    """The point of fusion: the number of collective calls is the number of buckets, plus one
+    for each leaf too large to pack (fuse_below_bytes)."""
     tree = {"a": jnp.ones((300,), jnp.float32), "b": jnp.ones((50, 2), jnp.float32),
             "c": jnp.ones((10,), jnp.float64)}
     m = mesh(2)
-    for bucket_bytes, expected_calls in [(1 << 20, 2), (400, 4 + 1), (40, 40 + 2)]:
-        plan = data_parallel.fusion_plan(tree, bucket_bytes)
-        assert sum(len(sizes) for _, _, sizes in plan.groups) == expected_calls
+    # (bucket_bytes, fuse_below_bytes, buckets, leaves alone); a, b, c hold 1200, 400, 80 bytes
+    cases = [(1 << 20, None, 2, 0), (400, None, 4 + 1, 0), (40, None, 40 + 2, 0),
+             (1 << 20, 1000, 2, 1), (1 << 20, 400, 1, 2), (40, 400, 2, 2), (1 << 20, 80, 0, 3)]
+    leaves = jax.tree.leaves(tree)
+    for bucket_bytes, fuse_below, buckets, alone in cases:
+        plan = data_parallel.fusion_plan(tree, bucket_bytes, fuse_below)
+        assert sum(len(sizes) for _, _, sizes in plan.groups) == buckets
+        assert len(plan.alone) == alone
         f = jax.shard_map(
-            lambda t, bb=bucket_bytes: data_parallel.all_reduce_gradients(t, "i", "sum", bb),
+            lambda t, bb=bucket_bytes, fb=fuse_below: data_parallel.all_reduce_gradients(
+                t, "i", "sum", bb, fb),
             mesh=m, in_specs=P(), out_specs=P(), check_vma=False)
-        assert count_all_reduces(f, tree) == expected_calls
-        restored = data_parallel.unfuse(data_parallel.fuse(tree, plan), plan)
+        assert count_all_reduces(f, tree) == buckets + alone
+        restored = data_parallel.unfuse(data_parallel.fuse(tree, plan), plan,
+                                        [leaves[i] for i in plan.alone])
         for got, want in zip(jax.tree.leaves(restored), jax.tree.leaves(tree)):
             assert got.dtype == want.dtype and got.shape == want.shape
             np.testing.assert_array_equal(got, want)

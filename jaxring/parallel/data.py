@@ -1,10 +1,11 @@
 """Data parallelism on jaxring: fused gradient buckets, parameter broadcast, cross-replica
 batch-norm statistics, and a distributed optax optimizer.
 
-Each jaxring collective call has a fixed dispatch cost, so reducing a model's gradients leaf by
-leaf pays it once per parameter tensor. As Horovod's tensor fusion does, the leaves are packed
-into a few flat buckets of at most `bucket_bytes` each and every bucket is reduced with one
-`jaxring.all_reduce`.
+Each jaxring collective call has a fixed cost, so reducing a model's gradients leaf by leaf pays
+it once per parameter tensor. As Horovod's tensor fusion does, small leaves are packed into a few
+flat buckets of at most `bucket_bytes` each and every bucket is reduced with one
+`jaxring.all_reduce`. Packing and unpacking copy each packed leaf twice, which costs more than a
+call for a large leaf, so leaves of `fuse_below_bytes` or more are reduced on their own.
 
 Every function takes `axis_name`: whatever jaxring's collectives accept (a mesh axis name inside
 ``jax.shard_map``, later a communicator), so the same training step runs in one process over N
@@ -25,40 +26,55 @@ import jaxring
 from jaxring._src import common
 
 DEFAULT_BUCKET_BYTES = 64 << 20  # Horovod's default fusion threshold (HOROVOD_FUSION_THRESHOLD)
+# Leaves of at least this many bytes are not packed. Two copies of 256 KiB (packing and unpacking)
+# cost about what one collective costs inside a program on CPU devices (10-50 us); in
+# benchmarks/training.py one all-reduce per leaf beat packing all 17 leaves by 7-26%.
+DEFAULT_FUSE_BELOW_BYTES = 256 << 10
 
 
 # ---- fusion ------------------------------------------------------------------------------------
 
 
 class FusionPlan(NamedTuple):
-    """How leaves of one pytree structure are packed into flat buckets, one list per dtype."""
+    """How leaves of one pytree structure are packed into flat buckets, one list per dtype, and
+    which leaves travel on their own."""
 
     treedef: object
     shapes: tuple
     dtypes: tuple
     groups: tuple  # ((dtype, leaf indices, bucket sizes in elements), ...)
+    alone: tuple = ()  # indices of the leaves reduced on their own, unpacked
 
 
-def fusion_plan(tree, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> FusionPlan:
-    """Leaves of the same dtype are concatenated in tree order and the result cut into buckets of
-    at most `bucket_bytes` (a leaf may straddle two buckets). Only shapes and dtypes are used."""
+def fusion_plan(tree, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+                fuse_below_bytes: int | None = DEFAULT_FUSE_BELOW_BYTES) -> FusionPlan:
+    """Leaves of the same dtype under `fuse_below_bytes` (None: every leaf) are concatenated in
+    tree order and the result cut into buckets of at most `bucket_bytes` (a leaf may straddle two
+    buckets); larger leaves go alone. Only shapes and dtypes are used, so every rank makes the
+    same plan."""
     if bucket_bytes <= 0:
         raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
+    if fuse_below_bytes is not None and fuse_below_bytes <= 0:
+        raise ValueError(f"fuse_below_bytes must be positive or None, got {fuse_below_bytes}")
     leaves, treedef = jax.tree.flatten(tree)
     shapes = tuple(tuple(np.shape(leaf)) for leaf in leaves)
     dtypes = tuple(jnp.result_type(leaf) for leaf in leaves)
+    alone = tuple(i for i in range(len(leaves)) if fuse_below_bytes is not None
+                  and math.prod(shapes[i]) * np.dtype(dtypes[i]).itemsize >= fuse_below_bytes)
     groups = []
     for dtype in dict.fromkeys(dtypes):  # first-appearance order, deterministic on every rank
-        indices = tuple(i for i, d in enumerate(dtypes) if d == dtype)
+        indices = tuple(i for i, d in enumerate(dtypes) if d == dtype and i not in alone)
         total = sum(math.prod(shapes[i]) for i in indices)
         per_bucket = max(1, bucket_bytes // np.dtype(dtype).itemsize)
         sizes = tuple(min(per_bucket, total - start) for start in range(0, total, per_bucket))
-        groups.append((dtype, indices, sizes))
-    return FusionPlan(treedef, shapes, dtypes, tuple(groups))
+        if sizes:
+            groups.append((dtype, indices, sizes))
+    return FusionPlan(treedef, shapes, dtypes, tuple(groups), alone)
 
 
 def fuse(tree, plan: FusionPlan) -> list:
-    """The flat buckets of `tree`, dtype group after dtype group."""
+    """The flat buckets of `tree`, dtype group after dtype group (the leaves that go alone are
+    not in them)."""
     leaves = jax.tree.leaves(tree)
     buckets = []
     for dtype, indices, sizes in plan.groups:
@@ -67,9 +83,12 @@ def fuse(tree, plan: FusionPlan) -> list:
     return buckets
 
 
-def unfuse(buckets, plan: FusionPlan):
-    """The inverse of `fuse`: a pytree of the original structure, shapes and dtypes."""
+def unfuse(buckets, plan: FusionPlan, alone=()):
+    """The inverse of `fuse`: a pytree of the original structure, shapes and dtypes, with the
+    leaves that went alone (`alone`, in plan.alone's order) put back in their places."""
     leaves = [None] * len(plan.shapes)
+    for i, leaf in zip(plan.alone, alone):
+        leaves[i] = leaf
     position = 0
     for _, indices, sizes in plan.groups:
         flat = jnp.concatenate(buckets[position:position + len(sizes)])
@@ -80,32 +99,37 @@ def unfuse(buckets, plan: FusionPlan):
     return jax.tree.unflatten(plan.treedef, leaves)
 
 
-def _apply_fused(collective, tree, bucket_bytes, axis_name):
+def _apply_fused(collective, tree, bucket_bytes, fuse_below_bytes, axis_name):
     if not jax.tree.leaves(tree):
         return tree
     if common.communicator("fusion", axis_name).size == 1:
         return collective(tree)  # one replica: nothing moves, so nothing to fuse
-    plan = fusion_plan(tree, bucket_bytes)
-    return unfuse([collective(bucket) for bucket in fuse(tree, plan)], plan)
+    plan = fusion_plan(tree, bucket_bytes, fuse_below_bytes)
+    leaves = jax.tree.leaves(tree)
+    alone = [collective(leaves[i]) for i in plan.alone]
+    return unfuse([collective(bucket) for bucket in fuse(tree, plan)], plan, alone)
 
 
 # ---- collectives on whole models -----------------------------------------------------------------
 
 
 def all_reduce_gradients(grads, axis_name, op: str = "mean",
-                         bucket_bytes: int = DEFAULT_BUCKET_BYTES):
-    """Reduces a pytree of gradients over `axis_name` in fused buckets: one `jaxring.all_reduce`
-    per bucket instead of one per leaf. Equal to ``jaxring.all_reduce(grads, axis_name, op)``."""
+                         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+                         fuse_below_bytes: int | None = DEFAULT_FUSE_BELOW_BYTES):
+    """Reduces a pytree of gradients over `axis_name`: leaves under `fuse_below_bytes` in fused
+    buckets (one `jaxring.all_reduce` per bucket instead of one per leaf), larger leaves on their
+    own. Equal to ``jaxring.all_reduce(grads, axis_name, op)``."""
     return _apply_fused(lambda b: jaxring.all_reduce(b, axis_name, op), grads, bucket_bytes,
-                        axis_name)
+                        fuse_below_bytes, axis_name)
 
 
 def broadcast_parameters(params, axis_name, root: int = 0,
-                         bucket_bytes: int = DEFAULT_BUCKET_BYTES):
+                         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+                         fuse_below_bytes: int | None = DEFAULT_FUSE_BELOW_BYTES):
     """Every replica gets replica `root`'s copy of `params` (Horovod's broadcast_parameters), so
     replicas start identical however they were initialised."""
     return _apply_fused(lambda b: jaxring.broadcast(b, axis_name, root), params, bucket_bytes,
-                        axis_name)
+                        fuse_below_bytes, axis_name)
 
 
 def masked_moments(x, mask, axis_name=None):
@@ -134,9 +158,12 @@ def masked_moments(x, mask, axis_name=None):
 
 
 def distributed(optimizer: optax.GradientTransformation, axis_name, op: str = "mean",
-                bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> optax.GradientTransformation:
+                bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+                fuse_below_bytes: int | None = DEFAULT_FUSE_BELOW_BYTES
+                ) -> optax.GradientTransformation:
     """Wraps any optax optimizer so that its updates see gradients reduced over all replicas,
-    in fused buckets: Horovod's DistributedOptimizer, made functional.
+    in fused buckets (leaves of `fuse_below_bytes` or more on their own): Horovod's
+    DistributedOptimizer, made functional.
 
     Call `update` inside the data-parallel region (e.g. ``jax.shard_map``) with each replica's
     local gradients; the reduction happens before the inner optimizer, so clipping by global
@@ -147,7 +174,7 @@ def distributed(optimizer: optax.GradientTransformation, axis_name, op: str = "m
     inner = optax.with_extra_args_support(optimizer)
 
     def update(updates, state, params=None, **extra_args):
-        updates = all_reduce_gradients(updates, axis_name, op, bucket_bytes)
+        updates = all_reduce_gradients(updates, axis_name, op, bucket_bytes, fuse_below_bytes)
         return inner.update(updates, state, params, **extra_args)
 
     return optax.GradientTransformationExtraArgs(inner.init, update)
