@@ -61,9 +61,10 @@ def fusion_plan(tree, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
     dtypes = tuple(jnp.result_type(leaf) for leaf in leaves)
     alone = tuple(i for i in range(len(leaves)) if fuse_below_bytes is not None
                   and math.prod(shapes[i]) * np.dtype(dtypes[i]).itemsize >= fuse_below_bytes)
+    packed = sorted(set(range(len(leaves))) - set(alone))
     groups = []
     for dtype in dict.fromkeys(dtypes):  # first-appearance order, deterministic on every rank
-        indices = tuple(i for i, d in enumerate(dtypes) if d == dtype and i not in alone)
+        indices = tuple(i for i in packed if dtypes[i] == dtype)
         total = sum(math.prod(shapes[i]) for i in indices)
         per_bucket = max(1, bucket_bytes // np.dtype(dtype).itemsize)
         sizes = tuple(min(per_bucket, total - start) for start in range(0, total, per_bucket))
