@@ -33,8 +33,8 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import jaxring  # noqa: E402
-from common import (bus_factor, environment, human_bytes, keep_freed_memory,  # noqa: E402
-                    medians_in_turns, memory_bandwidth_gbps, steal_sentence,
+from common import (bus_factor, effect_floor_ratio, environment, human_bytes,  # noqa: E402
+                    keep_freed_memory, medians_in_turns, memory_bandwidth_gbps, steal_sentence,
                     with_jaxring_effect, write_results)
 
 # (name, collective, jaxring algorithm or None for the lax twin, body)
@@ -178,7 +178,7 @@ def markdown(env: dict, ceiling: float, rows: list[dict], huge_pages: int) -> st
             cells = [f"{by_key[(n, size, c)]['seconds'] * 1e6:.1f}" for c in ours]
             ratios = [f"{by_key[(n, size, c)]['seconds'] / t:.2f}" for c in ours]
             f = by_key[(n, size, floor)]["seconds"]
-            bound = f"{f / t:.2f}" if size < huge_pages else "-"
+            bound = effect_floor_ratio(f, t, size, huge_pages)
             busbw = by_key[(n, size, ours[0])]["busbw_GBps"]
             lines.append(f"| {n} | {human_bytes(size)} | " + " | ".join(cells)
                          + f" | {t * 1e6:.1f} | {f * 1e6:.1f} | " + " | ".join(ratios)

@@ -41,8 +41,8 @@ from mpi4py import MPI  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import jaxring  # noqa: E402
 import jaxring.mpi  # noqa: E402
-from common import (RESULTS, bus_factor, environment, human_bytes,  # noqa: E402
-                    keep_freed_memory, medians_in_turns, memory_bandwidth_gbps,
+from common import (RESULTS, bus_factor, effect_floor_ratio, environment,  # noqa: E402
+                    human_bytes, keep_freed_memory, medians_in_turns, memory_bandwidth_gbps,
                     plot_time_per_size, rank_binding, steal_sentence, with_jaxring_effect,
                     write_results)
 
@@ -218,6 +218,7 @@ def markdown(rows, env, n, ceiling) -> str:
     names = list(dict.fromkeys(r["impl"] for r in rows if not r.get("per_op")))
     looped_names = list(dict.fromkeys(r["impl"] for r in rows if r.get("per_op")))
     by = {(r["impl"], r["bytes"]): r for r in rows}
+    huge_pages = jaxring.config.get().huge_page_bytes
     lines = [
         f"# All-reduce across {n} processes (one CPU device each): jaxring vs mpi4jax vs mpi4py",
         "",
@@ -236,8 +237,8 @@ def markdown(rows, env, n, ceiling) -> str:
         cells = " | ".join(f"{by[(m, nbytes)]['seconds'] * 1e6:.1f}" for m in names)
         target = lone_target(by[("mpi4jax.allreduce", nbytes)]["seconds"],
                              by[("mpi4py Allreduce", nbytes)]["seconds"], nbytes)
-        bound = (f"{by[(EFFECT_FLOOR, nbytes)]['seconds'] / target:.2f}"
-                 if nbytes < jaxring.config.get().huge_page_bytes else "-")
+        bound = effect_floor_ratio(by[(EFFECT_FLOOR, nbytes)]["seconds"], target, nbytes,
+                                   huge_pages)
         lines.append(
             f"| {human_bytes(nbytes)} | {cells} | {ours['busbw_gbps']:.2f} | "
             f"{by[('mpi4jax.allreduce', nbytes)]['seconds'] / ours['seconds']:.1f}x | "

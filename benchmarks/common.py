@@ -101,6 +101,14 @@ def with_jaxring_effect(x):
     return _EFFECT_ONLY.bind(x)
 
 
+def effect_floor_ratio(floor_seconds: float, reference_seconds: float, nbytes: int,
+                       huge_page_bytes: int) -> str:
+    """The effect floor over a reference time as a table cell, or "-" from `huge_page_bytes` on:
+    jaxring advises outputs that large onto huge pages, which the floor's XLA output is not, so
+    there the floor bounds nothing."""
+    return f"{floor_seconds / reference_seconds:.2f}" if nbytes < huge_page_bytes else "-"
+
+
 def _cpu_times() -> list[int] | None:
     """The "cpu" line of /proc/stat: user, nice, system, idle, iowait, irq, softirq, steal, ..."""
     try:

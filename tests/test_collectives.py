@@ -284,8 +284,8 @@ def test_copied_and_in_place_inputs_give_the_same_bits(n):
     """Inputs up to copy_input_bytes are copied into the rendezvous and every device reduces the
     whole message itself; above it, or with copy_input_bytes=0, each device reduces its share of
     the peers' buffers in place and writes it into every output. Both fold the devices in the same
-    order, so every device's result has the same bits either way, at the default threshold and
-    one element past it."""
+    order, so every device's result has the same bits either way. Each size is forced both ways:
+    the default threshold's size, and n elements more per device."""
     from jaxring._src import native
 
     limit = jaxring.config.get().copy_input_bytes // 4

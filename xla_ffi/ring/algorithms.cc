@@ -40,12 +40,12 @@ Status DirectAllReduce(LocalTransport& t, const CollectiveBuffers& b) {
   const size_t width = ByteWidth(h.dtype);
   if (t.inputs_copied()) {
     // A small message: every rank reduces all of it into its own output, folding the ranks in
-    // the same order (so the bits agree), and leaves without waiting for the others.
+    // the same order (so the bits agree); Finish() then need not wait for the others.
     std::vector<Operand> srcs(n);
     for (int peer = 0; peer < n; ++peer) srcs[peer] = Operand{t.PeerInput(peer)};
     const Target dst{b.output};
     Reduce(h.dtype, h.op, srcs.data(), n, &dst, 1, h.count, n);
-    return Status();
+    return t.Finish();
   }
   const Partition partition{h.count, n, AlignElements(h.dtype)};
   const int64_t begin = partition.Begin(t.rank());
@@ -70,7 +70,7 @@ Status DirectReduceScatter(LocalTransport& t, const CollectiveBuffers& b) {
     srcs[peer] = Operand{Offset(t.PeerInput(peer), t.rank() * b.output_count, width)};
   const Target dst{b.output};
   Reduce(h.dtype, h.op, srcs.data(), n, &dst, 1, b.output_count, n);
-  return t.inputs_copied() ? Status() : t.Finish();
+  return t.Finish();
 }
 
 Status DirectAllGather(LocalTransport& t, const CollectiveBuffers& b) {
@@ -79,14 +79,14 @@ Status DirectAllGather(LocalTransport& t, const CollectiveBuffers& b) {
   for (int peer = 0; peer < t.size(); ++peer)
     if (bytes) std::memcpy(Offset(b.output, peer * h.count, ByteWidth(h.dtype)),
                            t.PeerInput(peer), bytes);
-  return t.inputs_copied() ? Status() : t.Finish();
+  return t.Finish();
 }
 
 Status DirectBroadcast(LocalTransport& t, const CollectiveBuffers& b) {
   const Header& h = t.header();
   const size_t bytes = h.count * ByteWidth(h.dtype);
   if (bytes) std::memcpy(b.output, t.PeerInput(static_cast<int>(h.root)), bytes);
-  return t.inputs_copied() ? Status() : t.Finish();
+  return t.Finish();
 }
 
 // ---- the ring ----------------------------------------------------------------------------------

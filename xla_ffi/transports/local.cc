@@ -175,6 +175,7 @@ Status LocalTransport::WaitForPeers() {
 }
 
 Status LocalTransport::Finish() {
+  if (inputs_copied_) return Status();  // nobody touches another rank's buffers
   meeting_->peers[rank_].finished.store(true, std::memory_order_release);
   meeting_->departures.Add(1);
   const uint32_t size = static_cast<uint32_t>(comm_.size);

@@ -48,12 +48,13 @@ class LocalTransport {
 
   // Waits until every peer has published, then checks that all headers agree.
   Status WaitForPeers();
-  // Waits until every peer has called Finish (or this rank's deadline passes).
+  // Waits until every peer has called Finish (or this rank's deadline passes), so that no peer
+  // still reads this rank's input or writes its output. Returns at once when inputs_copied():
+  // algorithms then read only the meeting's copies and write only their own output.
   Status Finish();
 
   // Whether every rank joined with copy_input (valid after WaitForPeers): then PeerInput()
-  // returns copies owned by the meeting, and a rank that writes only its own output may leave
-  // without Finish().
+  // returns copies owned by the meeting.
   bool inputs_copied() const { return inputs_copied_; }
 
   // Peers' published buffers (valid after WaitForPeers).
