@@ -20,13 +20,18 @@ all_reduce_p = core.Primitive("jaxring_all_reduce")
 # ---- public function ---------------------------------------------------------------------------
 
 
-def all_reduce(x, axis_name, op: str = "sum"):
+def all_reduce(x, axis_name, op: str = "sum", *, in_place: bool | None = None):
     """Reduces `x` over the devices of `axis_name`; every device gets the same result.
 
     Drop-in for ``lax.psum`` (op="sum"), ``lax.pmean`` ("mean"), ``lax.pmax`` ("max") and
     ``lax.pmin`` ("min") inside ``jax.shard_map`` or ``jax.pmap``. `x` may be a pytree.
     float16/bfloat16 accumulate in float32 and are rounded once. Results are bit-identical from
     run to run and on every device. Integer "mean" divides like ``lax.pmean`` (true division).
+
+    `in_place`: write the result over x's buffer (on CPU). Results never change: where x is still
+    needed afterwards, XLA copies it first. By default (None) values computed in the program and
+    loop carries are reduced in place and the program's arguments into a fresh output
+    (``common.in_place_pays``); True suits a donated argument.
     """
     common.check_op("all_reduce", op)
 
@@ -35,13 +40,13 @@ def all_reduce(x, axis_name, op: str = "sum"):
         common.check_dtype("all_reduce", leaf)
         comm = common.communicator("all_reduce", axis_name)
         if op == "mean" and jnp.issubdtype(leaf.dtype, jnp.integer):
-            return all_reduce(leaf, axis_name, "sum") / comm.size  # as lax.pmean does
+            return all_reduce(leaf, axis_name, "sum", in_place=in_place) / comm.size  # as pmean
         if comm.size == 1:  # nothing to exchange: the lax twin, which XLA elides
             return LAX_TWINS[op](leaf, comm.axes) if comm.axes else leaf
         levels = getattr(axis_name, "levels", None)  # a jaxring.mpi communicator across nodes
         if levels is not None and leaf.size * leaf.dtype.itemsize > _ring_threshold():
             return _hierarchical(leaf, *levels, op)
-        return _bind(leaf, comm, op)
+        return _bind(leaf, comm, op, in_place)
 
     return jax.tree.map(reduce_leaf, x)
 
@@ -49,8 +54,9 @@ def all_reduce(x, axis_name, op: str = "sum"):
 LAX_TWINS = {"sum": lax.psum, "mean": lax.pmean, "max": lax.pmax, "min": lax.pmin}
 
 
-def _bind(x, comm: common.AxisCommunicator, op: str):
-    return common.bind_collective(all_reduce_p, x, comm, op=op)
+def _bind(x, comm: common.AxisCommunicator, op: str, in_place: bool | None = None):
+    in_place = common.in_place_pays(x) if in_place is None else bool(in_place)
+    return common.bind_collective(all_reduce_p, x, comm, op=op, in_place=in_place)
 
 
 def _ring_threshold() -> int:
@@ -75,7 +81,7 @@ def _hierarchical(x, node, across, op: str):
 # ---- abstract evaluation -----------------------------------------------------------------------
 
 
-def _abstract_eval(rank, group, x, *, comm, op, op_id):
+def _abstract_eval(rank, group, x, *, comm, op, op_id, in_place):
     # Like psum: the result no longer varies over the reduced axes.
     out = common.with_varying_axes(x, common.varying_axes(x) - frozenset(comm.axes))
     return out, {common.collective_effect}
@@ -84,29 +90,28 @@ def _abstract_eval(rank, group, x, *, comm, op, op_id):
 # ---- lowering ----------------------------------------------------------------------------------
 
 
-def _lowering(ctx, rank, group, x, *, comm, op, op_id):
-    return common.lower_collective(
-        "jaxring_all_reduce", ctx, rank, group, x, comm=comm, op_id=op_id, op=common.REDUCE_OPS[op]
-    )
+def _lowering(ctx, rank, group, x, *, comm, op, op_id, in_place):
+    return common.lower_collective("jaxring_all_reduce", ctx, rank, group, x, comm=comm,
+                                   op_id=op_id, in_place=in_place, op=common.REDUCE_OPS[op])
 
 
 # ---- batching ----------------------------------------------------------------------------------
 
 
-def _batching(args, dims, *, comm, op, op_id):
+def _batching(args, dims, *, comm, op, op_id, in_place):
     rank, group, x = args
     assert common.unbatched(dims[0], dims[1]), "jaxring: rank/group cannot be batched"
     # Elementwise across devices: the batch dimension just rides along.
-    return all_reduce_p.bind(rank, group, x, comm=comm, op=op,
+    return all_reduce_p.bind(rank, group, x, comm=comm, op=op, in_place=in_place,
                              op_id=common.next_op_id(comm)), dims[2]
 
 
 # ---- JVP and transpose -------------------------------------------------------------------------
 
 
-def _jvp(primals, tangents, *, comm, op, op_id):
+def _jvp(primals, tangents, *, comm, op, op_id, in_place):
     rank, group, x = primals
-    out = all_reduce_p.bind(rank, group, x, comm=comm, op=op, op_id=op_id)
+    out = all_reduce_p.bind(rank, group, x, comm=comm, op=op, op_id=op_id, in_place=in_place)
     tangent = tangents[2]
     if type(tangent) is ad.Zero:
         return out, ad.Zero.from_primal_value(out)
@@ -118,7 +123,7 @@ def _jvp(primals, tangents, *, comm, op, op_id):
     return out, _bind(tangent * winner, comm, "sum") / share
 
 
-def _transpose(cotangent, rank, group, x, *, comm, op, op_id):
+def _transpose(cotangent, rank, group, x, *, comm, op, op_id, in_place):
     if op not in ("sum", "mean"):
         raise NotImplementedError(f"jaxring.all_reduce: op={op!r} is not linear")
     if type(cotangent) is ad.Zero:

@@ -24,6 +24,7 @@ from jax import lax
 from jax._src import config as jax_config
 from jax._src import core, effects
 from jax._src.interpreters import mlir
+from jax._src.interpreters import partial_eval as pe
 
 from jaxring._src import native, runtime_tokens
 
@@ -254,6 +255,45 @@ def bind_collective(primitive, x, comm: AxisCommunicator, **params):
     return primitive.bind(rank, group, x, comm=comm, op_id=next_op_id(comm), **params)
 
 
+# ---- writing the result over the operand ---------------------------------------------------------
+
+# Bodies whose inputs live in buffers XLA's loop owns: the carry, or a slice of the scanned array.
+_LOOP_BODIES = frozenset({"fori_loop", "while_body", "scan"})
+# Operations whose result XLA may make a view of their operand's buffer (same elements).
+_VIEWS = frozenset({"reshape", "squeeze", "expand_dims", "broadcast_in_dim", "pcast", "pvary"})
+
+
+def in_place_pays(x) -> bool:
+    """Whether a collective whose result has x's shape should write it over x's buffer.
+
+    Aliasing never changes a result: XLA hands the operand's buffer over when nothing else needs
+    x, and copies x first when something does. What it saves depends on where x comes from. A
+    value computed in the program (a gradient, a fused bucket) or a loop carry is usually dead
+    after the call, and then the result takes its buffer: no fresh output and, inside a loop, no
+    copy of the output back into the carry (at 16 MiB that copy costs more than the all-reduce).
+    An argument of the program must survive the call unless donated, so XLA would copy it into a
+    fresh buffer: slower than the fresh output jaxring writes otherwise (huge pages from
+    config.huge_page_bytes). So: in place unless x is (a reshape of) a constant or an input of a
+    body other than a loop's (shard_map's, pmap's, jit's, cond's, remat's), which may be the
+    program's argument. Read from the trace being built; where it cannot be read, a fresh output."""
+    tracer = x
+    try:
+        while not isinstance(tracer, pe.DynamicJaxprTracer):  # under vmap or grad
+            tracer = tracer.val if hasattr(tracer, "val") else tracer.primal
+        while (tracer.parent is not None and tracer.parent.primitive.name in _VIEWS
+               and tracer.parent.in_tracers[0].aval.size == tracer.aval.size):
+            tracer = tracer.parent.in_tracers[0]
+        frame = tracer._trace.frame
+        var = tracer.val
+        if isinstance(var, core.Literal) or var in frame.constvar_to_val:
+            return False
+        if any(var is v for v in frame.invars):
+            return frame.debug_info is not None and frame.debug_info.traced_for in _LOOP_BODIES
+        return True
+    except (AttributeError, TypeError):  # not a trace this JAX builds as expected
+        return False
+
+
 # ---- varying manual axes (shard_map's check_vma) --------------------------------------------------
 
 
@@ -294,10 +334,13 @@ def make_varying(x, axes: tuple[Any, ...]):
 # ---- lowering ----------------------------------------------------------------------------------
 
 
-def lower_collective(target: str, ctx, *operands, comm: AxisCommunicator, op_id: int, **attrs):
+def lower_collective(target: str, ctx, *operands, comm: AxisCommunicator, op_id: int,
+                     in_place: bool = False, **attrs):
     """Lowers to the FFI custom call `target`, threading the ordered effect's token through it.
 
-    Operands are (rank, group, *data); results are (token, *data)."""
+    Operands are (rank, group, *data); results are (token, *data). `in_place`: the result is
+    aliased to the last operand, on CPU, where every transport can write it over its input (GPU
+    transports read peers' device buffers and have not been checked in place)."""
     devices = _program_device_count(ctx)
     if comm.process_rank is not None and devices > 1:
         raise ValueError(
@@ -307,7 +350,10 @@ def lower_collective(target: str, ctx, *operands, comm: AxisCommunicator, op_id:
             "of one process")
     native.register_targets()
     token = ctx.tokens_in.get(collective_effect)
-    lowering = jax.ffi.ffi_lowering(target, has_side_effect=True)
+    aliases = {}
+    if in_place and tuple(ctx.module_context.platforms) == ("cpu",):
+        aliases["operand_output_aliases"] = {len(operands): 1}  # operand 0 is the token
+    lowering = jax.ffi.ffi_lowering(target, has_side_effect=True, **aliases)
     sub_ctx = ctx.replace(
         avals_in=[core.abstract_token, *ctx.avals_in],
         avals_out=[core.abstract_token, *ctx.avals_out],

@@ -110,6 +110,35 @@ def test_every_kind_of_shared_memory_store(stores, comm):
                 np.testing.assert_array_equal(np.asarray(got), gathered(x)[n - 1])
 
 
+@COMMS
+@pytest.mark.parametrize("algorithm", ["auto", "direct", "ring"])
+def test_all_reduce_in_place_gives_the_bits_of_a_fresh_output(algorithm, comm):
+    """A loop carry is reduced in place (written over its input). Every pass scales the sum by a
+    factor that differs per rank, so every call sees different inputs on every rank. Over MPI
+    "direct" is recursive doubling and "ring" the ring at every size; the ring is the one that
+    sends part of its input while receiving into the same memory."""
+    n = COMM.size
+    rng = np.random.default_rng([COMM.rank, 11])
+    scale = np.float32((1 + COMM.rank / 8) / n)
+
+    def program(in_place):
+        step = lambda _, a: jaxring.all_reduce(a, comm, in_place=in_place) * scale
+        return jax.jit(lambda v: jax.lax.fori_loop(0, 3, step, v))
+
+    with jaxring.config.override(algorithm=algorithm):
+        for size in (1, 7, 4_099, 300_001):
+            x = random_array(rng, (size,), np.float32)
+            if n > 1:  # one rank: no call at all
+                assert "output_operand_aliases" in program(None).lower(x).as_text()
+            fresh = np.asarray(program(False)(x))
+            in_place = np.asarray(program(None)(x))
+            np.testing.assert_array_equal(in_place, fresh)
+            expected = x.astype(np.float64)
+            for _ in range(3):
+                expected = gathered(expected).sum(0) * scale
+            assert_close(in_place, expected, np.float32, count=3 * n)
+
+
 def test_scalars_pytrees_vmap_and_barrier():
     rng = np.random.default_rng(COMM.rank)
     tree = {"a": np.float32(rng.standard_normal()), "b": rng.standard_normal((3, 4))}

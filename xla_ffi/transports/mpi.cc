@@ -414,9 +414,20 @@ Status MpiTransport::Ring(const Header& h, const CollectiveBuffers& b, const Dea
     return Isend(h, At(base(step.source), step.source_offset + first, w), len * w, right, kDataTag,
                  &sends_);
   };
+  // In place (all_reduce with output == input, jaxring.all_reduce's in_place): right reads this
+  // rank's input chunk r-1 in its first step, and the all-gather's first step receives chunk r-1
+  // into the same memory. So the first receive into the output waits until every send so far has
+  // completed, and is posted after the first step's sends are.
+  const bool in_place = b.input == b.output;
+  bool input_sent = !in_place;
   std::vector<int> posted(steps + 1, 0);  // index into recvs_ of each step's first slice
   auto post = [&](int g) {
     const RingStep& step = mine[g];
+    if (!input_sent && step.from_left && !step.reduce && step.dst == Buffer::kOutput) {
+      Status status = Wait(h, &sends_, -1, deadline, "receive this rank's data");
+      if (!status.ok()) return status;
+      input_sent = true;
+    }
     posted[g] = static_cast<int>(recvs_.requests.size());
     if (!step.from_left) return Status();
     const size_t w = element(step.source);
@@ -434,11 +445,12 @@ Status MpiTransport::Ring(const Header& h, const CollectiveBuffers& b, const Dea
   Status status = steps > 0 ? post(0) : Status();
   for (int g = 0; g < steps && status.ok(); ++g) {
     const RingStep& step = mine[g];
-    if (g + 1 < steps) status = post(g + 1);
+    if (g + 1 < steps && !in_place) status = post(g + 1);
     // What right reads in step g without waiting for this rank (its own input): send at once.
     if (status.ok() && theirs[g].from_left && !theirs[g].waits_for_left) {
       for (int64_t k = 0; k < slices(theirs[g].count) && status.ok(); ++k) status = send(theirs[g], k);
     }
+    if (g + 1 < steps && in_place && status.ok()) status = post(g + 1);
     // What right reads in step g+1 is what this step produces: forward it slice by slice.
     const bool forward = g + 1 < steps && theirs[g + 1].from_left && theirs[g + 1].waits_for_left;
     if (forward && (theirs[g + 1].source != step.dst ||
