@@ -18,6 +18,7 @@ benchmarks/results/allreduce-cpu.{json,md,png}.
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import os
 import sys
 
@@ -50,8 +51,8 @@ CASES = [
 TWIN = {"all_reduce": "lax.psum", "reduce_scatter": "lax.psum_scatter",
         "all_gather": "lax.all_gather"}
 # The effect floor of each collective on n devices: a program that takes the collective's input,
-# writes an output of its shape in one XLA elementwise pass (reduce_scatter's reads only the 1/n
-# of the input it writes), and carries jaxring's ordered effect without communicating
+# writes an output of its shape in one XLA elementwise pass (reduce_scatter's sums its n blocks,
+# reading every input byte once), and carries jaxring's ordered effect without communicating
 # (common.with_jaxring_effect). Every lone call of a collective that carries the effect, as issue 2
 # asks of jaxring's, costs at least this; where it exceeds the twin's time, no such collective
 # matches the twin in a lone call, however it moves the data. Not from huge_page_bytes (8 MiB) on:
@@ -60,9 +61,37 @@ TWIN = {"all_reduce": "lax.psum", "reduce_scatter": "lax.psum_scatter",
 FLOOR = "effect floor"
 FLOOR_BODIES = {
     "all_reduce": lambda v, n: v + 1,
-    "reduce_scatter": lambda v, n: v[: v.shape[0] // n] + 1,
+    # The sum of its n blocks: every input byte read once, as every reduce-scatter must.
+    "reduce_scatter": lambda v, n: sum(jnp.split(v, n)),
     "all_gather": lambda v, n: jnp.tile(v, n) + 1,
 }
+
+
+# The copy floor, from COPY_FLOOR_BYTES per device: every core of the machine copying n x the size
+# between preallocated numpy buffers (glibc's memcpy, with non-temporal stores at these sizes). An
+# all-reduce of S bytes per device reads n*S bytes and writes n*S, and so does an all-gather of
+# S-byte outputs; a copy of n*S bytes moves exactly that, with no program, no fresh buffer and no
+# waiting, so no such collective that writes a separate output can take less. It bounds the sizes
+# where the effect floor does not, and measures what memory bandwidth the twin's time leaves. Not
+# below 16 MiB: there n*S in and n*S out fit the last-level cache (32 MiB), where a collective can
+# beat memcpy's non-temporal stores, which bypass it.
+COPY = "copy floor"
+COPY_FLOOR_BYTES = 16 << 20
+COPY_FLOOR_OF = ("all_reduce", "all_gather")
+_POOL = concurrent.futures.ThreadPoolExecutor(len(os.sched_getaffinity(0)))
+
+
+def copy_floor(nbytes: int):
+    """fn() copying `nbytes` with every core, each a contiguous part."""
+    src = np.ones(max(1, nbytes // 4), np.float32)
+    dst = np.empty_like(src)
+    bounds = np.linspace(0, src.size, _POOL._max_workers + 1).astype(int)
+    parts = [slice(a, b) for a, b in zip(bounds[:-1], bounds[1:])]
+
+    def run():
+        for done in [_POOL.submit(np.copyto, dst[part], src[part]) for part in parts]:
+            done.result()
+    return run
 
 
 def measure(n: int, nbytes: int) -> list[dict]:
@@ -85,7 +114,10 @@ def measure(n: int, nbytes: int) -> list[dict]:
         f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("i"), out_specs=P("i")))
         runs[name] = lambda f=f, x=x: f(x).block_until_ready()
         sizes[name] = per_device * 4 * (n if collective == "all_gather" else 1)
+    if nbytes >= COPY_FLOOR_BYTES:
+        runs[COPY] = copy_floor(n * nbytes)
     algorithms = {name: algorithm or "auto" for name, _, algorithm, _ in CASES + floors}
+    algorithms[COPY] = "auto"
     medians = medians_in_turns(runs, budget_seconds=0.6, min_rounds=10,
                                context=lambda name: jaxring.config.override(
                                    algorithm=algorithms[name]))
@@ -95,10 +127,16 @@ def measure(n: int, nbytes: int) -> list[dict]:
         rows.append({"devices": n, "bytes": sizes[name], "case": name, "collective": collective,
                      "seconds": medians[name], "algbw_GBps": algbw,
                      "busbw_GBps": algbw * bus_factor(collective, n)})
+    if COPY in medians:
+        rows += [{"devices": n, "bytes": nbytes, "case": f"{COPY}[{collective}]",
+                  "collective": collective, "seconds": medians[COPY]}
+                 for collective in COPY_FLOOR_OF]
     return rows
 
 
+# jaxring reduces a loop carry in place (its default); [fresh] writes a fresh output instead.
 LOOP_CASES = {"jaxring.all_reduce": lambda v: jaxring.all_reduce(v, "i"),
+              "jaxring.all_reduce[fresh]": lambda v: jaxring.all_reduce(v, "i", in_place=False),
               "lax.psum": lambda v: lax.psum(v, "i")}
 
 
@@ -129,13 +167,21 @@ def measure_in_loop(n: int, nbytes: int) -> list[dict]:
 
 def loop_markdown(rows: list[dict]) -> str:
     by_key = {(r["devices"], r["bytes"], r["case"]): r["seconds"] for r in rows}
+    ours = [c for c in LOOP_CASES if c != "lax.psum"]
     lines = ["## all_reduce inside one compiled loop (program launch excluded)", "",
-             "Per all-reduce, each result fed to the next with nothing else in the loop.", "",
-             "| n | size | jaxring.all_reduce (us) | lax.psum (us) | ratio |", "|---|---|---|---|---|"]
+             "Per all-reduce, each result fed to the next with nothing else in the loop. jaxring"
+             " writes each result over its operand, the loop carry (`in_place`, its default for"
+             " values the program owns); `[fresh]` forces a fresh output, which XLA then copies"
+             " back into the carry, as it does `lax.psum`'s.", "",
+             "| n | size | " + " | ".join(f"{c} (us)" for c in ours) + " | lax.psum (us) | "
+             + " | ".join(f"ratio {c.split('.')[1]}" for c in ours) + " |",
+             "|" + "---|" * (3 + 2 * len(ours))]
     for n, size in sorted({(r["devices"], r["bytes"]) for r in rows}):
-        ours, theirs = by_key[(n, size, "jaxring.all_reduce")], by_key[(n, size, "lax.psum")]
-        lines.append(f"| {n} | {human_bytes(size)} | {ours * 1e6:.1f} | {theirs * 1e6:.1f} | "
-                     f"{ours / theirs:.2f} |")
+        theirs = by_key[(n, size, "lax.psum")]
+        times = [by_key[(n, size, c)] for c in ours]
+        lines.append(f"| {n} | {human_bytes(size)} | "
+                     + " | ".join(f"{t * 1e6:.1f}" for t in times) + f" | {theirs * 1e6:.1f} | "
+                     + " | ".join(f"{t / theirs:.2f}" for t in times) + " |")
     return "\n".join(lines + [""])
 
 
@@ -152,7 +198,8 @@ def markdown(env: dict, ceiling: float, rows: list[dict], huge_pages: int) -> st
         " algbw x (n-1)/n).",
         "",
         f"`{FLOOR}`: a program that takes the collective's input, writes an output of its shape"
-        " in one XLA elementwise pass (reduce_scatter's reads only the 1/n it writes) and carries"
+        " in one XLA elementwise pass (reduce_scatter's sums its n blocks, reading every input"
+        " byte once as every reduce-scatter must) and carries"
         " jaxring's ordered effect, communicating nothing"
         " (`common.with_jaxring_effect`). Every lone call of a collective that carries the effect"
         " costs at least this. `floor / twin` above 1: no collective with the effect, however it"
@@ -162,27 +209,41 @@ def markdown(env: dict, ceiling: float, rows: list[dict], huge_pages: int) -> st
         " onto huge pages, and the floor's XLA output, faulted in 4 KiB at a time, can cost more"
         " than jaxring's whole collective (README, \"Page faults\").",
         "",
+        f"`{COPY}` (all_reduce and all_gather, from {human_bytes(COPY_FLOOR_BYTES)}): every core"
+        " copying n x the size between preallocated numpy buffers. Such a collective reads n x"
+        " the size and writes as much into its outputs, so none takes less, effect or not, once"
+        " that no longer fits the last-level cache."
+        " `copy / twin` above a target ratio: no collective that writes a separate output"
+        " reaches that target at that size on this machine.",
+        "",
     ]
     by_key = {(r["devices"], r["bytes"], r["case"]): r for r in rows}
     for collective, twin in TWIN.items():
         ours = [c[0] for c in CASES if c[1] == collective and c[0] != twin]
         floor = f"{FLOOR}[{collective}]"
+        copies = collective in COPY_FLOOR_OF
         lines += [f"## {collective}", "",
                   "| n | size | " + " | ".join(f"{c} (us)" for c in ours) + f" | {twin} (us) | "
-                  + f"{FLOOR} (us) | " + " | ".join(f"ratio {c.split('.')[1]}" for c in ours)
-                  + " | floor / twin | busbw jaxring (GB/s) |",
-                  "|" + "---|" * (3 + 2 * len(ours) + 3)]
+                  + f"{FLOOR} (us) | " + (f"{COPY} (us) | " if copies else "")
+                  + " | ".join(f"ratio {c.split('.')[1]}" for c in ours)
+                  + " | floor / twin | " + ("copy / twin | " if copies else "")
+                  + "busbw jaxring (GB/s) |",
+                  "|" + "---|" * (3 + 2 * len(ours) + 3 + 2 * copies)]
         keys = sorted({(r["devices"], r["bytes"]) for r in rows if r["collective"] == collective})
         for n, size in keys:
             t = by_key[(n, size, twin)]["seconds"]
             cells = [f"{by_key[(n, size, c)]['seconds'] * 1e6:.1f}" for c in ours]
             ratios = [f"{by_key[(n, size, c)]['seconds'] / t:.2f}" for c in ours]
             f = by_key[(n, size, floor)]["seconds"]
-            bound = effect_floor_ratio(f, t, size, huge_pages)
+            output = size // n if collective == "reduce_scatter" else size
+            bound = effect_floor_ratio(f, t, output, huge_pages)
             busbw = by_key[(n, size, ours[0])]["busbw_GBps"]
+            copy = by_key.get((n, size, f"{COPY}[{collective}]"), {}).get("seconds")
+            copy_time = (f"{copy * 1e6:.1f} | " if copy else "| ") if copies else ""
+            copy_ratio = (f"{copy / t:.2f} | " if copy else "| ") if copies else ""
             lines.append(f"| {n} | {human_bytes(size)} | " + " | ".join(cells)
-                         + f" | {t * 1e6:.1f} | {f * 1e6:.1f} | " + " | ".join(ratios)
-                         + f" | {bound} | {busbw:.2f} |")
+                         + f" | {t * 1e6:.1f} | {f * 1e6:.1f} | " + copy_time
+                         + " | ".join(ratios) + f" | {bound} | " + copy_ratio + f"{busbw:.2f} |")
         lines.append("")
     return "\n".join(lines)
 

@@ -209,8 +209,11 @@ def medians_in_turns(cases: dict, budget_seconds: float = 0.5, min_rounds: int =
     VM's speed drifts by 2x over minutes, and medians taken minutes apart would compare the
     drift). `context(name)`, if given, is entered around each timed call but outside the clock
     (e.g. a jaxring.config override). Stops after `budget_seconds` per case and `min_rounds`, or
-    300 rounds. With an mpi4py `world`: every call starts after a barrier, counts the slowest
-    rank, and rank 0's clock decides when to stop, so that all ranks stop together."""
+    300 rounds. Each round starts one case later than the round before: a case timed right
+    after another can inherit its aftermath (in one run the case after lax.psum's loop took 4 us
+    longer per all-reduce, whichever it was), and rotating shares that out. With an mpi4py
+    `world`: every call starts after a barrier, counts the slowest rank, and rank 0's clock
+    decides when to stop, so that all ranks stop together."""
     import contextlib
 
     context = context or (lambda name: contextlib.nullcontext())
@@ -222,8 +225,11 @@ def medians_in_turns(cases: dict, budget_seconds: float = 0.5, min_rounds: int =
                 fn()
     samples = {name: [] for name in cases}
     deadline = time.perf_counter() + budget_seconds * len(cases)
+    names = list(cases)
     for rounds in range(1, 301):
-        for name, fn in cases.items():
+        first = rounds % len(names)
+        for name in names[first:] + names[:first]:
+            fn = cases[name]
             with context(name):
                 if world is not None:
                     world.Barrier()
