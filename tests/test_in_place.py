@@ -48,6 +48,8 @@ def test_in_place_is_chosen_for_values_the_program_owns():
         "forced fresh": (lambda v: ar(v * 2, in_place=False), [False]),
         "computed under grad": (lambda v: jax.grad(lambda b: ar(b * b).sum())(v), [True]),
         "argument under grad": (lambda v: jax.grad(lambda b: (ar(b) * b).sum())(v), [False]),
+        "computed under vmap": (lambda v: jax.vmap(ar)((v * 2).reshape(2, 2)).reshape(4), [True]),
+        "argument under vmap": (lambda v: jax.vmap(ar)(v.reshape(2, 2)).reshape(4), [False]),
     }
     for name, (body, expected) in cases.items():
         assert _aliased(shmap(body, m), x) == expected, name
