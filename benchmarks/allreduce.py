@@ -34,6 +34,7 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import jaxring  # noqa: E402
+from jaxring._src.common import make_varying  # noqa: E402
 from common import (bus_factor, effect_floor_ratio, environment, human_bytes,  # noqa: E402
                     keep_freed_memory, medians_in_turns, memory_bandwidth_gbps, steal_sentence,
                     with_jaxring_effect, write_results)
@@ -94,26 +95,32 @@ def copy_floor(nbytes: int):
     return run
 
 
+def _elements(collective: str, n: int, nbytes: int) -> tuple[int, int]:
+    """float32 elements per device of the input for `nbytes`, and the size a row reports:
+    reduce_scatter's input must divide by n; all_gather's size is its output."""
+    count = max(1, nbytes // 4)
+    if collective == "reduce_scatter":
+        per_device = max(n, count // n * n)
+        return per_device, per_device * 4
+    if collective == "all_gather":
+        per_device = max(1, count // n)
+        return per_device, per_device * 4 * n
+    return count, count * 4
+
+
 def measure(n: int, nbytes: int) -> list[dict]:
     """Every case at `nbytes` per device, the cases taking turns call by call."""
     mesh = jax.make_mesh((n,), ("i",), devices=jax.devices()[:n])
-    count = max(1, nbytes // 4)
     runs, sizes = {}, {}
     floors = [(f"{FLOOR}[{collective}]", collective, None,
                lambda v, floor=floor: with_jaxring_effect(floor(v, n)))
               for collective, floor in FLOOR_BODIES.items()]
     for name, collective, algorithm, body in CASES + floors:
-        # reduce_scatter needs its input divisible by n; all_gather's size is its output.
-        per_device = count
-        if collective == "reduce_scatter":
-            per_device = max(n, count // n * n)
-        if collective == "all_gather":
-            per_device = max(1, count // n)
+        per_device, sizes[name] = _elements(collective, n, nbytes)
         x = jax.device_put(np.random.default_rng(0).standard_normal(n * per_device, np.float32),
                            NamedSharding(mesh, P("i")))
         f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("i"), out_specs=P("i")))
         runs[name] = lambda f=f, x=x: f(x).block_until_ready()
-        sizes[name] = per_device * 4 * (n if collective == "all_gather" else 1)
     if nbytes >= COPY_FLOOR_BYTES:
         runs[COPY] = copy_floor(n * nbytes)
     algorithms = {name: algorithm or "auto" for name, _, algorithm, _ in CASES + floors}
@@ -134,55 +141,83 @@ def measure(n: int, nbytes: int) -> list[dict]:
     return rows
 
 
-# jaxring reduces a loop carry in place (its default); [fresh] writes a fresh output instead.
-LOOP_CASES = {"jaxring.all_reduce": lambda v: jaxring.all_reduce(v, "i"),
-              "jaxring.all_reduce[fresh]": lambda v: jaxring.all_reduce(v, "i", in_place=False),
-              "lax.psum": lambda v: lax.psum(v, "i")}
+def _own_block(gathered, n):
+    """This device's block of an all-gather's result."""
+    block = gathered.shape[0] // n
+    return lax.dynamic_slice_in_dim(gathered, lax.axis_index("i") * block, block)
+
+
+# name -> (collective, one pass of the loop: the carry in, the next carry out). Each result feeds
+# the next call. jaxring reduces the all-reduce's carry in place (its default); [fresh] writes a
+# fresh output instead. reduce_scatter's result is tiled back to the input's size and
+# all_gather's cut down to this device's block: one more pass over the data, the same for both.
+LOOP_CASES = {
+    "jaxring.all_reduce": ("all_reduce", lambda v, n: jaxring.all_reduce(v, "i")),
+    "jaxring.all_reduce[fresh]": ("all_reduce",
+                                  lambda v, n: jaxring.all_reduce(v, "i", in_place=False)),
+    "lax.psum": ("all_reduce", lambda v, n: lax.psum(v, "i")),
+    "jaxring.reduce_scatter": ("reduce_scatter",
+                               lambda v, n: jnp.tile(jaxring.reduce_scatter(v, "i"), n)),
+    "lax.psum_scatter": ("reduce_scatter",
+                         lambda v, n: jnp.tile(lax.psum_scatter(v, "i", tiled=True), n)),
+    "jaxring.all_gather": ("all_gather", lambda v, n: _own_block(jaxring.all_gather(v, "i"), n)),
+    "lax.all_gather": ("all_gather",
+                       lambda v, n: _own_block(lax.all_gather(v, "i", tiled=True), n)),
+}
 
 
 def measure_in_loop(n: int, nbytes: int) -> list[dict]:
-    """Per all-reduce inside one compiled loop that feeds each result to the next, with nothing
+    """Per collective inside one compiled loop that feeds each result to the next, with nothing
     else in the loop: the collective's own cost, without the program launch that dominates a lone
     call's. The loop runs at least 64 times up to 2 MiB and fewer above (8 at 16 MiB and up): each
     program still pays one launch, jaxring's dearer for its ordered effect, and a short loop would
-    count an eighth of it in every all-reduce. Each pass multiplies the values by about n, so they
-    start near 2^-100: after 64 passes on 8 devices they are still finite float32 numbers."""
+    count an eighth of it in every call. A reduction multiplies the values by about n each pass,
+    so they start near 2^-100: after 64 passes on 8 devices they are still finite float32 numbers.
+    Sizes as in the lone tables: the input per device, all_gather's output."""
     mesh = jax.make_mesh((n,), ("i",), devices=jax.devices()[:n])
-    count = max(1, nbytes // 4)
     repeats = int(min(64, max(8, (128 << 20) // nbytes)))
-    start = np.random.default_rng(0).standard_normal(n * count).astype(np.float32) * 2.0 ** -100
-    x = jax.device_put(start, NamedSharding(mesh, P("i")))
-    runs = {}
-    for name, reduce in LOOP_CASES.items():
-        def body(v, reduce=reduce):
-            step = lambda _, a: lax.pcast(reduce(a), "i", to="varying")
+    runs, sizes = {}, {}
+    for name, (collective, one_pass) in LOOP_CASES.items():
+        per_device, sizes[name] = _elements(collective, n, nbytes)
+        start = np.random.default_rng(0).standard_normal(n * per_device, np.float32) * 2.0 ** -100
+        x = jax.device_put(start, NamedSharding(mesh, P("i")))
+
+        def body(v, one_pass=one_pass):
+            step = lambda _, a: make_varying(one_pass(a, n), ("i",))
             return lax.fori_loop(0, repeats, step, v)
 
         f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("i"), out_specs=P("i")))
-        runs[name] = lambda f=f: f(x).block_until_ready()
+        runs[name] = lambda f=f, x=x: f(x).block_until_ready()
     medians = medians_in_turns(runs, budget_seconds=0.6, min_rounds=10)
-    return [{"devices": n, "bytes": count * 4, "case": name, "seconds": seconds / repeats}
-            for name, seconds in medians.items()]
+    return [{"devices": n, "bytes": sizes[name], "case": name, "collective": LOOP_CASES[name][0],
+             "seconds": seconds / repeats} for name, seconds in medians.items()]
 
 
 def loop_markdown(rows: list[dict]) -> str:
     by_key = {(r["devices"], r["bytes"], r["case"]): r["seconds"] for r in rows}
-    ours = [c for c in LOOP_CASES if c != "lax.psum"]
-    lines = ["## all_reduce inside one compiled loop (program launch excluded)", "",
-             "Per all-reduce, each result fed to the next with nothing else in the loop. jaxring"
-             " writes each result over its operand, the loop carry (`in_place`, its default for"
-             " values the program owns); `[fresh]` forces a fresh output, which XLA then copies"
-             " back into the carry, as it does `lax.psum`'s.", "",
-             "| n | size | " + " | ".join(f"{c} (us)" for c in ours) + " | lax.psum (us) | "
-             + " | ".join(f"ratio {c.split('.')[1]}" for c in ours) + " |",
-             "|" + "---|" * (3 + 2 * len(ours))]
-    for n, size in sorted({(r["devices"], r["bytes"]) for r in rows}):
-        theirs = by_key[(n, size, "lax.psum")]
-        times = [by_key[(n, size, c)] for c in ours]
-        lines.append(f"| {n} | {human_bytes(size)} | "
-                     + " | ".join(f"{t * 1e6:.1f}" for t in times) + f" | {theirs * 1e6:.1f} | "
-                     + " | ".join(f"{t / theirs:.2f}" for t in times) + " |")
-    return "\n".join(lines + [""])
+    lines = ["## Inside one compiled loop (program launch excluded)", "",
+             "Per call, each result fed to the next with nothing else in the loop. jaxring writes"
+             " each all-reduce's result over its operand, the loop carry (`in_place`, its default"
+             " for values the program owns); `[fresh]` forces a fresh output, which XLA then"
+             " copies back into the carry, as it does `lax.psum`'s. reduce_scatter's result is"
+             " tiled back to the input's size and all_gather's cut down to this device's block"
+             " before the next call, on both sides.", ""]
+    for collective, twin in TWIN.items():
+        ours = [c for c, (kind, _) in LOOP_CASES.items() if kind == collective and c != twin]
+        lines += [f"### {collective}", "",
+                  "| n | size | " + " | ".join(f"{c} (us)" for c in ours) + f" | {twin} (us) | "
+                  + " | ".join(f"ratio {c.split('.')[1]}" for c in ours) + " |",
+                  "|" + "---|" * (3 + 2 * len(ours))]
+        for n, size in sorted({(r["devices"], r["bytes"]) for r in rows
+                               if r.get("collective", "all_reduce") == collective}):
+            theirs = by_key[(n, size, twin)]
+            times = [by_key[(n, size, c)] for c in ours]
+            lines.append(f"| {n} | {human_bytes(size)} | "
+                         + " | ".join(f"{t * 1e6:.1f}" for t in times)
+                         + f" | {theirs * 1e6:.1f} | "
+                         + " | ".join(f"{t / theirs:.2f}" for t in times) + " |")
+        lines.append("")
+    return "\n".join(lines)
 
 
 def markdown(env: dict, ceiling: float, rows: list[dict], huge_pages: int) -> str:
@@ -306,9 +341,9 @@ def main(argv=None) -> None:
             new = measure_in_loop(n, size)
             loop_rows += new
             t = {r["case"]: r["seconds"] for r in new}
-            print(f"n={n} {human_bytes(size):>9} in a loop: all_reduce "
-                  f"{t['jaxring.all_reduce'] * 1e6:9.1f} us (psum {t['lax.psum'] * 1e6:9.1f} us, "
-                  f"ratio {t['jaxring.all_reduce'] / t['lax.psum']:.2f})", flush=True)
+            print(f"n={n} {human_bytes(size):>9} in a loop, ratio to the twin: " + ", ".join(
+                f"{c} {t[f'jaxring.{c}'] / t[twin]:.2f}"
+                for c, twin in TWIN.items()), flush=True)
     text = (markdown(env, ceiling, rows, jaxring.config.get().huge_page_bytes) + "\n"
             + loop_markdown(loop_rows))
     path = write_results(args.name, {"environment": env, "memory_copy_GBps": ceiling,
