@@ -76,9 +76,18 @@ Status DirectReduceScatter(LocalTransport& t, const CollectiveBuffers& b) {
 Status DirectAllGather(LocalTransport& t, const CollectiveBuffers& b) {
   const Header& h = t.header();
   const size_t bytes = h.count * ByteWidth(h.dtype);
-  for (int peer = 0; peer < t.size(); ++peer)
-    if (bytes) std::memcpy(Offset(b.output, peer * h.count, ByteWidth(h.dtype)),
-                           t.PeerInput(peer), bytes);
+  // Streaming stores skip reading each output line before writing it, a third of the traffic,
+  // when the outputs are too large to stay cached (StreamingPays, as for the all-reduce). With
+  // 16 MiB outputs on 2, 4 and 8 devices they cut a lone all-gather by 10-39% and one inside a
+  // loop by 6-30% (two alternations of each).
+  const int n = t.size();
+  const bool streaming = StreamingPays(static_cast<int64_t>(bytes) * n * n);
+  for (int peer = 0; peer < n; ++peer) {
+    if (!bytes) continue;
+    char* dst = Offset(b.output, peer * h.count, ByteWidth(h.dtype));
+    if (streaming) CopyStreamed(dst, t.PeerInput(peer), bytes);
+    else std::memcpy(dst, t.PeerInput(peer), bytes);
+  }
   return t.Finish();
 }
 
