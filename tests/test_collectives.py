@@ -152,10 +152,10 @@ def test_all_reduce_large_enough_to_stream_its_stores(n, dtype, op):
 @pytest.mark.parametrize("n", [2, 3])
 @pytest.mark.parametrize("dtype", [np.float32, jnp.bfloat16, np.int64], ids=str)
 def test_all_gather_large_enough_to_stream_its_stores(n, dtype):
-    """All-gather outputs of 16 MiB and more in all are copied with streaming stores; an odd
+    """All-gather outputs of 16 MiB and more per device are copied with streaming stores; an odd
     count leaves every block's start and tail unaligned. Every element is checked."""
     rng = np.random.default_rng(n)
-    count = (16 << 20) // (n * n * np.dtype(dtype).itemsize) + 13
+    count = (16 << 20) // (n * np.dtype(dtype).itemsize) + 13
     x = random_array(rng, (n * count,), dtype)
     m = mesh(n)
     f = shmap(lambda v: jaxring.all_gather(v, "i")[None], m)

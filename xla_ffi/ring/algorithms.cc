@@ -77,11 +77,12 @@ Status DirectAllGather(LocalTransport& t, const CollectiveBuffers& b) {
   const Header& h = t.header();
   const size_t bytes = h.count * ByteWidth(h.dtype);
   // Streaming stores skip reading each output line before writing it, a third of the traffic,
-  // when the outputs are too large to stay cached (StreamingPays, as for the all-reduce). With
-  // 16 MiB outputs on 2, 4 and 8 devices they cut a lone all-gather by 10-39% and one inside a
-  // loop by 6-30% (two alternations of each).
+  // when each device's output is too large to stay cached (StreamingPays). With 16 MiB outputs on
+  // 2, 4 and 8 devices they cut a lone all-gather by 10-39% and one inside a loop by 6-30% (two
+  // alternations of each); with 4 MiB outputs they gained nothing, and inside a loop on 8 devices
+  // lost 5-20%, the next pass reading what was still cached.
   const int n = t.size();
-  const bool streaming = StreamingPays(static_cast<int64_t>(bytes) * n * n);
+  const bool streaming = StreamingPays(static_cast<int64_t>(bytes) * n);
   for (int peer = 0; peer < n; ++peer) {
     if (!bytes) continue;
     char* dst = Offset(b.output, peer * h.count, ByteWidth(h.dtype));
