@@ -9,10 +9,11 @@ common.keep_freed_memory; inputs placed with device_put + NamedSharding): jaxrin
 (auto, and forced direct and ring) against
 lax.psum, jaxring.reduce_scatter against lax.psum_scatter, jaxring.all_gather against
 lax.all_gather, each as a lone jitted call, beside each collective's effect floor (what any lone
-call carrying jaxring's ordered effect costs at least); and all_reduce against psum inside one
-compiled loop, which leaves out the program launch. It reports time, algbw and busbw (nccl-tests definitions)
-against the copy bandwidth of this machine measured in the same run, and writes
-benchmarks/results/allreduce-cpu.{json,md,png}.
+call carrying jaxring's ordered effect costs at least) and, from 16 MiB, a copy floor (what the
+memory takes to move the bytes); and each collective against its twin inside one compiled loop,
+which leaves out the program launch (jaxring's all-reduce in place and with a fresh output). It
+reports time, algbw and busbw (nccl-tests definitions) against the copy bandwidth of this machine
+measured in the same run, and writes benchmarks/results/allreduce-cpu.{json,md,png}.
 """
 
 from __future__ import annotations
