@@ -80,14 +80,15 @@ FLOOR_BODIES = {
 COPY = "copy floor"
 COPY_FLOOR_BYTES = 16 << 20
 COPY_FLOOR_OF = ("all_reduce", "all_gather")
-_POOL = concurrent.futures.ThreadPoolExecutor(len(os.sched_getaffinity(0)))
+_CORES = len(os.sched_getaffinity(0))
+_POOL = concurrent.futures.ThreadPoolExecutor(_CORES)
 
 
 def copy_floor(nbytes: int):
     """fn() copying `nbytes` with every core, each a contiguous part."""
     src = np.ones(max(1, nbytes // 4), np.float32)
     dst = np.empty_like(src)
-    bounds = np.linspace(0, src.size, _POOL._max_workers + 1).astype(int)
+    bounds = np.linspace(0, src.size, _CORES + 1).astype(int)
     parts = [slice(a, b) for a, b in zip(bounds[:-1], bounds[1:])]
 
     def run():

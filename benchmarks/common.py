@@ -209,9 +209,8 @@ def medians_in_turns(cases: dict, budget_seconds: float = 0.5, min_rounds: int =
     VM's speed drifts by 2x over minutes, and medians taken minutes apart would compare the
     drift). `context(name)`, if given, is entered around each timed call but outside the clock
     (e.g. a jaxring.config override). Stops after `budget_seconds` per case and `min_rounds`, or
-    300 rounds. Each round starts one case later than the round before: a case timed right
-    after another can inherit its aftermath (in one run the case after lax.psum's loop took 4 us
-    longer per all-reduce, whichever it was), and rotating shares that out. With an mpi4py
+    300 rounds. Each round starts one case later than the round before, so that no case is
+    always timed right after the same other case and inherits its aftermath. With an mpi4py
     `world`: every call starts after a barrier, counts the slowest rank, and rank 0's clock
     decides when to stop, so that all ranks stop together."""
     import contextlib

@@ -83,8 +83,7 @@ Status DirectAllGather(LocalTransport& t, const CollectiveBuffers& b) {
   // lost 5-20%, the next pass reading what was still cached.
   const int n = t.size();
   const bool streaming = StreamingPays(static_cast<int64_t>(bytes) * n);
-  for (int peer = 0; peer < n; ++peer) {
-    if (!bytes) continue;
+  for (int peer = 0; peer < n && bytes > 0; ++peer) {
     char* dst = Offset(b.output, peer * h.count, ByteWidth(h.dtype));
     if (streaming) CopyStreamed(dst, t.PeerInput(peer), bytes);
     else std::memcpy(dst, t.PeerInput(peer), bytes);
