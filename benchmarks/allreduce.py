@@ -10,8 +10,9 @@ common.keep_freed_memory; inputs placed with device_put + NamedSharding): jaxrin
 lax.psum, jaxring.reduce_scatter against lax.psum_scatter, jaxring.all_gather against
 lax.all_gather, each as a lone jitted call, beside each collective's effect floor (what any lone
 call carrying jaxring's ordered effect costs at least) and, from 16 MiB, a copy floor (what the
-memory takes to move the bytes); and each collective against its twin inside one compiled loop,
-which leaves out the program launch (jaxring's all-reduce in place and with a fresh output). It
+memory takes to move the bytes); and each collective against its twin inside one compiled loop
+that donates its input, which leaves out the program launch (jaxring's all-reduce in place and
+with a fresh output). It
 reports time, algbw and busbw (nccl-tests definitions) against the copy bandwidth of this machine
 measured in the same run, and writes benchmarks/results/allreduce-cpu.{json,md,png}.
 """
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import contextlib
 import os
 import sys
 
@@ -149,19 +151,28 @@ def _own_block(gathered, n):
     return lax.dynamic_slice_in_dim(gathered, lax.axis_index("i") * block, block)
 
 
+def _into_own_block(full, scattered):
+    """`full` with this device's block replaced by a reduce-scatter's result `scattered` (XLA
+    updates the loop carry in place, writing one block)."""
+    block = scattered.shape[0]
+    return lax.dynamic_update_slice_in_dim(full, scattered, lax.axis_index("i") * block, 0)
+
+
 # name -> (collective, one pass of the loop: the carry in, the next carry out). Each result feeds
 # the next call. jaxring reduces the all-reduce's carry in place (its default); [fresh] writes a
-# fresh output instead. reduce_scatter's result is tiled back to the input's size and
-# all_gather's cut down to this device's block: one more pass over the data, the same for both.
+# fresh output instead. reduce_scatter's result goes back into this device's block of its input
+# and all_gather's is cut down to this device's block, the same for both sides: each writes only
+# a block. (Tiling reduce_scatter's result back to the input's size, as an earlier version did,
+# cost more than the twin's whole pass from 16 MiB: the rows measured jnp.tile.)
 LOOP_CASES = {
     "jaxring.all_reduce": ("all_reduce", lambda v, n: jaxring.all_reduce(v, "i")),
     "jaxring.all_reduce[fresh]": ("all_reduce",
                                   lambda v, n: jaxring.all_reduce(v, "i", in_place=False)),
     "lax.psum": ("all_reduce", lambda v, n: lax.psum(v, "i")),
     "jaxring.reduce_scatter": ("reduce_scatter",
-                               lambda v, n: jnp.tile(jaxring.reduce_scatter(v, "i"), n)),
+                               lambda v, n: _into_own_block(v, jaxring.reduce_scatter(v, "i"))),
     "lax.psum_scatter": ("reduce_scatter",
-                         lambda v, n: jnp.tile(lax.psum_scatter(v, "i", tiled=True), n)),
+                         lambda v, n: _into_own_block(v, lax.psum_scatter(v, "i", tiled=True))),
     "jaxring.all_gather": ("all_gather", lambda v, n: _own_block(jaxring.all_gather(v, "i"), n)),
     "lax.all_gather": ("all_gather",
                        lambda v, n: _own_block(lax.all_gather(v, "i", tiled=True), n)),
@@ -173,24 +184,42 @@ def measure_in_loop(n: int, nbytes: int) -> list[dict]:
     else in the loop: the collective's own cost, without the program launch that dominates a lone
     call's. The loop runs at least 64 times up to 2 MiB and fewer above (8 at 16 MiB and up): each
     program still pays one launch, jaxring's dearer for its ordered effect, and a short loop would
-    count an eighth of it in every call. A reduction multiplies the values by about n each pass,
-    so they start near 2^-100: after 64 passes on 8 devices they are still finite float32 numbers.
-    Sizes as in the lone tables: the input per device, all_gather's output."""
+    count an eighth of it in every call. The program donates its input, which becomes the loop
+    carry and then the output, as a training step's state does: without that, XLA copies the
+    argument into the carry and writes a fresh output on every launch, which at 64 MiB on 8
+    devices cost 180 ms a program, more than the eight passes' collectives. Each timed call gets
+    a fresh copy of the input, made outside the clock. A reduction multiplies the values by about
+    n each pass, so they start near 2^-100: after 64 passes on 8 devices they are still finite
+    float32 numbers. Sizes as in the lone tables: the input per device, all_gather's output."""
     mesh = jax.make_mesh((n,), ("i",), devices=jax.devices()[:n])
+    sharding = NamedSharding(mesh, P("i"))
     repeats = int(min(64, max(8, (128 << 20) // nbytes)))
-    runs, sizes = {}, {}
+    runs, sizes, inputs = {}, {}, {}
     for name, (collective, one_pass) in LOOP_CASES.items():
         per_device, sizes[name] = _elements(collective, n, nbytes)
         start = np.random.default_rng(0).standard_normal(n * per_device, np.float32) * 2.0 ** -100
-        x = jax.device_put(start, NamedSharding(mesh, P("i")))
+        inputs[name] = [start, None]  # the start values, and the array the next call donates
 
         def body(v, one_pass=one_pass):
             step = lambda _, a: make_varying(one_pass(a, n), ("i",))
             return lax.fori_loop(0, repeats, step, v)
 
-        f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("i"), out_specs=P("i")))
-        runs[name] = lambda f=f, x=x: f(x).block_until_ready()
-    medians = medians_in_turns(runs, budget_seconds=0.6, min_rounds=10)
+        f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("i"), out_specs=P("i")),
+                    donate_argnums=0)
+
+        def run(f=f, held=inputs[name]):
+            held[1] = f(held[1])  # a warm-up without a fresh input donates the last output
+            held[1].block_until_ready()
+        runs[name] = run
+
+    @contextlib.contextmanager
+    def fresh_input(name):
+        held = inputs[name]
+        held[1] = jax.device_put(held[0], sharding)
+        held[1].block_until_ready()
+        yield
+
+    medians = medians_in_turns(runs, budget_seconds=0.6, min_rounds=10, context=fresh_input)
     return [{"devices": n, "bytes": sizes[name], "case": name, "collective": LOOP_CASES[name][0],
              "seconds": seconds / repeats} for name, seconds in medians.items()]
 
@@ -198,12 +227,18 @@ def measure_in_loop(n: int, nbytes: int) -> list[dict]:
 def loop_markdown(rows: list[dict]) -> str:
     by_key = {(r["devices"], r["bytes"], r["case"]): r["seconds"] for r in rows}
     lines = ["## Inside one compiled loop (program launch excluded)", "",
-             "Per call, each result fed to the next with nothing else in the loop. jaxring writes"
+             "Per call, each result fed to the next with nothing else in the loop. Every program"
+             " donates its input, which becomes the loop carry, as a training step's state does"
+             " (without that, XLA copies the argument into the carry and writes a fresh output on"
+             " every launch, which from 16 MiB costs as much as several passes and pulls every"
+             " ratio there towards 1). jaxring writes"
              " each all-reduce's result over its operand, the loop carry (`in_place`, its default"
              " for values the program owns); `[fresh]` forces a fresh output, which XLA then"
-             " copies back into the carry, as it does `lax.psum`'s. reduce_scatter's result is"
-             " tiled back to the input's size and all_gather's cut down to this device's block"
-             " before the next call, on both sides.", ""]
+             " copies back into the carry, as it does `lax.psum`'s. reduce_scatter's result goes"
+             " back into this device's block of the carry (updated in place) and all_gather's is"
+             " cut down to this device's block before the next call, on both sides. (Tiling"
+             " reduce_scatter's result back to the input's size, as earlier runs did, cost more"
+             " from 16 MiB than the twin's whole pass: those rows timed `jnp.tile`.)", ""]
     for collective, twin in TWIN.items():
         ours = [c for c, (kind, _) in LOOP_CASES.items() if kind == collective and c != twin]
         lines += [f"### {collective}", "",

@@ -94,6 +94,8 @@ def implementations():
 
 LOOP_MAX_BYTES = 16 << 20
 FLOOR = "traffic floor"
+COPY_FLOOR = "copy floor"
+COPY_FLOOR_BYTES = 16 << 20
 
 
 def loop_count(nbytes: int) -> int:
@@ -137,25 +139,42 @@ def loop_implementations(loops):
     }
 
 
-def traffic_floor(nbytes: int, n: int, loops: int):
-    """The memory system's floor for an all-reduce between processes, timed like the loops: every
-    rank at once copies an input-sized buffer as many times as it takes to read and write as many
-    bytes as each rank must per all-reduce when processes cannot read each other's buffers.
-    Every byte another rank needs is then staged in shared memory and read there, so at the least
-    a rank reads its input (S), the other ranks' shares of its own share of the reduction
-    ((n-1)/n S) and their results for the other shares ((n-1)/n S), and writes the shares it
-    stages ((n-1)/n S), its result for the others (S/n) and its output (S): (5 - 2/n) S in all,
-    which jaxring's shared-memory transport moves exactly. A copy of S moves 2 S; its working set
-    (2 S) is smaller than the all-reduce's, so it runs at least as fast per byte, and it neither
-    waits for other ranks nor takes cache lines from their cores."""
+def copying(nbytes: int, copies: int):
+    """run(x, xj) copying an input-sized buffer `copies` times on this rank, as every rank does at
+    once (every sample starts after a barrier)."""
     src = np.random.default_rng(0).standard_normal(max(1, nbytes // 4), np.float32)
     dst = np.empty_like(src)
-    copies = max(1, round(loops * (5 - 2 / n) / 2))
 
     def run(x, xj):
         for _ in range(copies):
             np.copyto(dst, src)
     return run
+
+
+def traffic_floor(nbytes: int, n: int, loops: int):
+    """The memory system's floor for an all-reduce between processes while its data stays in the
+    cache (up to 4 MiB), timed like the loops: every rank at once copies an input-sized buffer as
+    many times as it takes to read and write as many bytes as each rank must per all-reduce when
+    processes cannot read each other's buffers. Every byte another rank needs is then staged in
+    shared memory and read there, so at the least a rank reads its input (S), the other ranks'
+    shares of its own share of the reduction ((n-1)/n S) and their results for the other shares
+    ((n-1)/n S), and writes the shares it stages ((n-1)/n S), its result for the others (S/n) and
+    its output (S): (5 - 2/n) S in all, which jaxring's shared-memory transport moves exactly. A
+    copy of S moves 2 S; its working set (2 S) is smaller than the all-reduce's, so it runs at
+    least as fast per byte, and it neither waits for other ranks nor takes cache lines from their
+    cores."""
+    return copying(nbytes, max(1, round(loops * (5 - 2 / n) / 2)))
+
+
+def copy_floor(nbytes: int, loops: int):
+    """The memory system's floor for an all-reduce of the same input again and again once the
+    ranks' inputs and outputs no longer fit the last-level cache (from COPY_FLOOR_BYTES): every
+    rank at once copies its input into an output-sized buffer once per all-reduce. Every
+    all-reduce reads each input byte and writes each output byte at least once, and with n
+    inputs and n outputs of 16 MiB (64-128 MiB against a 32 MiB cache) those bytes come from and
+    go to memory; the copy moves exactly them, the fastest way this machine's memcpy knows, and
+    nothing else."""
+    return copying(nbytes, loops)
 
 
 def main() -> None:
@@ -183,8 +202,10 @@ def main() -> None:
                          "busbw_gbps": algbw * bus_factor("all_reduce", n)})
         if nbytes <= LOOP_MAX_BYTES:
             loops = loop_count(nbytes)
-            cases = {**loop_implementations(loops),
-                     FLOOR: (traffic_floor(nbytes, n, loops), {})}
+            floor_name, floor = ((COPY_FLOOR, copy_floor(nbytes, loops))
+                                 if nbytes >= COPY_FLOOR_BYTES else
+                                 (FLOOR, traffic_floor(nbytes, n, loops)))
+            cases = {**loop_implementations(loops), floor_name: (floor, {})}
             medians = medians_in_turns(
                 {name: lambda fn=fn: fn(x, xj) for name, (fn, _) in cases.items()}, world=WORLD,
                 context=lambda name: jaxring.config.override(**cases[name][1]))
@@ -216,7 +237,8 @@ def lone_target(mpi4jax_seconds: float, mpi4py_seconds: float, nbytes: int) -> f
 
 def markdown(rows, env, n, ceiling) -> str:
     names = list(dict.fromkeys(r["impl"] for r in rows if not r.get("per_op")))
-    looped_names = list(dict.fromkeys(r["impl"] for r in rows if r.get("per_op")))
+    looped_names = list(dict.fromkeys(r["impl"] for r in rows
+                                      if r.get("per_op") and r["impl"] not in (FLOOR, COPY_FLOOR)))
     by = {(r["impl"], r["bytes"]): r for r in rows}
     huge_pages = jaxring.config.get().huge_page_bytes
     lines = [
@@ -258,32 +280,36 @@ def markdown(rows, env, n, ceiling) -> str:
               "## Per all-reduce inside one compiled loop (program launch excluded)", "",
               "Each implementation all-reduces the same input again and again, with nothing else "
               "in the loop (mpi4py: a Python loop of Allreduce on the same numpy buffers).", "",
-              f"`{FLOOR}`: every rank at once copies its input as often as it takes to move as "
-              "many bytes as it must read and write per all-reduce when processes cannot read "
-              f"each other's buffers, (5 - 2/{n}) x the size (`traffic_floor` in the script). "
-              "Up to 4 MiB, where the copies stay in the cache, no all-reduce between processes "
-              "that stage through shared memory takes less. At 16 MiB it bounds nothing: the "
-              "floor's whole-buffer copies go through memory, while jaxring's transport works in "
-              "1 MiB chunks that stay in the cache, and takes less (`jaxring / floor` below 1). "
-              "`5x mpi4jax` is the time issue 3's target asks for (mpi4jax's / 5); up to 4 MiB, "
-              "where it is below the floor, no such all-reduce reaches it. `plain stores` forces "
-              "plain stores "
-              "into shared memory; where it is slower than the default, this VM's two cores sat "
-              "on different dies of the host while it was measured (README, \"Across "
-              "processes\").", "",
+              f"`floor`: up to 4 MiB the `{FLOOR}`, every rank at once copying its input as "
+              "often as it takes to move as many bytes as it must read and write per all-reduce "
+              f"when processes cannot read each other's buffers, (5 - 2/{n}) x the size "
+              "(`traffic_floor` in the script); while the copies stay in the cache, no "
+              "all-reduce between processes that stage through shared memory takes less. From "
+              f"16 MiB the `{COPY_FLOOR}`, every rank at once copying its input once into an "
+              "output-sized buffer (`copy_floor`): every all-reduce reads each input byte and "
+              "writes each output byte, and there the ranks' inputs and outputs no longer fit "
+              "the cache, so no all-reduce takes less. (The traffic floor bounds nothing at "
+              "16 MiB: its whole-buffer copies go through memory, while jaxring's transport "
+              "works in 1 MiB chunks that stay in the cache.) `5x mpi4jax` is the time issue 3's "
+              "target asks for (mpi4jax's / 5); `floor / 5x` above 1: no all-reduce reaches it. "
+              "`plain stores` forces plain stores into shared memory; where it is slower than "
+              "the default, this VM's two cores sat on different dies of the host while it was "
+              "measured (README, \"Across processes\").", "",
               "| size | all-reduces per program | " +
               " | ".join(f"{m} (us)" for m in looped_names) +
-              " | vs mpi4jax | vs mpi4py | jaxring / floor | 5x mpi4jax (us) |",
-              "|---|---|" + "---|" * (len(looped_names) + 4)]
+              " | floor (us) | vs mpi4jax | vs mpi4py | jaxring / floor | 5x mpi4jax (us) "
+              "| floor / 5x |",
+              "|---|---|" + "---|" * (len(looped_names) + 6)]
     for nbytes in sorted({r["bytes"] for r in rows if r.get("per_op")}):
         cells = " | ".join(f"{by[(m, nbytes)]['seconds'] * 1e6:.1f}" for m in looped_names)
         ours = by[("jaxring.all_reduce in a loop", nbytes)]["seconds"]
         theirs = by[("mpi4jax.allreduce in a loop", nbytes)]["seconds"]
+        floor = (by.get((COPY_FLOOR, nbytes)) or by[(FLOOR, nbytes)])["seconds"]
         lines.append(
             f"| {human_bytes(nbytes)} | {by[(looped_names[0], nbytes)]['loops']} | {cells} | "
-            f"{theirs / ours:.1f}x | "
+            f"{floor * 1e6:.1f} | {theirs / ours:.1f}x | "
             f"{by[('mpi4py Allreduce in a loop', nbytes)]['seconds'] / ours:.1f}x | "
-            f"{ours / by[(FLOOR, nbytes)]['seconds']:.2f} | {theirs / 5 * 1e6:.1f} |")
+            f"{ours / floor:.2f} | {theirs / 5 * 1e6:.1f} | {floor / (theirs / 5):.2f} |")
     return "\n".join(lines) + "\n"
 
 
