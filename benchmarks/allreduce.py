@@ -37,6 +37,7 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import jaxring  # noqa: E402
+from jaxring._jaxring import copy_streamed  # noqa: E402
 from jaxring._src.common import make_varying  # noqa: E402
 from common import (bus_factor, effect_floor_ratio, environment, human_bytes,  # noqa: E402
                     keep_freed_memory, medians_in_turns, memory_bandwidth_gbps, steal_sentence,
@@ -71,30 +72,33 @@ FLOOR_BODIES = {
 }
 
 
-# The copy floor, from COPY_FLOOR_BYTES per device: every core of the machine copying n x the size
-# between preallocated numpy buffers (glibc's memcpy, with non-temporal stores at these sizes). An
-# all-reduce of S bytes per device reads n*S bytes and writes n*S, and so does an all-gather of
-# S-byte outputs; a copy of n*S bytes moves exactly that, with no program, no fresh buffer and no
-# waiting, so no such collective that writes a separate output can take less. It bounds the sizes
-# where the effect floor does not, and measures what memory bandwidth the twin's time leaves. Not
-# below 16 MiB: there n*S in and n*S out fit the last-level cache (32 MiB), where a collective can
-# beat memcpy's non-temporal stores, which bypass it.
+# The copy floor, from COPY_FLOOR_BYTES per device: every core copying n x the size between
+# preallocated numpy buffers, the faster of two ways: glibc's memcpy, and non-temporal stores
+# (jaxring's CopyStreamed), which skip reading the destination first and took 0.72-0.77x
+# memcpy's time from 16 MiB here (this glibc streams only above 288 MiB). An all-reduce of S bytes
+# per device reads n*S bytes and writes n*S, and so does an all-gather of S-byte outputs; a copy
+# of n*S bytes moves exactly that, with no program, no fresh buffer and no waiting, so no such
+# collective that writes a separate output can take less. It bounds the sizes where the effect
+# floor does not, and measures what memory bandwidth the twin's time leaves. Not below 16 MiB:
+# there n*S in and n*S out fit the last-level cache (32 MiB), where a collective can beat a copy
+# through memory.
 COPY = "copy floor"
 COPY_FLOOR_BYTES = 16 << 20
 COPY_FLOOR_OF = ("all_reduce", "all_gather")
+COPY_WAYS = {"memcpy": np.copyto, "streamed": copy_streamed}
 _CORES = len(os.sched_getaffinity(0))
 _POOL = concurrent.futures.ThreadPoolExecutor(_CORES)
 
 
-def copy_floor(nbytes: int):
-    """fn() copying `nbytes` with every core, each a contiguous part."""
+def copy_floor(nbytes: int, copy):
+    """fn() copying `nbytes` with `copy(dst, src)` on every core, each a contiguous part."""
     src = np.ones(max(1, nbytes // 4), np.float32)
     dst = np.empty_like(src)
     bounds = np.linspace(0, src.size, _CORES + 1).astype(int)
     parts = [slice(a, b) for a, b in zip(bounds[:-1], bounds[1:])]
 
     def run():
-        for done in [_POOL.submit(np.copyto, dst[part], src[part]) for part in parts]:
+        for done in [_POOL.submit(copy, dst[part], src[part]) for part in parts]:
             done.result()
     return run
 
@@ -125,10 +129,11 @@ def measure(n: int, nbytes: int) -> list[dict]:
                            NamedSharding(mesh, P("i")))
         f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("i"), out_specs=P("i")))
         runs[name] = lambda f=f, x=x: f(x).block_until_ready()
-    if nbytes >= COPY_FLOOR_BYTES:
-        runs[COPY] = copy_floor(n * nbytes)
+    copies = [f"{COPY}[{way}]" for way in COPY_WAYS] if nbytes >= COPY_FLOOR_BYTES else []
+    for name, copy in zip(copies, COPY_WAYS.values()):
+        runs[name] = copy_floor(n * nbytes, copy)
     algorithms = {name: algorithm or "auto" for name, _, algorithm, _ in CASES + floors}
-    algorithms[COPY] = "auto"
+    algorithms.update(dict.fromkeys(copies, "auto"))
     medians = medians_in_turns(runs, budget_seconds=0.6, min_rounds=10,
                                context=lambda name: jaxring.config.override(
                                    algorithm=algorithms[name]))
@@ -138,9 +143,10 @@ def measure(n: int, nbytes: int) -> list[dict]:
         rows.append({"devices": n, "bytes": sizes[name], "case": name, "collective": collective,
                      "seconds": medians[name], "algbw_GBps": algbw,
                      "busbw_GBps": algbw * bus_factor(collective, n)})
-    if COPY in medians:
+    if copies:
         rows += [{"devices": n, "bytes": nbytes, "case": f"{COPY}[{collective}]",
-                  "collective": collective, "seconds": medians[COPY]}
+                  "collective": collective, "seconds": min(medians[c] for c in copies),
+                  "copies_seconds": {c: medians[c] for c in copies}}
                  for collective in COPY_FLOOR_OF]
     return rows
 
@@ -282,7 +288,9 @@ def markdown(env: dict, ceiling: float, rows: list[dict], huge_pages: int) -> st
         " than jaxring's whole collective (README, \"Page faults\").",
         "",
         f"`{COPY}` (all_reduce and all_gather, from {human_bytes(COPY_FLOOR_BYTES)}): every core"
-        " copying n x the size between preallocated numpy buffers. Such a collective reads n x"
+        " copying n x the size between preallocated numpy buffers, the faster of glibc's memcpy"
+        " and a copy with non-temporal stores (which skip reading the destination first; this"
+        " glibc's memcpy uses them only above 288 MiB). Such a collective reads n x"
         " the size and writes as much into its outputs, so none takes less, effect or not, once"
         " that no longer fits the last-level cache."
         " `copy / twin` above a target ratio: no collective that writes a separate output"

@@ -41,6 +41,7 @@ from mpi4py import MPI  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import jaxring  # noqa: E402
 import jaxring.mpi  # noqa: E402
+from jaxring._jaxring import copy_streamed  # noqa: E402
 from common import (RESULTS, bus_factor, effect_floor_ratio, environment,  # noqa: E402
                     human_bytes, keep_freed_memory, medians_in_turns, memory_bandwidth_gbps,
                     plot_time_per_size, rank_binding, steal_sentence, with_jaxring_effect,
@@ -139,15 +140,15 @@ def loop_implementations(loops):
     }
 
 
-def copying(nbytes: int, copies: int):
-    """run(x, xj) copying an input-sized buffer `copies` times on this rank, as every rank does at
-    once (every sample starts after a barrier)."""
+def copying(nbytes: int, copies: int, copy=np.copyto):
+    """run(x, xj) copying an input-sized buffer `copies` times on this rank with `copy(dst, src)`,
+    as every rank does at once (every sample starts after a barrier)."""
     src = np.random.default_rng(0).standard_normal(max(1, nbytes // 4), np.float32)
     dst = np.empty_like(src)
 
     def run(x, xj):
         for _ in range(copies):
-            np.copyto(dst, src)
+            copy(dst, src)
     return run
 
 
@@ -166,15 +167,17 @@ def traffic_floor(nbytes: int, n: int, loops: int):
     return copying(nbytes, max(1, round(loops * (5 - 2 / n) / 2)))
 
 
-def copy_floor(nbytes: int, loops: int):
+def copy_floors(nbytes: int, loops: int) -> dict:
     """The memory system's floor for an all-reduce of the same input again and again once the
     ranks' inputs and outputs no longer fit the last-level cache (from COPY_FLOOR_BYTES): every
     rank at once copies its input into an output-sized buffer once per all-reduce. Every
     all-reduce reads each input byte and writes each output byte at least once, and with n
     inputs and n outputs of 16 MiB (64-128 MiB against a 32 MiB cache) those bytes come from and
-    go to memory; the copy moves exactly them, the fastest way this machine's memcpy knows, and
-    nothing else."""
-    return copying(nbytes, loops)
+    go to memory; the copy moves exactly them and nothing else. Two ways, of which the floor is
+    the faster: glibc's memcpy, and non-temporal stores (jaxring's CopyStreamed), which skip
+    reading the destination first (this glibc's memcpy uses them only above 288 MiB)."""
+    return {f"{COPY_FLOOR}[{way}]": copying(nbytes, loops, copy)
+            for way, copy in (("memcpy", np.copyto), ("streamed", copy_streamed))}
 
 
 def main() -> None:
@@ -202,10 +205,10 @@ def main() -> None:
                          "busbw_gbps": algbw * bus_factor("all_reduce", n)})
         if nbytes <= LOOP_MAX_BYTES:
             loops = loop_count(nbytes)
-            floor_name, floor = ((COPY_FLOOR, copy_floor(nbytes, loops))
-                                 if nbytes >= COPY_FLOOR_BYTES else
-                                 (FLOOR, traffic_floor(nbytes, n, loops)))
-            cases = {**loop_implementations(loops), floor_name: (floor, {})}
+            floors = (copy_floors(nbytes, loops) if nbytes >= COPY_FLOOR_BYTES else
+                      {FLOOR: traffic_floor(nbytes, n, loops)})
+            cases = {**loop_implementations(loops),
+                     **{name: (run, {}) for name, run in floors.items()}}
             medians = medians_in_turns(
                 {name: lambda fn=fn: fn(x, xj) for name, (fn, _) in cases.items()}, world=WORLD,
                 context=lambda name: jaxring.config.override(**cases[name][1]))
@@ -237,8 +240,9 @@ def lone_target(mpi4jax_seconds: float, mpi4py_seconds: float, nbytes: int) -> f
 
 def markdown(rows, env, n, ceiling) -> str:
     names = list(dict.fromkeys(r["impl"] for r in rows if not r.get("per_op")))
+    is_floor = lambda r: r["impl"].startswith((FLOOR, COPY_FLOOR))  # noqa: E731
     looped_names = list(dict.fromkeys(r["impl"] for r in rows
-                                      if r.get("per_op") and r["impl"] not in (FLOOR, COPY_FLOOR)))
+                                      if r.get("per_op") and not is_floor(r)))
     by = {(r["impl"], r["bytes"]): r for r in rows}
     huge_pages = jaxring.config.get().huge_page_bytes
     lines = [
@@ -286,7 +290,8 @@ def markdown(rows, env, n, ceiling) -> str:
               "(`traffic_floor` in the script); while the copies stay in the cache, no "
               "all-reduce between processes that stage through shared memory takes less. From "
               f"16 MiB the `{COPY_FLOOR}`, every rank at once copying its input once into an "
-              "output-sized buffer (`copy_floor`): every all-reduce reads each input byte and "
+              "output-sized buffer, the faster of glibc's memcpy and non-temporal stores "
+              "(`copy_floors`): every all-reduce reads each input byte and "
               "writes each output byte, and there the ranks' inputs and outputs no longer fit "
               "the cache, so no all-reduce takes less. (The traffic floor bounds nothing at "
               "16 MiB: its whole-buffer copies go through memory, while jaxring's transport "
@@ -304,7 +309,8 @@ def markdown(rows, env, n, ceiling) -> str:
         cells = " | ".join(f"{by[(m, nbytes)]['seconds'] * 1e6:.1f}" for m in looped_names)
         ours = by[("jaxring.all_reduce in a loop", nbytes)]["seconds"]
         theirs = by[("mpi4jax.allreduce in a loop", nbytes)]["seconds"]
-        floor = (by.get((COPY_FLOOR, nbytes)) or by[(FLOOR, nbytes)])["seconds"]
+        floor = min(r["seconds"] for r in rows
+                    if r["bytes"] == nbytes and r.get("per_op") and is_floor(r))
         lines.append(
             f"| {human_bytes(nbytes)} | {by[(looped_names[0], nbytes)]['loops']} | {cells} | "
             f"{floor * 1e6:.1f} | {theirs / ours:.1f}x | "
