@@ -165,6 +165,22 @@ def test_all_gather_large_enough_to_stream_its_stores(n, dtype):
         np.testing.assert_array_equal(out[device], x)
 
 
+def test_copy_streamed_copies_every_byte():
+    """The benchmarks' streamed copy (the extension's copy_streamed, CopyStreamed) with unaligned
+    starts and tails on both sides, and its size check."""
+    from jaxring._src import native
+
+    rng = np.random.default_rng(7)
+    for size in [0, 1, 15, 17, 4096 + 3, (1 << 20) + 5]:
+        for src_offset, dst_offset in [(0, 0), (1, 3), (3, 0)]:
+            src = rng.integers(0, 256, size + src_offset, np.uint8)[src_offset:]
+            dst = np.zeros(size + dst_offset, np.uint8)[dst_offset:]
+            native.extension.copy_streamed(dst, src)
+            np.testing.assert_array_equal(dst, src, err_msg=f"{size} {src_offset} {dst_offset}")
+    with pytest.raises(ValueError, match="differ in size"):
+        native.extension.copy_streamed(np.zeros(4, np.float32), np.zeros(5, np.float32))
+
+
 def _huge_page_kib(start, size):
     """AnonHugePages of the mappings that overlap [start, start + size), from /proc/self/smaps
     (madvise splits a mapping where the advice begins and ends)."""
