@@ -12,9 +12,9 @@ lax.all_gather, each as a lone jitted call, beside each collective's effect floo
 call carrying jaxring's ordered effect costs at least) and, from 16 MiB, a copy floor (what the
 memory takes to move the bytes); and each collective against its twin inside one compiled loop
 that donates its input, which leaves out the program launch (jaxring's all-reduce in place and
-with a fresh output). It
-reports time, algbw and busbw (nccl-tests definitions) against the copy bandwidth of this machine
-measured in the same run, and writes benchmarks/results/allreduce-cpu.{json,md,png}.
+with a fresh output). It reports time, algbw and busbw (nccl-tests definitions) against the copy
+bandwidth of this machine measured in the same run, and writes
+benchmarks/results/allreduce-cpu.{json,md,png}.
 """
 
 from __future__ import annotations
