@@ -37,11 +37,10 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import jaxring  # noqa: E402
-from jaxring._jaxring import copy_streamed  # noqa: E402
 from jaxring._src.common import make_varying  # noqa: E402
-from common import (bus_factor, effect_floor_ratio, environment, human_bytes,  # noqa: E402
-                    keep_freed_memory, medians_in_turns, memory_bandwidth_gbps, steal_sentence,
-                    with_jaxring_effect, write_results)
+from common import (bus_factor, copy_ways, effect_floor_ratio, environment,  # noqa: E402
+                    human_bytes, keep_freed_memory, medians_in_turns, memory_bandwidth_gbps,
+                    steal_sentence, with_jaxring_effect, write_results)
 
 # (name, collective, jaxring algorithm or None for the lax twin, body)
 CASES = [
@@ -73,9 +72,8 @@ FLOOR_BODIES = {
 
 
 # The copy floor, from COPY_FLOOR_BYTES per device: every core copying n x the size between
-# preallocated numpy buffers, the faster of two ways: glibc's memcpy, and non-temporal stores
-# (jaxring's CopyStreamed), which skip reading the destination first and took 0.72-0.77x
-# memcpy's time from 16 MiB here (this glibc streams only above 288 MiB). An all-reduce of S bytes
+# preallocated numpy buffers, the faster of common.copy_ways() (memcpy, and a copy with
+# non-temporal stores, which memcpy here uses only above 288 MiB). An all-reduce of S bytes
 # per device reads n*S bytes and writes n*S, and so does an all-gather of S-byte outputs; a copy
 # of n*S bytes moves exactly that, with no program, no fresh buffer and no waiting, so no such
 # collective that writes a separate output can take less. It bounds the sizes where the effect
@@ -85,7 +83,7 @@ FLOOR_BODIES = {
 COPY = "copy floor"
 COPY_FLOOR_BYTES = 16 << 20
 COPY_FLOOR_OF = ("all_reduce", "all_gather")
-COPY_WAYS = {"memcpy": np.copyto, "streamed": copy_streamed}
+COPY_WAYS = copy_ways()
 _CORES = len(os.sched_getaffinity(0))
 _POOL = concurrent.futures.ThreadPoolExecutor(_CORES)
 
@@ -129,8 +127,9 @@ def measure(n: int, nbytes: int) -> list[dict]:
                            NamedSharding(mesh, P("i")))
         f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("i"), out_specs=P("i")))
         runs[name] = lambda f=f, x=x: f(x).block_until_ready()
-    copies = [f"{COPY}[{way}]" for way in COPY_WAYS] if nbytes >= COPY_FLOOR_BYTES else []
-    for name, copy in zip(copies, COPY_WAYS.values()):
+    copies = ({f"{COPY}[{way}]": copy for way, copy in COPY_WAYS.items()}
+              if nbytes >= COPY_FLOOR_BYTES else {})
+    for name, copy in copies.items():
         runs[name] = copy_floor(n * nbytes, copy)
     algorithms = {name: algorithm or "auto" for name, _, algorithm, _ in CASES + floors}
     algorithms.update(dict.fromkeys(copies, "auto"))

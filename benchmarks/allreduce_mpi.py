@@ -41,11 +41,10 @@ from mpi4py import MPI  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import jaxring  # noqa: E402
 import jaxring.mpi  # noqa: E402
-from jaxring._jaxring import copy_streamed  # noqa: E402
-from common import (RESULTS, bus_factor, effect_floor_ratio, environment,  # noqa: E402
-                    human_bytes, keep_freed_memory, medians_in_turns, memory_bandwidth_gbps,
-                    plot_time_per_size, rank_binding, steal_sentence, with_jaxring_effect,
-                    write_results)
+from common import (RESULTS, bus_factor, copy_ways, effect_floor_ratio,  # noqa: E402
+                    environment, human_bytes, keep_freed_memory, medians_in_turns,
+                    memory_bandwidth_gbps, plot_time_per_size, rank_binding, steal_sentence,
+                    with_jaxring_effect, write_results)
 
 keep_freed_memory()
 COMM = jaxring.mpi.world()
@@ -173,11 +172,10 @@ def copy_floors(nbytes: int, loops: int) -> dict:
     rank at once copies its input into an output-sized buffer once per all-reduce. Every
     all-reduce reads each input byte and writes each output byte at least once, and with n
     inputs and n outputs of 16 MiB (64-128 MiB against a 32 MiB cache) those bytes come from and
-    go to memory; the copy moves exactly them and nothing else. Two ways, of which the floor is
-    the faster: glibc's memcpy, and non-temporal stores (jaxring's CopyStreamed), which skip
-    reading the destination first (this glibc's memcpy uses them only above 288 MiB)."""
+    go to memory; the copy moves exactly them and nothing else, each of common.copy_ways(), of
+    which the floor is the faster."""
     return {f"{COPY_FLOOR}[{way}]": copying(nbytes, loops, copy)
-            for way, copy in (("memcpy", np.copyto), ("streamed", copy_streamed))}
+            for way, copy in copy_ways().items()}
 
 
 def main() -> None:

@@ -203,6 +203,16 @@ def keep_freed_memory() -> None:
         pass  # not glibc: nothing to pin
 
 
+def copy_ways() -> dict:
+    """The two ways a copy floor copies, name -> copy(dst, src); a floor takes the faster. glibc's
+    memcpy, and non-temporal stores (jaxring's CopyStreamed), which skip reading the destination
+    first: this glibc's memcpy uses them only above 288 MiB, and from 16 MiB the streamed copy
+    took 0.72-0.77x memcpy's time here."""
+    from jaxring._jaxring import copy_streamed
+
+    return {"memcpy": np.copyto, "streamed": copy_streamed}
+
+
 def medians_in_turns(cases: dict, budget_seconds: float = 0.5, min_rounds: int = 8,
                      context=None, world=None, warmups: int = 2) -> dict:
     """Median time of each case's fn() (which must block until its result is ready), the cases
