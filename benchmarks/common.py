@@ -196,8 +196,9 @@ def keep_freed_memory() -> None:
     call to call and run to run. The arena matters because XLA allocates a program's outputs on
     whichever pool thread runs it: with an arena per thread, a block freed into one arena is no
     use to the next call allocating from another, which grows its heap onto fresh pages instead.
-    With the default arenas, lone 16 MiB calls on 8 devices faulted on about one call in six, and
-    the median of lax.psum moved between 9 and 22 ms from run to run; with one arena, 8.8-9.3 ms.
+    With the default arenas, lone 16 MiB calls of lax.psum on 2 devices faulted on about one call
+    in seven, and its median on 8 devices moved between 7.8 and 21.8 ms from run to run (seven
+    runs); with one arena, 8.3-9.3 ms (five runs).
     Call it before the first jax computation (before XLA starts its threads). It applies to every
     implementation a benchmark measures, alike."""
     import ctypes
