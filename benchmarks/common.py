@@ -206,7 +206,7 @@ def keep_freed_memory() -> None:
 
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c"))
-        libc.mallopt(-8, 1)          # M_ARENA_MAX
+        libc.mallopt(-8, 1)         # M_ARENA_MAX
         libc.mallopt(-3, 32 << 20)  # M_MMAP_THRESHOLD (the largest glibc allows)
         libc.mallopt(-1, 1 << 30)   # M_TRIM_THRESHOLD
     except (OSError, AttributeError):
