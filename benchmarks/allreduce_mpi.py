@@ -238,9 +238,15 @@ def lone_target(mpi4jax_seconds: float, mpi4py_seconds: float, nbytes: int) -> f
 
 def markdown(rows, env, n, ceiling) -> str:
     names = list(dict.fromkeys(r["impl"] for r in rows if not r.get("per_op")))
-    is_floor = lambda r: r["impl"].startswith((FLOOR, COPY_FLOOR))  # noqa: E731
+    floors = (FLOOR, COPY_FLOOR)
     looped_names = list(dict.fromkeys(r["impl"] for r in rows
-                                      if r.get("per_op") and not is_floor(r)))
+                                      if r.get("per_op") and not r["impl"].startswith(floors)))
+
+    def looped_floor(nbytes, kinds):
+        """The fastest of the loop table's floors named `kinds` at `nbytes`, or None."""
+        return min((r["seconds"] for r in rows if r["bytes"] == nbytes and r.get("per_op")
+                    and r["impl"].startswith(kinds)), default=None)
+
     by = {(r["impl"], r["bytes"]): r for r in rows}
     huge_pages = jaxring.config.get().huge_page_bytes
     lines = [
@@ -261,9 +267,8 @@ def markdown(rows, env, n, ceiling) -> str:
         cells = " | ".join(f"{by[(m, nbytes)]['seconds'] * 1e6:.1f}" for m in names)
         target = lone_target(by[("mpi4jax.allreduce", nbytes)]["seconds"],
                              by[("mpi4py Allreduce", nbytes)]["seconds"], nbytes)
-        copy_floor = [r["seconds"] for r in rows if r["bytes"] == nbytes and r.get("per_op")
-                      and r["impl"].startswith(COPY_FLOOR)]
-        bound = (f"{min(copy_floor) / target:.2f}" if copy_floor else
+        copy_floor = looped_floor(nbytes, COPY_FLOOR)
+        bound = (f"{copy_floor / target:.2f}" if copy_floor is not None else
                  effect_floor_ratio(by[(EFFECT_FLOOR, nbytes)]["seconds"], target, nbytes,
                                     huge_pages))
         lines.append(
@@ -313,8 +318,7 @@ def markdown(rows, env, n, ceiling) -> str:
         cells = " | ".join(f"{by[(m, nbytes)]['seconds'] * 1e6:.1f}" for m in looped_names)
         ours = by[("jaxring.all_reduce in a loop", nbytes)]["seconds"]
         theirs = by[("mpi4jax.allreduce in a loop", nbytes)]["seconds"]
-        floor = min(r["seconds"] for r in rows
-                    if r["bytes"] == nbytes and r.get("per_op") and is_floor(r))
+        floor = looped_floor(nbytes, floors)
         lines.append(
             f"| {human_bytes(nbytes)} | {by[(looped_names[0], nbytes)]['loops']} | {cells} | "
             f"{floor * 1e6:.1f} | {theirs / ours:.1f}x | "
