@@ -42,7 +42,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import jaxring  # noqa: E402
 import jaxring.mpi  # noqa: E402
 from common import (RESULTS, bus_factor, copy_ways, effect_floor_ratio,  # noqa: E402
-                    environment, human_bytes, keep_freed_memory, medians_in_turns,
+                    environment, human_bytes, issue3_target, keep_freed_memory, medians_in_turns,
                     memory_bandwidth_gbps, plot_time_per_size, rank_binding, steal_sentence,
                     with_jaxring_effect, write_results)
 
@@ -228,14 +228,6 @@ def main() -> None:
         plot_time_per_size(rows, f"all-reduce, {n} processes", RESULTS / f"{name}.png")
 
 
-def lone_target(mpi4jax_seconds: float, mpi4py_seconds: float, nbytes: int) -> float:
-    """Issue 3's target for a lone call: no slower than mpi4py for small messages; from 1 MiB,
-    5x faster than mpi4jax and 2x faster than mpi4py."""
-    if nbytes < 1 << 20:
-        return mpi4py_seconds
-    return min(mpi4jax_seconds / 5, mpi4py_seconds / 2)
-
-
 def markdown(rows, env, n, ceiling) -> str:
     names = list(dict.fromkeys(r["impl"] for r in rows if not r.get("per_op")))
     floors = (FLOOR, COPY_FLOOR)
@@ -265,7 +257,7 @@ def markdown(rows, env, n, ceiling) -> str:
     for nbytes in sorted({r["bytes"] for r in rows}):
         ours = by[("jaxring.all_reduce", nbytes)]
         cells = " | ".join(f"{by[(m, nbytes)]['seconds'] * 1e6:.1f}" for m in names)
-        target = lone_target(by[("mpi4jax.allreduce", nbytes)]["seconds"],
+        target = issue3_target(by[("mpi4jax.allreduce", nbytes)]["seconds"],
                              by[("mpi4py Allreduce", nbytes)]["seconds"], nbytes)
         copy_floor = looped_floor(nbytes, COPY_FLOOR)
         bound = (f"{copy_floor / target:.2f}" if copy_floor is not None else
