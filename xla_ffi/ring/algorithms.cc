@@ -83,7 +83,12 @@ Status DirectAllGather(LocalTransport& t, const CollectiveBuffers& b) {
   // lost 5-20%, the next pass reading what was still cached.
   const int n = t.size();
   const bool streaming = StreamingPays(static_cast<int64_t>(bytes) * n);
-  for (int peer = 0; peer < n && bytes > 0; ++peer) {
+  // Each rank starts with its own input, then its right neighbour's, and so on, so that no two
+  // ranks read the same input at once and each first copies what is in its own core's cache.
+  // Against every rank copying inputs 0, 1, ... in turn, a loop of 2-device all-gathers of 4 MiB
+  // outputs took 0.79-0.81x the time (0.93-0.99x on 4 devices, 0.96-1.01x on 8, 1 to 16 MiB).
+  for (int k = 0; k < n && bytes > 0; ++k) {
+    const int peer = (t.rank() + k) % n;
     char* dst = Offset(b.output, peer * h.count, ByteWidth(h.dtype));
     if (streaming) CopyStreamed(dst, t.PeerInput(peer), bytes);
     else std::memcpy(dst, t.PeerInput(peer), bytes);
