@@ -258,7 +258,7 @@ def markdown(rows, env, n, ceiling) -> str:
         ours = by[("jaxring.all_reduce", nbytes)]
         cells = " | ".join(f"{by[(m, nbytes)]['seconds'] * 1e6:.1f}" for m in names)
         target = issue3_target(by[("mpi4jax.allreduce", nbytes)]["seconds"],
-                             by[("mpi4py Allreduce", nbytes)]["seconds"], nbytes)
+                               by[("mpi4py Allreduce", nbytes)]["seconds"], nbytes)
         copy_floor = looped_floor(nbytes, COPY_FLOOR)
         bound = (f"{copy_floor / target:.2f}" if copy_floor is not None else
                  effect_floor_ratio(by[(EFFECT_FLOOR, nbytes)]["seconds"], target, nbytes,

@@ -29,9 +29,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import RESULTS, human_bytes, issue2_target, issue3_target  # noqa: E402
 
-TWINS = {"all_reduce": ("jaxring.all_reduce", "lax.psum"),
-         "reduce_scatter": ("jaxring.reduce_scatter", "lax.psum_scatter"),
-         "all_gather": ("jaxring.all_gather", "lax.all_gather")}
+# jaxring's case in allreduce.py -> (its collective, the lax twin's case)
+TWINS = {"jaxring.all_reduce": ("all_reduce", "lax.psum"),
+         "jaxring.reduce_scatter": ("reduce_scatter", "lax.psum_scatter"),
+         "jaxring.all_gather": ("all_gather", "lax.all_gather")}
 MPI_CONFIGS = ("n2", "n2-bound", "n4", "n4-bound")
 HUGE_PAGE_BYTES = 8 << 20  # jaxring.config's huge_page_bytes when a result file has no config
 
@@ -58,16 +59,16 @@ def in_process_rows(run: dict) -> dict:
     for table, key in (("lone", "rows"), ("loop", "in_loop_rows")):
         by = {(r["devices"], r["bytes"], r["case"]): r["seconds"] for r in run.get(key, [])}
         for (n, nbytes, case), seconds in by.items():
-            for collective, (ours, twin) in TWINS.items():
-                if case != ours or (n, nbytes, twin) not in by:
-                    continue
-                allowed = by[(n, nbytes, twin)] * issue2_target(nbytes)
-                output = nbytes // n if collective == "reduce_scatter" else nbytes
-                effect = by.get((n, nbytes, f"effect floor[{collective}]"))
-                copy = by.get((n, nbytes, f"copy floor[{collective}]"))
-                floor = strongest(effect / allowed if effect and output < huge else None,
-                                  copy / allowed if copy else None)
-                out[(table, collective, n, nbytes)] = (seconds / allowed, floor)
+            if case not in TWINS:
+                continue
+            collective, twin = TWINS[case]
+            allowed = by[(n, nbytes, twin)] * issue2_target(nbytes)
+            output = nbytes // n if collective == "reduce_scatter" else nbytes
+            effect = by.get((n, nbytes, f"effect floor[{collective}]"))
+            copy = by.get((n, nbytes, f"copy floor[{collective}]"))
+            floor = strongest(effect / allowed if effect and output < huge else None,
+                              copy / allowed if copy else None)
+            out[(table, collective, n, nbytes)] = (seconds / allowed, floor)
     return out
 
 
