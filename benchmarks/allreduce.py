@@ -39,7 +39,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import jaxring  # noqa: E402
 from jaxring._src.common import make_varying  # noqa: E402
 from common import (bus_factor, copy_ways, effect_floor_ratio, environment,  # noqa: E402
-                    human_bytes, keep_freed_memory, medians_in_turns, memory_bandwidth_gbps,
+                    human_bytes, issue2_target, keep_freed_memory, medians_in_turns, memory_bandwidth_gbps,
                     steal_sentence, with_jaxring_effect, write_results)
 
 # (name, collective, jaxring algorithm or None for the lax twin, body)
@@ -119,7 +119,7 @@ def _min_rounds(nbytes: int) -> int:
     minimum, which then decides; with 10 rounds, three runs of the same 64 MiB reduce_scatter loop
     on 2 devices in one process gave 0.56x, 0.65x and 0.84x the twin's time, so the rows judged
     against issue 2's 0.8x get 20."""
-    return 20 if nbytes >= 16 << 20 else 10
+    return 20 if issue2_target(nbytes) < 1 else 10
 
 
 def measure(n: int, nbytes: int) -> list[dict]:

@@ -42,8 +42,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import jaxring  # noqa: E402
 import jaxring.mpi  # noqa: E402
 from common import (RESULTS, bus_factor, copy_ways, effect_floor_ratio,  # noqa: E402
-                    environment, human_bytes, issue3_target, keep_freed_memory, medians_in_turns,
-                    memory_bandwidth_gbps, plot_time_per_size, rank_binding, steal_sentence,
+                    environment, human_bytes, issue3_target, keep_freed_memory, looped_floor,
+                    medians_in_turns, memory_bandwidth_gbps, plot_time_per_size, rank_binding, steal_sentence,
                     with_jaxring_effect, write_results)
 
 keep_freed_memory()
@@ -234,11 +234,6 @@ def markdown(rows, env, n, ceiling) -> str:
     looped_names = list(dict.fromkeys(r["impl"] for r in rows
                                       if r.get("per_op") and not r["impl"].startswith(floors)))
 
-    def looped_floor(nbytes, kinds):
-        """The fastest of the loop table's floors named `kinds` at `nbytes`, or None."""
-        return min((r["seconds"] for r in rows if r["bytes"] == nbytes and r.get("per_op")
-                    and r["impl"].startswith(kinds)), default=None)
-
     by = {(r["impl"], r["bytes"]): r for r in rows}
     huge_pages = jaxring.config.get().huge_page_bytes
     lines = [
@@ -259,7 +254,7 @@ def markdown(rows, env, n, ceiling) -> str:
         cells = " | ".join(f"{by[(m, nbytes)]['seconds'] * 1e6:.1f}" for m in names)
         target = issue3_target(by[("mpi4jax.allreduce", nbytes)]["seconds"],
                                by[("mpi4py Allreduce", nbytes)]["seconds"], nbytes)
-        copy_floor = looped_floor(nbytes, COPY_FLOOR)
+        copy_floor = looped_floor(rows, nbytes, COPY_FLOOR)
         bound = (f"{copy_floor / target:.2f}" if copy_floor is not None else
                  effect_floor_ratio(by[(EFFECT_FLOOR, nbytes)]["seconds"], target, nbytes,
                                     huge_pages))
@@ -310,7 +305,7 @@ def markdown(rows, env, n, ceiling) -> str:
         cells = " | ".join(f"{by[(m, nbytes)]['seconds'] * 1e6:.1f}" for m in looped_names)
         ours = by[("jaxring.all_reduce in a loop", nbytes)]["seconds"]
         theirs = by[("mpi4jax.allreduce in a loop", nbytes)]["seconds"]
-        floor = looped_floor(nbytes, floors)
+        floor = looped_floor(rows, nbytes, floors)
         lines.append(
             f"| {human_bytes(nbytes)} | {by[(looped_names[0], nbytes)]['loops']} | {cells} | "
             f"{floor * 1e6:.1f} | {theirs / ours:.1f}x | "

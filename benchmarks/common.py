@@ -124,6 +124,13 @@ def issue3_target(mpi4jax_seconds: float, mpi4py_seconds: float, nbytes: int) ->
     return min(mpi4jax_seconds / 5, mpi4py_seconds / 2)
 
 
+def looped_floor(rows: list[dict], nbytes: int, kinds) -> float | None:
+    """The fastest of allreduce_mpi.py's loop-table floors whose names start with `kinds` (a
+    string or tuple) at `nbytes`, per all-reduce, or None where there is none."""
+    return min((r["seconds"] for r in rows if r["bytes"] == nbytes and r.get("per_op")
+                and r["impl"].startswith(kinds)), default=None)
+
+
 def _cpu_times() -> list[int] | None:
     """The "cpu" line of /proc/stat: user, nice, system, idle, iowait, irq, softirq, steal, ..."""
     try:

@@ -27,7 +27,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import RESULTS, human_bytes, issue2_target, issue3_target  # noqa: E402
+from common import RESULTS, human_bytes, issue2_target, issue3_target, looped_floor  # noqa: E402
 
 # jaxring's case in allreduce.py -> (its collective, the lax twin's case)
 TWINS = {"jaxring.all_reduce": ("all_reduce", "lax.psum"),
@@ -77,27 +77,22 @@ def mpi_rows(run: dict) -> dict:
     allreduce_mpi.py, the target being issue3_target() of the same table's mpi4jax and mpi4py
     times. A lone row's floor is the loop table's copy floor where there is one (from 16 MiB),
     else the effect floor below huge_page_bytes; a loop row's, the loop table's floor."""
-    lone = {r["bytes"]: {} for r in run["rows"]}
-    loop = {r["bytes"]: {} for r in run["rows"] if r.get("per_op")}
-    for r in run["rows"]:
-        (loop if r.get("per_op") else lone)[r["bytes"]][r["impl"]] = r["seconds"]
-
-    def floor_of(times, *prefixes):
-        return min((s for name, s in times.items() if name.startswith(prefixes)), default=None)
-
+    rows = run["rows"]
+    by = {(r["impl"], r["bytes"]): r["seconds"] for r in rows}
     out = {}
-    for nbytes, t in lone.items():
-        allowed = issue3_target(t["mpi4jax.allreduce"], t["mpi4py Allreduce"], nbytes)
-        copy = floor_of(loop.get(nbytes, {}), "copy floor")
-        effect = t["effect floor"] if nbytes < HUGE_PAGE_BYTES else None
-        floor = copy if copy is not None else effect
-        out[("lone", nbytes)] = (t["jaxring.all_reduce"] / allowed,
+    for nbytes in sorted({r["bytes"] for r in rows}):
+        allowed = issue3_target(by[("mpi4jax.allreduce", nbytes)],
+                                by[("mpi4py Allreduce", nbytes)], nbytes)
+        floor = looped_floor(rows, nbytes, "copy floor")
+        if floor is None and nbytes < HUGE_PAGE_BYTES:
+            floor = by[("effect floor", nbytes)]
+        out[("lone", nbytes)] = (by[("jaxring.all_reduce", nbytes)] / allowed,
                                  floor / allowed if floor is not None else None)
-    for nbytes, t in loop.items():
-        allowed = issue3_target(t["mpi4jax.allreduce in a loop"], t["mpi4py Allreduce in a loop"],
-                                nbytes)
-        floor = floor_of(t, "traffic floor", "copy floor")
-        out[("loop", nbytes)] = (t["jaxring.all_reduce in a loop"] / allowed,
+    for nbytes in sorted({r["bytes"] for r in rows if r.get("per_op")}):
+        allowed = issue3_target(by[("mpi4jax.allreduce in a loop", nbytes)],
+                                by[("mpi4py Allreduce in a loop", nbytes)], nbytes)
+        floor = looped_floor(rows, nbytes, ("traffic floor", "copy floor"))
+        out[("loop", nbytes)] = (by[("jaxring.all_reduce in a loop", nbytes)] / allowed,
                                  floor / allowed if floor is not None else None)
     return out
 
