@@ -12,7 +12,7 @@ Every process uses the same GPU (or one each, if the node has several). It measu
 - mpi4jax.allreduce(x, MPI.SUM) inside jax.jit (host-staged unless MPI is CUDA-aware);
 - mpi4py's comm.Allreduce on numpy buffers (host memory, the floor of any host-staged method),
 for float32 messages of 4 KiB .. 256 MiB per rank. Every sample starts after a barrier and counts
-the slowest rank. Writes benchmarks/results/allreduce_gpu-<gpu>-n{N}.{json,md,png}.
+from the first rank's start to the last rank's end. Writes benchmarks/results/allreduce_gpu-<gpu>-n{N}.{json,md,png}.
 
 Without a visible CUDA GPU it exits with status 2 and says so.
 """
@@ -248,7 +248,7 @@ def markdown(kernels, rows, env, n) -> str:
         lines.append("")
     names = list(dict.fromkeys(r["impl"] for r in rows))
     by = {(r["impl"], r["bytes"]): r for r in rows}
-    lines += ["## all_reduce, float32, median of the slowest rank", "",
+    lines += ["## all_reduce, float32, median over samples", "",
               "| size | " + " | ".join(f"{m} (us)" for m in names) +
               " | ipc busbw (GB/s) | ipc vs mpi4jax | staged vs mpi4jax | ipc vs staged |",
               "|---|" + "---|" * (len(names) + 4)]

@@ -16,8 +16,9 @@ Each process has one CPU device. For float32 messages of 4 B .. 64 MiB per rank 
   from 32 KiB so that a program stays near 32 MiB of messages; mpi4py: a Python loop), which
   leaves out the program launch that dominates a lone small jitted call (about 0.25 ms, under
   0.3 us per all-reduce over 1024): the steady state of a training step.
-Every sample starts after a barrier and counts the slowest rank; the implementations take turns,
-one call each per round, so that every ratio compares the same stretch of time. glibc's malloc
+Every sample starts after a barrier and counts from the first rank's start to the last rank's
+end (common.group_seconds), so that the floors, which every rank runs on its own, pay for ranks
+that share a core as a collective does; the implementations take turns, one call each per round, so that every ratio compares the same stretch of time. glibc's malloc
 is told to keep freed memory (mallopt, as MALLOC_MMAP_THRESHOLD_ / MALLOC_TRIM_THRESHOLD_ would):
 otherwise whichever implementation's fresh 1-32 MiB buffer lands on trimmed or unmapped memory
 pays a page fault per 4 KiB (about 3 ms at 4 MiB on this VM), and which one that is changes from
@@ -162,7 +163,8 @@ def traffic_floor(nbytes: int, n: int, loops: int):
     its output (S): (5 - 2/n) S in all, which jaxring's shared-memory transport moves exactly. A
     copy of S moves 2 S; its working set (2 S) is smaller than the all-reduce's, so it runs at
     least as fast per byte, and it neither waits for other ranks nor takes cache lines from their
-    cores."""
+    cores. Timed like every case, from the first rank's start to the last rank's end: where ranks
+    outnumber cores, ranks that share a core copy in turns, as they do an all-reduce's work."""
     return copying(nbytes, max(1, round(loops * (5 - 2 / n) / 2)))
 
 
@@ -242,8 +244,8 @@ def markdown(rows, env, n, ceiling) -> str:
         f"{env['cpu']}, {env['cores']} cores; python {env['python']}, jax {env['jax']}; "
         f"{env['mpi']}; {env['date']}; {env['binding']}. Copy bandwidth: {ceiling:.1f} GB/s."
         f"{steal_sentence(env)} "
-        "Median of the slowest "
-        "rank's time, the implementations taking turns call by call; glibc malloc keeps freed "
+        "Median time from the first rank's start to the last rank's end (after a barrier), the "
+        "implementations taking turns call by call; glibc malloc keeps freed "
         "memory (mallopt) in every process. busbw = algbw x 2(n-1)/n.", "",
         "| size | " + " | ".join(f"{m} (us)" for m in names) +
         " | jaxring busbw (GB/s) | vs mpi4jax | vs mpi4py | jaxring[mpi] vs mpi4py | target (us) "
@@ -289,7 +291,9 @@ def markdown(rows, env, n, ceiling) -> str:
               "output-sized buffer, the faster of glibc's memcpy and non-temporal stores "
               "(`copy_floors`): every all-reduce reads each input byte and "
               "writes each output byte, and there the ranks' inputs and outputs no longer fit "
-              "the cache, so no all-reduce takes less. (The traffic floor bounds nothing at "
+              "the cache, so no all-reduce takes less. Both floors are timed like every other "
+              "case, from the first rank's start to the last rank's end, so that ranks sharing "
+              "a core take turns at their copies as they do at an all-reduce. (The traffic floor bounds nothing at "
               "16 MiB: its whole-buffer copies go through memory, while jaxring's transport "
               "works in 1 MiB chunks that stay in the cache.) `5x mpi4jax` is the time issue 3's "
               "target asks for (mpi4jax's / 5); `floor / 5x` above 1: no all-reduce reaches it. "

@@ -244,6 +244,26 @@ def copy_ways() -> dict:
     return {"memcpy": np.copyto, "streamed": copy_streamed}
 
 
+def group_seconds(world, start: float, end: float, one_clock: bool) -> float:
+    """The time a group of ranks took over one sample, from each rank's perf_counter() `start`
+    (taken after a barrier) and `end`: from the first rank's start to the last rank's end when
+    every rank runs on one machine (`one_clock`: perf_counter is CLOCK_MONOTONIC there, one clock
+    for all processes), else the slowest rank's own end - start. The two agree for a collective,
+    whose ranks end together and whose first starter waits for the last. They differ for work
+    the ranks do each on its own (a floor, a pipeline stage with no hand-off) when ranks
+    outnumber cores: a rank that waits for a core after the barrier starts its clock only once
+    it runs, so each rank's own time leaves out the others' turns on its core, and with 4 ranks
+    on 2 cores the slowest rank's time of 4 independent cache-resident copies was half the
+    group's (51 against 100 us a call at 1 MiB)."""
+    from mpi4py import MPI
+
+    if not one_clock:
+        return world.allreduce(end - start, op=MPI.MAX)
+    latest = np.empty(2)
+    world.Allreduce(np.array([-start, end]), latest, op=MPI.MAX)
+    return float(latest[1] + latest[0])
+
+
 def medians_in_turns(cases: dict, budget_seconds: float = 0.5, min_rounds: int = 8,
                      context=None, world=None, warmups: int = 2) -> dict:
     """Median time of each case's fn() (which must block until its result is ready), the cases
@@ -256,13 +276,16 @@ def medians_in_turns(cases: dict, budget_seconds: float = 0.5, min_rounds: int =
     case after a cache-flushing one measured 6-11% slower than the same case after itself.
     (Starting each round one case later, as an earlier version did, kept every case after the
     same neighbour in all rounds but one in len(cases).) With an mpi4py
-    `world`: every call starts after a barrier, counts the slowest rank, and rank 0's clock
-    decides when to stop, so that all ranks stop together."""
+    `world`: every call starts after a barrier and counts from the first rank's start to the last
+    rank's end (`group_seconds`), and rank 0's clock decides when to stop, so that all ranks stop
+    together."""
     import contextlib
 
     context = context or (lambda name: contextlib.nullcontext())
     if world is not None:
         from mpi4py import MPI
+        one_clock = world.allreduce(
+            world.Split_type(MPI.COMM_TYPE_SHARED).size == world.size, op=MPI.LAND)
     for name, fn in cases.items():
         with context(name):
             for _ in range(warmups):  # compilation and first-touch page faults
@@ -279,10 +302,9 @@ def medians_in_turns(cases: dict, budget_seconds: float = 0.5, min_rounds: int =
                     world.Barrier()
                 start = time.perf_counter()
                 fn()
-                seconds = time.perf_counter() - start
-                if world is not None:
-                    seconds = world.allreduce(seconds, op=MPI.MAX)
-                samples[name].append(seconds)
+                end = time.perf_counter()
+                samples[name].append(end - start if world is None else
+                                     group_seconds(world, start, end, one_clock))
         done = rounds >= min_rounds and time.perf_counter() >= deadline
         if world is not None:
             done = world.bcast(done, root=0)
