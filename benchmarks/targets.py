@@ -10,13 +10,20 @@ this script, which measures nothing, reads them all and writes
 benchmarks/results/targets-cpu.{json,md}.
 
 Every row is put as jaxring's time over the time its target allows (1 or below: met), beside the
-same for the row's floor, the least that any implementation with jaxring's ordered effect (the
-effect floor) or any that moves the bytes the collective must (the copy and traffic floors)
-takes on this machine, measured in the same run (the benchmarks' docstrings define each). The
-verdict takes the median over the runs:
+same for the row's floors, measured in the same run (the benchmarks' docstrings define each):
+programs that do less than the collective must, so that none can take less than the fastest way
+of doing what they do. `effect`: the collective's input in, an output of its shape out, and
+jaxring's ordered effect, with no communication; `launch`: the same at the smallest size, since
+a lone call's launch does not shrink as the message grows; `copy` and `traffic`: every byte the
+collective must read and write, copied. Those programs are not always the fastest way to do what
+they do: XLA's elementwise pass, and `jnp.tile` for all_gather's, at times took longer than
+jaxring's whole collective. So a floor counts only where it is not refuted: where its median over
+the runs is at most jaxring's. The row's floor is the largest that stands. The verdict takes the
+medians over the runs:
 - `met`: jaxring / target at most 1;
-- `impossible`: not met, and floor / target above 1, so no implementation meets it here;
-- `unmet`: neither; the floor leaves room that jaxring does not reach.
+- `impossible`: not met, and the floor over the target above 1, so no implementation meets it
+  here;
+- `unmet`: neither: the floors that stand leave room that jaxring does not reach.
 """
 
 from __future__ import annotations
@@ -44,16 +51,12 @@ def runs(name: str) -> list[dict]:
     return [json.loads(p.read_text()) for p in paths if p.exists()]
 
 
-def strongest(*ratios) -> float | None:
-    """The largest of the floor ratios that bound anything (not None)."""
-    return max((r for r in ratios if r is not None), default=None)
-
-
 def in_process_rows(run: dict) -> dict:
-    """(table, collective, n, bytes) -> (jaxring / target, floor / target or None) for one run of
-    allreduce.py. The target is issue2_target() x the twin's time. A lone row's floor is the
-    stronger of the effect floor (below huge_page_bytes outputs, see allreduce.py) and the copy
-    floor; the loop rows have none."""
+    """(table, collective, n, bytes) -> (jaxring / target, {floor kind: floor / target}) for one
+    run of allreduce.py. The target is issue2_target() x the twin's time. A lone row's floors: the
+    `effect` floor at its size (below huge_page_bytes outputs, see allreduce.py), the `launch`
+    (the effect floor at the smallest size: a lone call's launch does not shrink as the message
+    grows) and the `copy` floor; the loop rows have none."""
     huge = run.get("config", {}).get("huge_page_bytes", HUGE_PAGE_BYTES)
     out = {}
     for table, key in (("lone", "rows"), ("loop", "in_loop_rows")):
@@ -64,53 +67,65 @@ def in_process_rows(run: dict) -> dict:
             collective, twin = TWINS[case]
             allowed = by[(n, nbytes, twin)] * issue2_target(nbytes)
             output = nbytes // n if collective == "reduce_scatter" else nbytes
-            effect = by.get((n, nbytes, f"effect floor[{collective}]"))
-            copy = by.get((n, nbytes, f"copy floor[{collective}]"))
-            floor = strongest(effect / allowed if effect and output < huge else None,
-                              copy / allowed if copy else None)
-            out[(table, collective, n, nbytes)] = (seconds / allowed, floor)
+            effect = f"effect floor[{collective}]"
+            smallest = min(s for m, s, c in by if m == n and c == effect) if table == "lone" else 0
+            floors = {"effect": by.get((n, nbytes, effect)) if output < huge else None,
+                      "launch": by.get((n, smallest, effect)),
+                      "copy": by.get((n, nbytes, f"copy floor[{collective}]"))}
+            out[(table, collective, n, nbytes)] = (
+                seconds / allowed, {k: f / allowed for k, f in floors.items() if f is not None})
     return out
 
 
 def mpi_rows(run: dict) -> dict:
-    """(table, bytes) -> (jaxring / target, floor / target or None) for one run of
+    """(table, bytes) -> (jaxring / target, {floor kind: floor / target}) for one run of
     allreduce_mpi.py, the target being issue3_target() of the same table's mpi4jax and mpi4py
-    times. A lone row's floor is the loop table's copy floor where there is one (from 16 MiB),
-    else the effect floor below huge_page_bytes; a loop row's, the loop table's floor."""
+    times. A lone row's floors: the `effect` floor below huge_page_bytes, the `launch` (the effect
+    floor at the smallest size) and, from 16 MiB, the loop table's `copy` floor; a loop row's, the
+    loop table's `traffic` or `copy` floor."""
     rows = run["rows"]
     by = {(r["impl"], r["bytes"]): r["seconds"] for r in rows}
     out = {}
-    for nbytes in sorted({r["bytes"] for r in rows}):
+    sizes = sorted({r["bytes"] for r in rows})
+    for nbytes in sizes:
         allowed = issue3_target(by[("mpi4jax.allreduce", nbytes)],
                                 by[("mpi4py Allreduce", nbytes)], nbytes)
-        floor = looped_floor(rows, nbytes, "copy floor")
-        if floor is None and nbytes < HUGE_PAGE_BYTES:
-            floor = by[("effect floor", nbytes)]
+        floors = {"effect": by[("effect floor", nbytes)] if nbytes < HUGE_PAGE_BYTES else None,
+                  "launch": by[("effect floor", sizes[0])],
+                  "copy": looped_floor(rows, nbytes, "copy floor")}
         out[("lone", nbytes)] = (by[("jaxring.all_reduce", nbytes)] / allowed,
-                                 floor / allowed if floor is not None else None)
+                                 {k: f / allowed for k, f in floors.items() if f is not None})
     for nbytes in sorted({r["bytes"] for r in rows if r.get("per_op")}):
         allowed = issue3_target(by[("mpi4jax.allreduce in a loop", nbytes)],
                                 by[("mpi4py Allreduce in a loop", nbytes)], nbytes)
-        floor = looped_floor(rows, nbytes, ("traffic floor", "copy floor"))
+        floors = {kind: looped_floor(rows, nbytes, f"{kind} floor") for kind in ("traffic", "copy")}
         out[("loop", nbytes)] = (by[("jaxring.all_reduce in a loop", nbytes)] / allowed,
-                                 floor / allowed if floor is not None else None)
+                                 {k: f / allowed for k, f in floors.items() if f is not None})
     return out
 
 
 def judge(per_run: list[dict]) -> list[dict]:
-    """One verdict per row present in every run, from the medians over the runs."""
+    """One verdict per row present in every run, from the medians over the runs. Each floor kind
+    the row has in every run is taken at its median; one above jaxring's median is refuted (its
+    program ran slower than jaxring's collective, so it bounds nothing there), and the row's
+    floor is the largest of the others."""
     keys = [k for k in per_run[0] if all(k in rows for rows in per_run)]
     verdicts = []
     for key in keys:
         ratios = [rows[key][0] for rows in per_run]
-        floors = [rows[key][1] for rows in per_run if rows[key][1] is not None]
         ratio = statistics.median(ratios)
-        floor = statistics.median(floors) if floors else None
+        kinds = [k for k in per_run[0][key][1] if all(k in rows[key][1] for rows in per_run)]
+        floors = {k: statistics.median(rows[key][1][k] for rows in per_run) for k in kinds}
+        standing = {k: f for k, f in floors.items() if f <= ratio}
+        kind = max(standing, key=standing.get, default=None)
+        floor = standing.get(kind)
         verdict = ("met" if ratio <= 1 else
                    "impossible" if floor is not None and floor > 1 else "unmet")
-        verdicts.append({"key": list(key), "ratios": ratios, "ratio": ratio, "floors": floors,
-                         "floor": floor, "met_runs": sum(r <= 1 for r in ratios),
-                         "verdict": verdict})
+        verdicts.append({"key": list(key), "ratios": ratios, "ratio": ratio,
+                         "floors": {k: [rows[key][1][k] for rows in per_run] for k in kinds},
+                         "floor": floor, "floor_kind": kind,
+                         "refuted": {k: f for k, f in floors.items() if f > ratio},
+                         "met_runs": sum(r <= 1 for r in ratios), "verdict": verdict})
     return verdicts
 
 
@@ -126,15 +141,20 @@ def cell(values) -> str:
 
 
 def floor_cell(verdict: dict) -> str:
-    return "-" if verdict["floor"] is None else f"{verdict['floor']:.2f}"
+    return ("-" if verdict["floor"] is None else
+            f"{verdict['floor']:.2f} ({verdict['floor_kind']})")
+
+
+def refuted_cell(verdict: dict) -> str:
+    return ", ".join(f"{kind} {f:.2f}" for kind, f in verdict["refuted"].items()) or "-"
 
 
 def verdict_tables(title: str, columns: tuple, rows: list) -> list[str]:
     """Markdown lines: the rows (verdict, its key's cells) that are unmet or split between runs,
     then those that are impossible; rows met in every run are only counted in the summary."""
     head = ("| " + " | ".join(columns) + " | jaxring / target, per run | median | floor / target"
-            " | verdict | met in |")
-    rule = "|" + "---|" * (len(columns) + 5)
+            " | refuted floors / target | verdict | met in |")
+    rule = "|" + "---|" * (len(columns) + 6)
     lines = []
     for heading, keep in (
             ("unmet, or met in some runs only",
@@ -143,7 +163,7 @@ def verdict_tables(title: str, columns: tuple, rows: list) -> list[str]:
              lambda v: v["verdict"] == "impossible" and v["met_runs"] == 0)):
         lines += ["", f"## {title}: {heading}", "", head, rule]
         lines += [f"| {' | '.join(str(c) for c in cells)} | {cell(v['ratios'])} | "
-                  f"{v['ratio']:.2f} | {floor_cell(v)} | {v['verdict']} | "
+                  f"{v['ratio']:.2f} | {floor_cell(v)} | {refuted_cell(v)} | {v['verdict']} | "
                   f"{v['met_runs']}/{len(v['ratios'])} |" for v, cells in rows if keep(v)]
     return lines
 
@@ -155,9 +175,15 @@ def markdown(issue2: list[dict], n_in_process: int, issue3: dict, n_mpi: dict) -
         "Written by `benchmarks/targets.py` from the stored runs of `allreduce.py` and "
         "`allreduce_mpi.py` (it measures nothing). Each row: jaxring's time over the time the "
         "target allows (1 or below: met) in each run, their median, the row's floor over the "
-        "same allowance (median over the runs; `-`: no floor bounds that row), and the verdict "
-        "from the medians: `met`; `impossible` (floor / target above 1: nothing with jaxring's "
-        "ordered effect, or nothing that moves the bytes, meets it on this machine); `unmet`. "
+        "same allowance (median over the runs; `-`: no floor bounds that row) and its kind, and "
+        "the verdict from the medians: `met`; `impossible` (floor / target above 1: nothing "
+        "with jaxring's ordered effect, or nothing that moves the bytes, meets it on this "
+        "machine); `unmet`. Floor kinds (the docstring of `targets.py` says more): `effect`, "
+        "a program with jaxring's ordered effect that takes the input and writes the output "
+        "without communicating; `launch`, the same at the smallest size (a lone call's launch "
+        "does not shrink as the message grows); `copy` and `traffic`, copies of the bytes the "
+        "collective must move. `refuted floors`: floors whose median exceeds jaxring's own, so "
+        "that their programs were slower than jaxring's collective and bound nothing there. "
         "`met in` counts the runs that met the row on their own.",
         "",
         "Targets. Issue 2: jaxring's time at most 1.0x its lax twin's, 0.8x from 16 MiB, on "
