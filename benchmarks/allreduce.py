@@ -55,8 +55,11 @@ CASES = [
 TWIN = {"all_reduce": "lax.psum", "reduce_scatter": "lax.psum_scatter",
         "all_gather": "lax.all_gather"}
 # The effect floor of each collective on n devices: a program that takes the collective's input,
-# writes an output of its shape in one XLA elementwise pass (reduce_scatter's sums its n blocks,
-# reading every input byte once), and carries jaxring's ordered effect without communicating
+# writes an output of its shape in one XLA pass (reduce_scatter's sums its n blocks, reading every
+# input byte once; all_gather's concatenates n copies of the input, which XLA's CPU backend does
+# with a memcpy per operand: `jnp.tile(v, n) + 1`, which earlier runs timed, took 1.2-1.3x
+# jaxring's whole all_gather at 1-4 MiB on 4 and 8 devices, and the concatenation 0.85-0.93x),
+# and carries jaxring's ordered effect without communicating
 # (common.with_jaxring_effect). Every lone call of a collective that carries the effect, as issue 2
 # asks of jaxring's, costs at least this; where it exceeds the twin's time, no such collective
 # matches the twin in a lone call, however it moves the data. Not from huge_page_bytes (8 MiB) on:
@@ -67,7 +70,7 @@ FLOOR_BODIES = {
     "all_reduce": lambda v, n: v + 1,
     # The sum of its n blocks: every input byte read once, as every reduce-scatter must.
     "reduce_scatter": lambda v, n: sum(jnp.split(v, n)),
-    "all_gather": lambda v, n: jnp.tile(v, n) + 1,
+    "all_gather": lambda v, n: jnp.concatenate([v] * n),
 }
 
 
@@ -284,14 +287,14 @@ def markdown(env: dict, ceiling: float, rows: list[dict], huge_pages: int) -> st
         " algbw x (n-1)/n).",
         "",
         f"`{FLOOR}`: a program that takes the collective's input, writes an output of its shape"
-        " in one XLA elementwise pass (reduce_scatter's sums its n blocks, reading every input"
-        " byte once as every reduce-scatter must) and carries"
+        " in one XLA pass (all_reduce's adds 1; reduce_scatter's sums its n blocks, reading every"
+        " input byte once as every reduce-scatter must; all_gather's concatenates n copies of"
+        " the input, a memcpy each) and carries"
         " jaxring's ordered effect, communicating nothing"
         " (`common.with_jaxring_effect`). Every lone call of a collective that carries the effect"
         " costs at least this, unless XLA's pass is a slower way to touch the bytes than the"
-        " collective's own: where jaxring takes less (all_gather's `jnp.tile` floor at 1-4 MiB"
-        " on 4 and 8 devices), the floor bounds nothing (`targets.py` counts only the floors"
-        " that stand). `floor / twin` above 1: no collective with the effect, however it"
+        " collective's own: where jaxring takes less, the floor bounds nothing (`targets.py`"
+        " counts only the floors that stand). `floor / twin` above 1: no collective with the effect, however it"
         " moves the data, matches the lax twin in a lone call on this machine; the time goes to"
         " JAX's dispatch of a program with an ordered effect (`overhead-cpu.md`). From 8 MiB"
         " outputs (`huge_page_bytes`) it bounds nothing (`-`): jaxring's outputs are then advised"
