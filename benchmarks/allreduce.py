@@ -294,10 +294,11 @@ def markdown(env: dict, ceiling: float, rows: list[dict], huge_pages: int) -> st
         " (`common.with_jaxring_effect`). Every lone call of a collective that carries the effect"
         " costs at least this, unless XLA's pass is a slower way to touch the bytes than the"
         " collective's own: where jaxring takes less, the floor bounds nothing (`targets.py`"
-        " counts only the floors that stand). `floor / twin` above 1: no collective with the effect, however it"
-        " moves the data, matches the lax twin in a lone call on this machine; the time goes to"
-        " JAX's dispatch of a program with an ordered effect (`overhead-cpu.md`). From 8 MiB"
-        " outputs (`huge_page_bytes`) it bounds nothing (`-`): jaxring's outputs are then advised"
+        " counts only the floors that stand). `floor / twin` above 1: no collective with the"
+        " effect, however it moves the data, matches the lax twin in a lone call on this"
+        " machine; the time goes to JAX's dispatch of a program with an ordered effect"
+        " (`overhead-cpu.md`). From 8 MiB outputs (`huge_page_bytes`) it bounds nothing (`-`):"
+        " jaxring's outputs are then advised"
         " onto huge pages, and the floor's XLA output, faulted in 4 KiB at a time, can cost more"
         " than jaxring's whole collective (README, \"Page faults\").",
         "",

@@ -12,7 +12,8 @@ Every process uses the same GPU (or one each, if the node has several). It measu
 - mpi4jax.allreduce(x, MPI.SUM) inside jax.jit (host-staged unless MPI is CUDA-aware);
 - mpi4py's comm.Allreduce on numpy buffers (host memory, the floor of any host-staged method),
 for float32 messages of 4 KiB .. 256 MiB per rank. Every sample starts after a barrier and counts
-from the first rank's start to the last rank's end. Writes benchmarks/results/allreduce_gpu-<gpu>-n{N}.{json,md,png}.
+from the first rank's start to the last rank's end. Writes
+benchmarks/results/allreduce_gpu-<gpu>-n{N}.{json,md,png}.
 
 Without a visible CUDA GPU it exits with status 2 and says so.
 """

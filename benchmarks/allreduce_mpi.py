@@ -18,7 +18,8 @@ Each process has one CPU device. For float32 messages of 4 B .. 64 MiB per rank 
   0.3 us per all-reduce over 1024): the steady state of a training step.
 Every sample starts after a barrier and counts from the first rank's start to the last rank's
 end (common.group_seconds), so that the floors, which every rank runs on its own, pay for ranks
-that share a core as a collective does; the implementations take turns, one call each per round, so that every ratio compares the same stretch of time. glibc's malloc
+that share a core as a collective does; the implementations take turns, one call each per round,
+so that every ratio compares the same stretch of time. glibc's malloc
 is told to keep freed memory (mallopt, as MALLOC_MMAP_THRESHOLD_ / MALLOC_TRIM_THRESHOLD_ would):
 otherwise whichever implementation's fresh 1-32 MiB buffer lands on trimmed or unmapped memory
 pays a page fault per 4 KiB (about 3 ms at 4 MiB on this VM), and which one that is changes from
@@ -296,9 +297,10 @@ def markdown(rows, env, n, ceiling) -> str:
               "writes each output byte, and there the ranks' inputs and outputs no longer fit "
               "the cache, so no all-reduce takes less. Both floors are timed like every other "
               "case, from the first rank's start to the last rank's end, so that ranks sharing "
-              "a core take turns at their copies as they do at an all-reduce. (The traffic floor bounds nothing at "
-              "16 MiB: its whole-buffer copies go through memory, while jaxring's transport "
-              "works in 1 MiB chunks that stay in the cache.) `5x mpi4jax` is the time issue 3's "
+              "a core take turns at their copies as they do at an all-reduce. (The traffic floor "
+              "bounds nothing at 16 MiB: its whole-buffer copies go through memory, while "
+              "jaxring's transport works in 1 MiB chunks that stay in the cache.) `5x mpi4jax` is "
+              "the time issue 3's "
               "target asks for (mpi4jax's / 5); `floor / 5x` above 1: no all-reduce reaches it. "
               "`plain stores` forces plain stores into shared memory; where it is slower than "
               "the default, this VM's two cores sat on different dies of the host while it was "

@@ -115,7 +115,8 @@ def main() -> None:
         f"{PIPELINE_LAYERS} dense tanh layers of {PIPELINE_WIDTH} units, {PIPELINE_ROWS} rows per "
         f"stream, {PIPELINE_TICKS} ticks per program. Full passes (all layers, one stream) per "
         "second; speedup against one process running one stream at a time. Medians of at least "
-        "20 runs, the cases taking turns; each run counts from the first rank's start to the last rank's end.", "",
+        "20 runs, the cases taking turns; each run counts from the first rank's start to the "
+        "last rank's end.", "",
         "| case | passes/s | speedup |", "|---|---|---|"]
     lines += [f"| {r['case']} | {r['passes_per_s']:.0f} | {r['speedup']:.2f} |" for r in rows]
     name = f"pipeline_mpi-cpu-n{n}" + ("-bound" if bound else "")

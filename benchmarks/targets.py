@@ -13,14 +13,14 @@ Every row is put as jaxring's time over the time its target allows (1 or below: 
 same for the row's floors, measured in the same run (the benchmarks' docstrings define each):
 programs that do less than the collective must, so that none can take less than the fastest way
 of doing what they do. `effect`: the collective's input in, an output of its shape out, and
-jaxring's ordered effect, with no communication; `launch`: the least effect floor at that size or
-a smaller one, since a lone call's launch does not shrink as the message grows; `copy` and `traffic`: every byte the
-collective must read and write, copied. Those programs are not always the fastest way to do what
-they do: XLA's elementwise pass at times took longer than jaxring's whole collective (across
-processes from 4 KiB; in one process `jnp.tile(v, n) + 1`, all_gather's floor before
-`jnp.concatenate`, at 1-4 MiB on 4 and 8 devices). So a floor counts only where it is not refuted: where its median over
-the runs is at most jaxring's. The row's floor is the largest that stands. The verdict takes the
-medians over the runs:
+jaxring's ordered effect, with no communication; `launch`: the least effect floor at that size
+or a smaller one, since a lone call's launch does not shrink as the message grows; `copy` and
+`traffic`: every byte the collective must read and write, copied. Those programs are not always
+the fastest way to do what they do: XLA's elementwise pass at times took longer than jaxring's
+whole collective (across processes from 4 KiB; in one process `jnp.tile(v, n) + 1`, all_gather's
+floor before `jnp.concatenate`, at 1-4 MiB on 4 and 8 devices). So a floor counts only where it
+is not refuted: where its median over the runs is at most jaxring's. The row's floor is the
+largest that stands. The verdict takes the medians over the runs:
 - `met`: jaxring / target at most 1;
 - `impossible`: not met, and the floor over the target above 1, so no implementation meets it
   here;
@@ -118,15 +118,15 @@ def judge(per_run: list[dict]) -> list[dict]:
         kinds = [k for k in per_run[0][key][1] if all(k in rows[key][1] for rows in per_run)]
         per_kind = {k: [rows[key][1][k] for rows in per_run] for k in kinds}
         floors = {k: statistics.median(f) for k, f in per_kind.items()}
-        beaten = {k for k, f in floors.items() if f > ratio}
-        standing = {k: f for k, f in floors.items() if k not in beaten}
+        refuted = {k: f for k, f in floors.items() if f > ratio}
+        standing = {k: f for k, f in floors.items() if k not in refuted}
         kind = max(standing, key=standing.get, default=None)
         floor = standing.get(kind)
         verdict = ("met" if ratio <= 1 else
                    "impossible" if floor is not None and floor > 1 else "unmet")
         verdicts.append({"key": list(key), "ratios": ratios, "ratio": ratio,
                          "floors": per_kind, "floor": floor, "floor_kind": kind,
-                         "refuted": {k: f for k, f in floors.items() if k in beaten},
+                         "refuted": refuted,
                          "met_runs": sum(r <= 1 for r in ratios), "verdict": verdict})
     return verdicts
 
@@ -183,8 +183,8 @@ def markdown(issue2: list[dict], n_in_process: int, issue3: dict, n_mpi: dict) -
         "machine); `unmet`. Floor kinds (the docstring of `targets.py` says more): `effect`, "
         "a program with jaxring's ordered effect that takes the input and writes the output "
         "without communicating; `launch`, the least effect floor at that size or a smaller one "
-        "(a lone call's launch "
-        "does not shrink as the message grows); `copy` and `traffic`, copies of the bytes the "
+        "(a lone call's launch does not shrink as the message grows); `copy` and `traffic`, "
+        "copies of the bytes the "
         "collective must move. `refuted floors`: floors whose median exceeds jaxring's, so that "
         "their programs were slower than jaxring's collective and bound nothing there. "
         "`met in` counts the runs that met the row on their own.",
