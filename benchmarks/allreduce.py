@@ -57,8 +57,9 @@ TWIN = {"all_reduce": "lax.psum", "reduce_scatter": "lax.psum_scatter",
 # The effect floor of each collective on n devices: a program that takes the collective's input,
 # writes an output of its shape in one XLA pass (reduce_scatter's sums its n blocks, reading every
 # input byte once; all_gather's concatenates n copies of the input, which XLA's CPU backend does
-# with a memcpy per operand: `jnp.tile(v, n) + 1`, which earlier runs timed, took 1.2-1.3x
-# jaxring's whole all_gather at 1-4 MiB on 4 and 8 devices, and the concatenation 0.85-0.93x),
+# with a memcpy per operand: `jnp.tile(v, n) + 1`, which earlier runs timed, took 1.15-1.25x
+# jaxring's whole all_gather at 1-4 MiB on 4 and 8 devices, and the concatenation 0.86-0.93x in
+# a probe),
 # and carries jaxring's ordered effect without communicating
 # (common.with_jaxring_effect). Every lone call of a collective that carries the effect, as issue 2
 # asks of jaxring's, costs at least this; where it exceeds the twin's time, no such collective
