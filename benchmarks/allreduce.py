@@ -39,8 +39,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import jaxring  # noqa: E402
 from jaxring._src.common import make_varying  # noqa: E402
 from common import (bus_factor, copy_ways, effect_floor_ratio, environment,  # noqa: E402
-                    human_bytes, issue2_target, keep_freed_memory, medians_in_turns, memory_bandwidth_gbps,
-                    steal_sentence, with_jaxring_effect, write_results)
+                    human_bytes, issue2_target, keep_freed_memory, medians_in_turns,
+                    memory_bandwidth_gbps, output_bytes, steal_sentence, with_jaxring_effect,
+                    write_results)
 
 # (name, collective, jaxring algorithm or None for the lax twin, body)
 CASES = [
@@ -59,8 +60,7 @@ TWIN = {"all_reduce": "lax.psum", "reduce_scatter": "lax.psum_scatter",
 # input byte once; all_gather's concatenates n copies of the input, which XLA's CPU backend does
 # with a memcpy per operand: `jnp.tile(v, n) + 1`, which earlier runs timed, took 1.15-1.25x
 # jaxring's whole all_gather at 1-4 MiB on 4 and 8 devices, and the concatenation 0.86-0.93x in
-# a probe),
-# and carries jaxring's ordered effect without communicating
+# a probe), and carries jaxring's ordered effect without communicating
 # (common.with_jaxring_effect). Every lone call of a collective that carries the effect, as issue 2
 # asks of jaxring's, costs at least this; where it exceeds the twin's time, no such collective
 # matches the twin in a lone call, however it moves the data. Not from huge_page_bytes (8 MiB) on:
@@ -331,8 +331,7 @@ def markdown(env: dict, ceiling: float, rows: list[dict], huge_pages: int) -> st
             cells = [f"{by_key[(n, size, c)]['seconds'] * 1e6:.1f}" for c in ours]
             ratios = [f"{by_key[(n, size, c)]['seconds'] / t:.2f}" for c in ours]
             f = by_key[(n, size, floor)]["seconds"]
-            output = size // n if collective == "reduce_scatter" else size
-            bound = effect_floor_ratio(f, t, output, huge_pages)
+            bound = effect_floor_ratio(f, t, output_bytes(collective, n, size), huge_pages)
             busbw = by_key[(n, size, ours[0])]["busbw_GBps"]
             copy = by_key.get((n, size, f"{COPY}[{collective}]"), {}).get("seconds")
             copy_time = (f"{copy * 1e6:.1f} | " if copy else "| ") if copies else ""

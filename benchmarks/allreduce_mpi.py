@@ -45,8 +45,8 @@ import jaxring  # noqa: E402
 import jaxring.mpi  # noqa: E402
 from common import (RESULTS, bus_factor, copy_ways, effect_floor_ratio,  # noqa: E402
                     environment, human_bytes, issue3_target, keep_freed_memory, looped_floor,
-                    medians_in_turns, memory_bandwidth_gbps, plot_time_per_size, rank_binding, steal_sentence,
-                    with_jaxring_effect, write_results)
+                    medians_in_turns, memory_bandwidth_gbps, plot_time_per_size, rank_binding,
+                    steal_sentence, with_jaxring_effect, write_results)
 
 keep_freed_memory()
 COMM = jaxring.mpi.world()

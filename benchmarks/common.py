@@ -110,6 +110,13 @@ def effect_floor_ratio(floor_seconds: float, reference_seconds: float, nbytes: i
     return f"{floor_seconds / reference_seconds:.2f}" if nbytes < huge_page_bytes else "-"
 
 
+def output_bytes(collective: str, n: int, nbytes: int) -> int:
+    """Bytes per device of the output of allreduce.py's row of `nbytes` (the all-reduce's and
+    reduce-scatter's input, the all-gather's output): a reduce-scatter's is 1/n of its input.
+    The effect floor bounds a lone call only below huge_page_bytes of output."""
+    return nbytes // n if collective == "reduce_scatter" else nbytes
+
+
 def issue2_target(nbytes: int) -> float:
     """Issue 2's bound on jaxring's time over its lax twin's at `nbytes` per device: at most 1.0x,
     and 0.8x from 16 MiB."""
@@ -284,8 +291,9 @@ def medians_in_turns(cases: dict, budget_seconds: float = 0.5, min_rounds: int =
     context = context or (lambda name: contextlib.nullcontext())
     if world is not None:
         from mpi4py import MPI
-        one_clock = world.allreduce(
-            world.Split_type(MPI.COMM_TYPE_SHARED).size == world.size, op=MPI.LAND)
+        node = world.Split_type(MPI.COMM_TYPE_SHARED)
+        one_clock = world.allreduce(node.size == world.size, op=MPI.LAND)
+        node.Free()
     for name, fn in cases.items():
         with context(name):
             for _ in range(warmups):  # compilation and first-touch page faults

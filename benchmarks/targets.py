@@ -35,7 +35,8 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import RESULTS, human_bytes, issue2_target, issue3_target, looped_floor  # noqa: E402
+from common import (RESULTS, human_bytes, issue2_target, issue3_target, looped_floor,  # noqa: E402
+                    output_bytes)
 
 # jaxring's case in allreduce.py -> (its collective, the lax twin's case)
 TWINS = {"jaxring.all_reduce": ("all_reduce", "lax.psum"),
@@ -67,9 +68,9 @@ def in_process_rows(run: dict) -> dict:
                 continue
             collective, twin = TWINS[case]
             allowed = by[(n, nbytes, twin)] * issue2_target(nbytes)
-            output = nbytes // n if collective == "reduce_scatter" else nbytes
             effect = f"effect floor[{collective}]"
-            floors = {"effect": by.get((n, nbytes, effect)) if output < huge else None,
+            floors = {"effect": (by.get((n, nbytes, effect))
+                                 if output_bytes(collective, n, nbytes) < huge else None),
                       "launch": min((t for (m, s, c), t in by.items()
                                      if m == n and c == effect and s <= nbytes), default=None),
                       "copy": by.get((n, nbytes, f"copy floor[{collective}]"))}
