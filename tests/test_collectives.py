@@ -165,6 +165,23 @@ def test_all_gather_large_enough_to_stream_its_stores(n, dtype):
         np.testing.assert_array_equal(out[device], x)
 
 
+@pytest.mark.parametrize("n", [3, 8])
+@pytest.mark.parametrize("dtype", [np.float32, jnp.bfloat16, np.int64], ids=str)
+def test_reduce_scatter_in_many_pieces(n, dtype):
+    """Output blocks of about 1 MiB are cut into several pieces that any device may take over
+    (LocalTransport::Share); an odd block size leaves every piece boundary but the first
+    unaligned. Every element of every block is checked against float64."""
+    rng = np.random.default_rng(n)
+    block = (1 << 20) // np.dtype(dtype).itemsize + 13
+    x = random_array(rng, (n * n * block,), dtype)
+    m = mesh(n)
+    f = shmap(lambda v: jaxring.reduce_scatter(v, "i"), m)
+    with jaxring.config.override(algorithm="direct"):
+        out = np.asarray(f(shard(x, m)))
+    expected = x.astype(np.float64).reshape(n, n * block).sum(0)
+    assert_close(out, expected, dtype, count=n)
+
+
 def test_copy_streamed_copies_every_byte():
     """The benchmarks' streamed copy (the extension's copy_streamed, CopyStreamed) with unaligned
     starts and tails on both sides, and its size check."""

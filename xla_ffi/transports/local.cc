@@ -22,6 +22,7 @@ struct PeerSlot {
   Flag progress;
   std::atomic<bool> arrived{false};
   std::atomic<bool> finished{false};
+  alignas(64) std::atomic<int64_t> next_piece{0};  // Share(): this rank's next piece to claim
 };
 
 class Meeting {
@@ -31,6 +32,7 @@ class Meeting {
   std::unique_ptr<PeerSlot[]> peers;
   Flag arrivals;
   Flag departures;
+  Flag pieces_done;  // Share()
 };
 
 namespace {
@@ -178,11 +180,30 @@ Status LocalTransport::Finish() {
   if (inputs_copied_) return Status();  // nobody touches another rank's buffers
   meeting_->peers[rank_].finished.store(true, std::memory_order_release);
   meeting_->departures.Add(1);
-  const uint32_t size = static_cast<uint32_t>(comm_.size);
-  if (!meeting_->departures.WaitAtLeast(size, deadline_, spin_iterations_) &&
-      meeting_->departures.AbandonBelow(size))
-    return Status::Error(MissingPeers("finish", Finished));
-  if (meeting_->departures.Load() & Flag::kAbandoned)
+  return WaitCount(meeting_->departures, static_cast<uint32_t>(comm_.size), "finish", Finished);
+}
+
+Status LocalTransport::Share(int64_t per_rank, const std::function<void(int64_t)>& body) {
+  const int n = comm_.size;
+  uint32_t done = 0;
+  for (int k = 0; k < n; ++k) {
+    const int owner = (rank_ + k) % n;
+    std::atomic<int64_t>& next = meeting_->peers[owner].next_piece;
+    for (int64_t i = next.fetch_add(1, std::memory_order_relaxed); i < per_rank;
+         i = next.fetch_add(1, std::memory_order_relaxed), ++done)
+      body(owner * per_rank + i);
+  }
+  meeting_->peers[rank_].finished.store(true, std::memory_order_release);
+  meeting_->pieces_done.Add(done);
+  return WaitCount(meeting_->pieces_done, static_cast<uint32_t>(n * per_rank), "finish",
+                   Finished);
+}
+
+Status LocalTransport::WaitCount(Flag& count, uint32_t target, const char* what,
+                                 bool (*done)(const Meeting&, int)) {
+  if (!count.WaitAtLeast(target, deadline_, spin_iterations_) && count.AbandonBelow(target))
+    return Status::Error(MissingPeers(what, done));
+  if (count.Load() & Flag::kAbandoned)
     return Status::Error(Where() + ": a peer gave up waiting for this collective to finish; its "
                                    "result cannot be trusted. See the error on the other ranks.");
   return Status();

@@ -7,6 +7,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -53,6 +54,16 @@ class LocalTransport {
   // algorithms then read only the meeting's copies and write only their own output.
   Status Finish();
 
+  // Work sharing, for the direct algorithms in place of Finish(): the call's work is cut into
+  // `per_rank` pieces for each rank (rank r's are pieces r * per_rank to (r + 1) * per_rank - 1,
+  // the same on every rank). Each rank runs body(piece) on its own pieces in order, then on the
+  // pieces of the ranks after it that nobody has begun yet, and returns once every piece is done:
+  // no rank touches this rank's buffers after that. With more devices than cores, a device
+  // thread that the scheduler leaves waiting for a core no longer holds back the call with a
+  // share that only it can do; whoever runs does the work. Which rank runs a piece never changes
+  // its result, so results stay bit-identical.
+  Status Share(int64_t per_rank, const std::function<void(int64_t)>& body);
+
   // Whether every rank joined with copy_input (valid after WaitForPeers): then PeerInput()
   // returns copies owned by the meeting.
   bool inputs_copied() const { return inputs_copied_; }
@@ -74,6 +85,10 @@ class LocalTransport {
   LocalTransport(CommunicatorId comm, int rank, Header header, std::shared_ptr<Meeting> meeting,
                  double timeout_seconds, int64_t spin_iterations);
   std::string MissingPeers(const char* what, bool (*done)(const Meeting&, int)) const;
+  // Waits until `count` reaches `target`; on timeout abandons it and names the ranks for which
+  // `done` does not hold.
+  Status WaitCount(Flag& count, uint32_t target, const char* what,
+                   bool (*done)(const Meeting&, int));
 
   CommunicatorId comm_;
   int rank_;
