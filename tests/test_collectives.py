@@ -168,11 +168,12 @@ def test_all_gather_large_enough_to_stream_its_stores(n, dtype):
 @pytest.mark.parametrize("n", [3, 8])
 @pytest.mark.parametrize("dtype", [np.float32, jnp.bfloat16, np.int64], ids=str)
 def test_reduce_scatter_in_many_pieces(n, dtype):
-    """Output blocks of about 1 MiB are cut into several pieces that any device may take over
-    (LocalTransport::Share); an odd block size leaves every piece boundary but the first
-    unaligned. Every element of every block is checked against float64."""
+    """Output blocks of 16/n MiB, 16 MiB in all, are cut into several pieces that any device may
+    take over (LocalTransport::Share) and written with streaming stores (StreamingPays; 16-bit
+    floats are not); an odd block size leaves every piece boundary but the first unaligned.
+    Every element of every block is checked against float64."""
     rng = np.random.default_rng(n)
-    block = (1 << 20) // np.dtype(dtype).itemsize + 13
+    block = (16 << 20) // (n * np.dtype(dtype).itemsize) + 13
     x = random_array(rng, (n * n * block,), dtype)
     m = mesh(n)
     f = shmap(lambda v: jaxring.reduce_scatter(v, "i"), m)

@@ -78,6 +78,10 @@ Status DirectReduceScatter(LocalTransport& t, const CollectiveBuffers& b) {
   // Rank r's pieces cut its output block (block r of every input).
   const int64_t per_rank = PiecesPerRank(b.output_count * static_cast<int64_t>(width));
   const Partition pieces{b.output_count, static_cast<int>(per_rank), AlignElements(h.dtype)};
+  // Streaming stores by the all-reduce's rule (all the ranks' outputs together). Lone
+  // reduce-scatters of 16 MiB took 0.75-0.90x the time with them on 2 and 4 devices against
+  // plain stores (two rounds; on 8 devices one round gained 6%, the other lost 4%).
+  const bool streaming = StreamingPays(b.output_count * static_cast<int64_t>(width) * n);
   std::vector<Operand> srcs(n);
   return t.Share(per_rank, [&](int64_t piece) {
     const int owner = static_cast<int>(piece / per_rank);
@@ -85,7 +89,7 @@ Status DirectReduceScatter(LocalTransport& t, const CollectiveBuffers& b) {
     const int64_t begin = pieces.Begin(part);
     for (int peer = 0; peer < n; ++peer)
       srcs[peer] = Operand{Offset(t.PeerInput(peer), owner * b.output_count + begin, width)};
-    const Target dst{Offset(t.PeerOutput(owner), begin, width)};
+    const Target dst{Offset(t.PeerOutput(owner), begin, width), false, streaming};
     Reduce(h.dtype, h.op, srcs.data(), n, &dst, 1, pieces.Size(part), n);
   });
 }
