@@ -78,9 +78,10 @@ Status DirectReduceScatter(LocalTransport& t, const CollectiveBuffers& b) {
   // Rank r's pieces cut its output block (block r of every input).
   const int64_t per_rank = PiecesPerRank(b.output_count * static_cast<int64_t>(width));
   const Partition pieces{b.output_count, static_cast<int>(per_rank), AlignElements(h.dtype)};
-  // Streaming stores by the all-reduce's rule (all the ranks' outputs together). Lone
-  // reduce-scatters of 16 MiB took 0.75-0.90x the time with them on 2 and 4 devices against
-  // plain stores (two rounds; on 8 devices one round gained 6%, the other lost 4%).
+  // Streaming stores by the all-reduce's rule (all the ranks' outputs together). Against plain
+  // stores, lone reduce-scatters of 16 MiB took 0.88-0.91x the time with them on 2 devices and
+  // 0.96-0.99x on 4 (two rounds in turns; on 8 one round gained 6%, the other lost 4%), and
+  // 0.95-1.02x inside a loop.
   const bool streaming = StreamingPays(b.output_count * static_cast<int64_t>(width) * n);
   std::vector<Operand> srcs(n);
   return t.Share(per_rank, [&](int64_t piece) {
