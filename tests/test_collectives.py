@@ -304,6 +304,19 @@ def test_broadcast(n, dtype):
         np.testing.assert_array_equal(out, expected)
 
 
+@pytest.mark.parametrize("n", [3, 8])
+def test_broadcast_in_many_pieces(n):
+    """A 1 MiB broadcast is cut into pieces that any device may write into any output
+    (LocalTransport::Share); an odd size leaves every piece boundary but the first unaligned."""
+    rng = np.random.default_rng(n)
+    count = (1 << 20) // 4 + 13
+    x = random_array(rng, (n * count,), np.float32)
+    m = mesh(n)
+    for root in (0, n - 1):
+        out = np.asarray(shmap(lambda v: jaxring.broadcast(v, "i", root=root), m)(shard(x, m)))
+        np.testing.assert_array_equal(out, np.tile(x[root * count:(root + 1) * count], n))
+
+
 def test_scalar_all_gather_and_size_zero():
     n = 4
     m = mesh(n)

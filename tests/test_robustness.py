@@ -219,6 +219,9 @@ _ONE_CORE = textwrap.dedent("""
                                                               in_specs=P("i"),
                                                               out_specs=P("i")))(xs))
             np.testing.assert_array_equal(run(ours), run(theirs), err_msg=f"{ours} {n}")
+        root = x.reshape(n, -1)[n - 1]
+        np.testing.assert_array_equal(run(lambda v, a: jaxring.broadcast(v, a, root=n - 1)),
+                                      np.tile(root, n), err_msg=f"broadcast {n}")
     print("ALL OK")
 """)
 

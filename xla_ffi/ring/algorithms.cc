@@ -30,7 +30,7 @@ bool IsReduction(Collective kind) {
 // ---- direct (one-shot) algorithms --------------------------------------------------------------
 // Every rank handles 1/n of the data, reading every peer's input once and writing every peer's
 // output once: the least memory traffic possible in shared memory, and two hand-offs in all
-// (arrival and the end of the shared work). Each rank's 1/n is cut into pieces of about
+// (arrival and the end of the shared work). Each rank's work is cut into pieces of about
 // kPieceBytes that other ranks take over once their own are done (LocalTransport::Share).
 // Small messages (Config::copy_input_bytes) need only the first hand-off: every rank copies its
 // input into the meeting as it arrives, then writes only its own output from the copies, so no
@@ -130,9 +130,23 @@ Status DirectAllGather(LocalTransport& t, const CollectiveBuffers& b) {
 
 Status DirectBroadcast(LocalTransport& t, const CollectiveBuffers& b) {
   const Header& h = t.header();
-  const size_t bytes = h.count * ByteWidth(h.dtype);
-  if (bytes) std::memcpy(b.output, t.PeerInput(static_cast<int>(h.root)), bytes);
-  return t.Finish();
+  const size_t width = ByteWidth(h.dtype);
+  const void* root = t.PeerInput(static_cast<int>(h.root));
+  if (t.inputs_copied()) {
+    if (h.count) std::memcpy(b.output, root, h.count * width);
+    return t.Finish();
+  }
+  // Rank r's pieces fill its output from the root's input.
+  const int64_t per_rank = PiecesPerRank(h.count * static_cast<int64_t>(width));
+  const Partition pieces{h.count, static_cast<int>(per_rank), AlignElements(h.dtype)};
+  return t.Share(per_rank, [&](int64_t piece) {
+    const int owner = static_cast<int>(piece / per_rank);
+    const int part = static_cast<int>(piece % per_rank);
+    const int64_t begin = pieces.Begin(part);
+    const size_t size = static_cast<size_t>(pieces.Size(part)) * width;
+    if (size) std::memcpy(Offset(t.PeerOutput(owner), begin, width), Offset(root, begin, width),
+                          size);
+  });
 }
 
 // ---- the ring ----------------------------------------------------------------------------------
