@@ -183,7 +183,7 @@ Status LocalTransport::Finish() {
   return WaitCount(meeting_->departures, static_cast<uint32_t>(comm_.size), "finish", Finished);
 }
 
-Status LocalTransport::Share(int64_t per_rank, const std::function<void(int64_t)>& body) {
+Status LocalTransport::Share(int per_rank, const std::function<void(int, int)>& body) {
   const int n = comm_.size;
   uint32_t done = 0;
   for (int k = 0; k < n; ++k) {
@@ -191,7 +191,7 @@ Status LocalTransport::Share(int64_t per_rank, const std::function<void(int64_t)
     std::atomic<int64_t>& next = meeting_->peers[owner].next_piece;
     for (int64_t i = next.fetch_add(1, std::memory_order_relaxed); i < per_rank;
          i = next.fetch_add(1, std::memory_order_relaxed), ++done)
-      body(owner * per_rank + i);
+      body(owner, static_cast<int>(i));
   }
   meeting_->peers[rank_].finished.store(true, std::memory_order_release);
   meeting_->pieces_done.Add(done);

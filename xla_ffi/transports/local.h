@@ -55,14 +55,14 @@ class LocalTransport {
   Status Finish();
 
   // Work sharing, for the direct algorithms in place of Finish(): the call's work is cut into
-  // `per_rank` pieces for each rank (rank r's are pieces r * per_rank to (r + 1) * per_rank - 1,
-  // the same on every rank). Each rank runs body(piece) on its own pieces in order, then on the
-  // pieces of the ranks after it that nobody has begun yet, and returns once every piece is done:
-  // no rank touches this rank's buffers after that. With more devices than cores, a device
-  // thread that the scheduler leaves waiting for a core no longer holds back the call with a
-  // share that only it can do; whoever runs does the work. Which rank runs a piece never changes
-  // its result, so results stay bit-identical.
-  Status Share(int64_t per_rank, const std::function<void(int64_t)>& body);
+  // `per_rank` pieces for each rank, the same on every rank. Each rank runs body(owner, part) on
+  // its own pieces (owner = its rank, part = 0, 1, ...), then on the pieces of the ranks after it
+  // that nobody has begun yet, and returns once every piece is done: no rank touches this rank's
+  // buffers after that. With more devices than cores, a device thread that the scheduler leaves
+  // waiting for a core no longer holds back the call with a share that only it can do; whoever
+  // runs does the work. Which rank runs a piece never changes its result, so results stay
+  // bit-identical.
+  Status Share(int per_rank, const std::function<void(int owner, int part)>& body);
 
   // Whether every rank joined with copy_input (valid after WaitForPeers): then PeerInput()
   // returns copies owned by the meeting.
