@@ -127,13 +127,14 @@ def test_mean_divides_the_sum_bit_for_bit(n, dtype):
         np.testing.assert_array_equal(mean, total / dtype(n), err_msg=algorithm)
 
 
-@pytest.mark.parametrize("n", [2, 3])
+@pytest.mark.parametrize("n", [2, 3, 8])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("op", ["sum", "max"])
+@pytest.mark.parametrize("op", ["sum", "mean", "max", "min"])
 def test_all_reduce_large_enough_to_stream_its_stores(n, dtype, op):
     """Outputs of 16 MiB and more in all are written with streaming stores (kernels/reduce_cpu.cc,
-    StreamingPays); 16-bit floats are not. An odd count leaves a tail of every share unaligned.
-    Every element of every device's result is checked against float64."""
+    StreamingPays), in blocks that shrink as devices are added (BlockElements); 16-bit floats are
+    not streamed. An odd count leaves a tail of every share unaligned. Every element of every
+    device's result is checked against float64."""
     rng = np.random.default_rng(n)
     width = np.dtype(dtype).itemsize
     count = (16 << 20) // (n * width) + 13
@@ -143,9 +144,12 @@ def test_all_reduce_large_enough_to_stream_its_stores(n, dtype, op):
     with jaxring.config.override(algorithm="direct"):
         out = np.asarray(f(shard(x, m)))
     ref = x.astype(np.float64).reshape(n, count)
-    expected = ref.sum(0) if op == "sum" else ref.max(0)
+    expected = {"sum": ref.sum(0), "mean": ref.mean(0), "max": ref.max(0), "min": ref.min(0)}[op]
     for device in range(n):
-        assert_close(out[device], expected, dtype, count=n if op == "sum" else 1)
+        if op == "mean" and np.issubdtype(dtype, np.integer):
+            np.testing.assert_allclose(out[device], expected, rtol=1e-6)
+        else:
+            assert_close(out[device], expected, dtype, count=n if op in ("sum", "mean") else 1)
     assert (out == out[0]).all(), "every device holds the same bits"
 
 
