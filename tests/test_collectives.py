@@ -132,9 +132,9 @@ def test_mean_divides_the_sum_bit_for_bit(n, dtype):
 @pytest.mark.parametrize("op", ["sum", "mean", "max", "min"])
 def test_all_reduce_large_enough_to_stream_its_stores(n, dtype, op):
     """Outputs of 16 MiB and more in all are written with streaming stores (kernels/reduce_cpu.cc,
-    StreamingPays), in blocks that shrink as devices are added (BlockElements); 16-bit floats are
-    not streamed. An odd count leaves a tail of every share unaligned. Every element of every
-    device's result is checked against float64."""
+    StreamingPays): on 2 devices in blocks (BlockElements), on 3 and 8 a 64-byte line at a time
+    (StreamLines); 16-bit floats are not streamed. An odd count leaves a tail of every share
+    unaligned. Every element of every device's result is checked against float64."""
     rng = np.random.default_rng(n)
     width = np.dtype(dtype).itemsize
     count = (16 << 20) // (n * width) + 13

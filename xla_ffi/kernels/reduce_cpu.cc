@@ -61,6 +61,8 @@ constexpr int64_t kBlock = 512;  // elements per block: the block's accumulators
 // Against 512-element blocks, jaxring's lone float32 all-reduces then took 0.82-0.93x the time on
 // 4 and 8 devices from 4 to 16 MiB (0.89-0.97x at 64 MiB) and 0.96-1.02x on 2; reduce-scatters,
 // with one target, and all-reduces inside a loop moved within this machine's noise (A/B in turns).
+// Most of those reductions now go a line at a time instead (StreamLines); blocks remain for
+// reductions of few streams, in place, or into unaligned targets.
 constexpr int64_t kStreamedBlockBytes = 4096;
 
 // Elements per block of a reduction of `num_srcs` sources into `dsts` that accumulates in
@@ -165,34 +167,40 @@ void FoldGroup(typename Traits<T>::Acc* acc, const Operand* srcs, int64_t base, 
 
 constexpr int kMaxGroup = 8;  // sources folded in registers at once
 
-template <typename T, ReduceOp kOp, bool kFromAcc, Finish kFinish>
-void FoldGroupOf(int k, typename Traits<T>::Acc* acc, const Operand* srcs, int64_t base,
-                 int64_t len, typename Traits<T>::Acc factor) {
-  switch (k) {
-    case 1: return FoldGroup<T, kOp, 1, kFromAcc, kFinish>(acc, srcs, base, len, factor);
-    case 2: return FoldGroup<T, kOp, 2, kFromAcc, kFinish>(acc, srcs, base, len, factor);
-    case 3: return FoldGroup<T, kOp, 3, kFromAcc, kFinish>(acc, srcs, base, len, factor);
-    case 4: return FoldGroup<T, kOp, 4, kFromAcc, kFinish>(acc, srcs, base, len, factor);
-    case 5: return FoldGroup<T, kOp, 5, kFromAcc, kFinish>(acc, srcs, base, len, factor);
-    case 6: return FoldGroup<T, kOp, 6, kFromAcc, kFinish>(acc, srcs, base, len, factor);
-    case 7: return FoldGroup<T, kOp, 7, kFromAcc, kFinish>(acc, srcs, base, len, factor);
-    default: return FoldGroup<T, kOp, kMaxGroup, kFromAcc, kFinish>(acc, srcs, base, len, factor);
+// body(K, finish) with K = std::integral_constant<int, k> for k sources (1 to kMaxGroup) and
+// finish = std::integral_constant<Finish, ...> as `mean` says (only "mean" instantiates the scaled
+// kinds): the one place that turns a reduction's run-time shape into the kernels' template
+// arguments.
+template <ReduceOp kOp, typename Acc, typename Body>
+auto WithGroup(int k, const Mean<Acc>& mean, Body&& body) {
+  auto sized = [&](auto finish) {
+    switch (k) {
+      case 1: return body(std::integral_constant<int, 1>{}, finish);
+      case 2: return body(std::integral_constant<int, 2>{}, finish);
+      case 3: return body(std::integral_constant<int, 3>{}, finish);
+      case 4: return body(std::integral_constant<int, 4>{}, finish);
+      case 5: return body(std::integral_constant<int, 5>{}, finish);
+      case 6: return body(std::integral_constant<int, 6>{}, finish);
+      case 7: return body(std::integral_constant<int, 7>{}, finish);
+      default: return body(std::integral_constant<int, kMaxGroup>{}, finish);
+    }
+  };
+  if constexpr (kOp == ReduceOp::kMean) {
+    if (mean.finish == Finish::kMultiply)
+      return sized(std::integral_constant<Finish, Finish::kMultiply>{});
+    if (mean.finish == Finish::kDivide)
+      return sized(std::integral_constant<Finish, Finish::kDivide>{});
   }
+  return sized(std::integral_constant<Finish, Finish::kNone>{});
 }
 
-// One group of the fold, finished as `mean` says (only "mean" instantiates the scaled kinds).
+// One group of k sources of the fold, finished as `mean` says.
 template <typename T, ReduceOp kOp, bool kFromAcc>
 void FoldGroupFinished(int k, typename Traits<T>::Acc* acc, const Operand* srcs, int64_t base,
                        int64_t len, const Mean<typename Traits<T>::Acc>& mean) {
-  if constexpr (kOp == ReduceOp::kMean) {
-    if (mean.finish == Finish::kMultiply)
-      return FoldGroupOf<T, kOp, kFromAcc, Finish::kMultiply>(k, acc, srcs, base, len,
-                                                               mean.factor);
-    if (mean.finish == Finish::kDivide)
-      return FoldGroupOf<T, kOp, kFromAcc, Finish::kDivide>(k, acc, srcs, base, len,
-                                                             mean.factor);
-  }
-  FoldGroupOf<T, kOp, kFromAcc, Finish::kNone>(k, acc, srcs, base, len, mean.factor);
+  WithGroup<kOp>(k, mean, [&](auto group, auto finish) {
+    FoldGroup<T, kOp, group(), kFromAcc, finish()>(acc, srcs, base, len, mean.factor);
+  });
 }
 
 // acc[0, len) = srcs[0] op srcs[1] op ... at elements [base, base + len), folded left to right
@@ -274,22 +282,6 @@ int64_t FoldLinesStreamed(const Operand* srcs, const Target* dsts, int num_dsts,
   return i;
 }
 
-template <typename T, ReduceOp kOp, Finish kFinish>
-int64_t FoldLinesStreamedOf(int k, const Operand* srcs, const Target* dsts, int num_dsts,
-                            int64_t count, T factor) {
-  switch (k) {
-    case 1: return FoldLinesStreamed<T, kOp, 1, kFinish>(srcs, dsts, num_dsts, count, factor);
-    case 2: return FoldLinesStreamed<T, kOp, 2, kFinish>(srcs, dsts, num_dsts, count, factor);
-    case 3: return FoldLinesStreamed<T, kOp, 3, kFinish>(srcs, dsts, num_dsts, count, factor);
-    case 4: return FoldLinesStreamed<T, kOp, 4, kFinish>(srcs, dsts, num_dsts, count, factor);
-    case 5: return FoldLinesStreamed<T, kOp, 5, kFinish>(srcs, dsts, num_dsts, count, factor);
-    case 6: return FoldLinesStreamed<T, kOp, 6, kFinish>(srcs, dsts, num_dsts, count, factor);
-    case 7: return FoldLinesStreamed<T, kOp, 7, kFinish>(srcs, dsts, num_dsts, count, factor);
-    default:
-      return FoldLinesStreamed<T, kOp, kMaxGroup, kFinish>(srcs, dsts, num_dsts, count, factor);
-  }
-}
-
 // The elements FoldLinesStreamed takes: its whole lines when there are more than
 // kMaxBlockedStreams streams and every target streams, is 16-byte aligned and is no source (in
 // place, the line just read is still cached, and streaming it back at once cost up to 1.5x the
@@ -305,16 +297,9 @@ int64_t StreamLines(const Operand* srcs, int num_srcs, const Target* dsts, int n
     for (int k = 0; k < num_srcs; ++k)
       if (dsts[d].data == srcs[k].data) return 0;
   }
-  if constexpr (kOp == ReduceOp::kMean) {
-    if (mean.finish == Finish::kMultiply)
-      return FoldLinesStreamedOf<T, kOp, Finish::kMultiply>(num_srcs, srcs, dsts, num_dsts, count,
-                                                            mean.factor);
-    if (mean.finish == Finish::kDivide)
-      return FoldLinesStreamedOf<T, kOp, Finish::kDivide>(num_srcs, srcs, dsts, num_dsts, count,
-                                                          mean.factor);
-  }
-  return FoldLinesStreamedOf<T, kOp, Finish::kNone>(num_srcs, srcs, dsts, num_dsts, count,
-                                                    mean.factor);
+  return WithGroup<kOp>(num_srcs, mean, [&](auto group, auto finish) {
+    return FoldLinesStreamed<T, kOp, group(), finish()>(srcs, dsts, num_dsts, count, mean.factor);
+  });
 }
 #endif
 
