@@ -48,21 +48,20 @@ class ShmCommunicator {
   void* Slot(int peer) const;  // this step's staging slot of `peer`
   void* Result() const;        // this step's shared result area (slot_bytes)
   // Copies `bytes` into this rank's shared memory (its slot or the result area) the way that is
-  // faster now; StreamStores() says which way, for writes of its own (the reduction's into the
-  // result area). Plain stores must first take each cache line from the core that last read it.
-  // Where that core shares this one's last-level cache they win: the reader then finds the data
-  // in that cache. Where the two cores sit on different dies of the host, taking a line costs a
-  // cross-die round trip (350 ns against 75 ns; this VM's vCPUs move between such placements every
-  // few minutes) and plain stores ran at 2.2 GB/s against 27 GB/s for non-temporal ones: a 1 MiB
+  // faster now. Every store into shared memory goes through it (the all-reduce reduces into the
+  // rank's own output and copies that into the result area, RunStaged). Plain stores must first
+  // take each cache line from the core that last read it. Where that core shares this one's
+  // last-level cache they win: the reader then finds the data in that cache. Where the two cores
+  // sit on different dies of the host, taking a line costs a cross-die round trip (350 ns
+  // against 75 ns; this VM's vCPUs move between such placements every few minutes). In some such
+  // placements plain stores ran at 2.2 GB/s against 27 GB/s for non-temporal ones: a 1 MiB
   // all-reduce at 2 ranks took 540 us with plain stores and 120 us streamed, but 90 us plain
   // against 120-140 us streamed on one die. So every rank times its plain copies and streams
   // once kSlowInARow in a row ran below kSlowPlainBytesPerSecond, then tries a plain copy again
-  // every kProbeEvery copies to see whether the placement has changed back.
+  // every kProbeEvery copies to see whether the placement has changed back. (In others a plain
+  // copy stayed fast, and only stores mixed with reads, a block at a time, were slow.)
   // `mode` (Config::shm_stores) may force one kind.
   void CopyIn(void* dst, const void* src, size_t bytes, ShmStores mode);
-  bool StreamStores(ShmStores mode) const {
-    return mode == ShmStores::kStreaming || (mode == ShmStores::kAuto && streaming_);
-  }
   void PostHeader(const Header& header);  // before Publish(kStaged) on a call's first step
   Status CheckHeaders(const Header& mine) const;  // after WaitAll(kStaged) on the first step
   void Publish(Phase phase);
@@ -77,6 +76,9 @@ class ShmCommunicator {
   ShmCommunicator(ShmSegment* segment, size_t mapped_bytes, int rank, int size,
                   int64_t slot_bytes, std::string name);
   uint32_t Target(uint64_t step, Phase phase) const;
+  bool StreamStores(ShmStores mode) const {
+    return mode == ShmStores::kStreaming || (mode == ShmStores::kAuto && streaming_);
+  }
   Status WaitFor(int peer, Phase phase, const Header& header, const Deadline& deadline,
                  int64_t spin, uint64_t step);
 
@@ -88,7 +90,7 @@ class ShmCommunicator {
   std::string name_;
   uint64_t step_ = 0;  // steps this rank has begun (the same on every rank)
   bool broken_ = false;
-  bool streaming_ = false;          // CopyIn streams (and so does the reduction into Result())
+  bool streaming_ = false;          // CopyIn streams
   int64_t streamed_since_probe_ = 0;
   int64_t slow_in_a_row_ = 0;  // timed plain copies that ran slow, in a row
 };
