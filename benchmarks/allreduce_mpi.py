@@ -98,6 +98,8 @@ LOOP_MAX_BYTES = 16 << 20
 FLOOR = "traffic floor"
 COPY_FLOOR = "copy floor"
 COPY_FLOOR_BYTES = 16 << 20
+EXCHANGE_FLOOR = "exchange floor"
+EXCHANGE_CHUNKS = (256 << 10, 1 << 20)  # bytes per step; 128-512 KiB ran alike
 
 
 def loop_count(nbytes: int) -> int:
@@ -181,6 +183,33 @@ def copy_floors(nbytes: int, loops: int) -> dict:
             for way, copy in copy_ways().items()}
 
 
+def exchange_floors(nbytes: int, loops: int) -> dict:
+    """The least data movement between processes, timed the way the loops are: every rank at once
+    copies its input into its shared-memory slot and, once its left neighbour has done the same,
+    copies the neighbour's into an output (jaxring's RunExchange, through COMM's slots and
+    progress flags, chunk by chunk). Every element of a rank's all-reduce output depends on each
+    other rank's input, which the rank cannot read where it lies: so each rank must read its input
+    (S), write at least S into shared memory for the others, read at least S that other ranks
+    wrote there and write its output (S), and read after the writer has finished. The exchange
+    does exactly that and nothing else; unlike the traffic floor it pays for taking cache lines
+    from another core, which costs up to 3x more where the VM's two cores sit on different dies.
+    For each of EXCHANGE_CHUNKS (up to the size) with plain and with non-temporal stores into
+    shared memory; the floor is the fastest. Only on the shared-memory transport."""
+    from jaxring._jaxring import shm_exchange
+
+    if COMM.transport != "shm":
+        return {}
+    src = np.random.default_rng(COMM.rank).standard_normal(max(1, nbytes // 4), np.float32)
+    dst = np.empty_like(src)
+    floors = {}
+    for chunk in sorted({min(c, nbytes) for c in EXCHANGE_CHUNKS}):
+        for way, streamed in (("plain", False), ("streamed", True)):
+            floors[f"{EXCHANGE_FLOOR}[{way}, {human_bytes(chunk)} steps]"] = (
+                lambda x, xj, chunk=chunk, streamed=streamed:
+                shm_exchange(COMM.key, dst, src, chunk, streamed, loops))
+    return floors
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true")
@@ -208,6 +237,7 @@ def main() -> None:
             loops = loop_count(nbytes)
             floors = (copy_floors(nbytes, loops) if nbytes >= COPY_FLOOR_BYTES else
                       {FLOOR: traffic_floor(nbytes, n, loops)})
+            floors.update(exchange_floors(nbytes, loops))
             cases = {**loop_implementations(loops),
                      **{name: (run, {}) for name, run in floors.items()}}
             medians = medians_in_turns(
@@ -233,7 +263,7 @@ def main() -> None:
 
 def markdown(rows, env, n, ceiling) -> str:
     names = list(dict.fromkeys(r["impl"] for r in rows if not r.get("per_op")))
-    floors = (FLOOR, COPY_FLOOR)
+    floors = (FLOOR, COPY_FLOOR, EXCHANGE_FLOOR)
     looped_names = list(dict.fromkeys(r["impl"] for r in rows
                                       if r.get("per_op") and not r["impl"].startswith(floors)))
 
@@ -299,25 +329,33 @@ def markdown(rows, env, n, ceiling) -> str:
               "case, from the first rank's start to the last rank's end, so that ranks sharing "
               "a core take turns at their copies as they do at an all-reduce. (The traffic floor "
               "bounds nothing at 16 MiB: its whole-buffer copies go through memory, while "
-              "jaxring's transport works in 1 MiB chunks that stay in the cache.) `5x mpi4jax` is "
-              "the time issue 3's "
+              "jaxring's transport works in 1 MiB chunks that stay in the cache.) "
+              f"`{EXCHANGE_FLOOR}`: every rank at once stages its input in shared memory and, "
+              "once its neighbour has, copies the neighbour's into an output, in 256 KiB or 1 MiB "
+              "steps with plain or non-temporal stores, the fastest of the four "
+              "(`exchange_floors`): the least any all-reduce between processes must move from "
+              "core to core, which the traffic floor leaves out. `floor` in the ratios is the "
+              "larger of the two floors. `5x mpi4jax` is the time issue 3's "
               "target asks for (mpi4jax's / 5); `floor / 5x` above 1: no all-reduce reaches it. "
               "`plain stores` forces plain stores into shared memory; where it is slower than "
               "the default, this VM's two cores sat on different dies of the host while it was "
               "measured (README, \"Across processes\").", "",
               "| size | all-reduces per program | " +
               " | ".join(f"{m} (us)" for m in looped_names) +
-              " | floor (us) | vs mpi4jax | vs mpi4py | jaxring / floor | 5x mpi4jax (us) "
-              "| floor / 5x |",
-              "|---|---|" + "---|" * (len(looped_names) + 6)]
+              " | traffic or copy floor (us) | exchange floor (us) | vs mpi4jax | vs mpi4py "
+              "| jaxring / floor | 5x mpi4jax (us) | floor / 5x |",
+              "|---|---|" + "---|" * (len(looped_names) + 7)]
     for nbytes in sorted({r["bytes"] for r in rows if r.get("per_op")}):
         cells = " | ".join(f"{by[(m, nbytes)]['seconds'] * 1e6:.1f}" for m in looped_names)
         ours = by[("jaxring.all_reduce in a loop", nbytes)]["seconds"]
         theirs = by[("mpi4jax.allreduce in a loop", nbytes)]["seconds"]
-        floor = looped_floor(rows, nbytes, floors)
+        memory = looped_floor(rows, nbytes, (FLOOR, COPY_FLOOR))
+        exchange = looped_floor(rows, nbytes, EXCHANGE_FLOOR)
+        floor = max(memory, exchange or 0.0)
         lines.append(
             f"| {human_bytes(nbytes)} | {by[(looped_names[0], nbytes)]['loops']} | {cells} | "
-            f"{floor * 1e6:.1f} | {theirs / ours:.1f}x | "
+            f"{memory * 1e6:.1f} | {'-' if exchange is None else f'{exchange * 1e6:.1f}'} | "
+            f"{theirs / ours:.1f}x | "
             f"{by[('mpi4py Allreduce in a loop', nbytes)]['seconds'] / ours:.1f}x | "
             f"{ours / floor:.2f} | {theirs / 5 * 1e6:.1f} | {floor / (theirs / 5):.2f} |")
     return "\n".join(lines) + "\n"

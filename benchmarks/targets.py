@@ -84,7 +84,7 @@ def mpi_rows(run: dict) -> dict:
     allreduce_mpi.py, the target being issue3_target() of the same table's mpi4jax and mpi4py
     times. A lone row's floors: the `effect` floor below huge_page_bytes, the `launch` (the least
     effect floor at its size or a smaller one) and, from 16 MiB, the loop table's `copy` floor; a
-    loop row's, the loop table's `traffic` or `copy` floor."""
+    loop row's, the loop table's `traffic` or `copy` floor and its `exchange` floor."""
     rows = run["rows"]
     by = {(r["impl"], r["bytes"]): r["seconds"] for r in rows}
     out = {}
@@ -100,7 +100,8 @@ def mpi_rows(run: dict) -> dict:
     for nbytes in sorted({r["bytes"] for r in rows if r.get("per_op")}):
         allowed = issue3_target(by[("mpi4jax.allreduce in a loop", nbytes)],
                                 by[("mpi4py Allreduce in a loop", nbytes)], nbytes)
-        floors = {kind: looped_floor(rows, nbytes, f"{kind} floor") for kind in ("traffic", "copy")}
+        floors = {kind: looped_floor(rows, nbytes, f"{kind} floor")
+                  for kind in ("traffic", "copy", "exchange")}
         out[("loop", nbytes)] = (by[("jaxring.all_reduce in a loop", nbytes)] / allowed,
                                  {k: f / allowed for k, f in floors.items() if f is not None})
     return out

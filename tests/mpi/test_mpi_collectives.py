@@ -320,3 +320,18 @@ def test_build_time_and_run_time_mpi_must_agree(monkeypatch):
             jax.jit(lambda v: jaxring.ppermute(v, sub, [(0, 0)]))(np.ones(3))
     finally:
         jaxring.mpi._mpi_extension.cache_clear()
+
+
+@pytest.mark.parametrize("streamed", [False, True], ids=["plain", "streamed"])
+def test_the_benchmarks_exchange_floor_moves_the_left_neighbours_input(streamed):
+    """benchmarks/allreduce_mpi.py's exchange floor must do the data movement it claims: each
+    rank ends with its left neighbour's input, in steps smaller than the message and larger."""
+    from jaxring._jaxring import shm_exchange
+
+    rng = np.random.default_rng([COMM.rank, 7])
+    left = (COMM.rank - 1) % COMM.size
+    for size, chunk in ((1, 4), (100_003, 64 << 10), (300_001, 4 << 20)):
+        x = rng.standard_normal(size).astype(np.float32)
+        out = np.full_like(x, np.nan)
+        shm_exchange(COMM.key, out, x, chunk, streamed, 3)
+        np.testing.assert_array_equal(out, gathered(x)[left])

@@ -19,6 +19,7 @@
 #include "gpu/staged_steps.h"
 #include "kernels/reduce_cpu.h"
 #include "models/targets.h"
+#include "ring/staged.h"
 #include "transports/mailbox.h"
 #include "transports/process.h"
 #include "transports/shm.h"
@@ -418,4 +419,29 @@ NB_MODULE(_jaxring, m) {
       },
       nb::arg("dst"), nb::arg("src"),
       "Copies src into dst (C-contiguous host arrays of equal size) with non-temporal stores.");
+
+  // For allreduce_mpi.py's exchange floor (jaxring::RunExchange).
+  m.def(
+      "shm_exchange",
+      [](uint64_t key, HostArray dst, HostArray src, int64_t chunk_bytes, bool streamed,
+         int64_t loops) {
+        const size_t bytes = src.size() * src.itemsize();
+        if (dst.size() * dst.itemsize() != bytes)
+          throw std::invalid_argument("shm_exchange: dst and src differ in size");
+        auto comm = jaxring::ShmCommunicator::Find(key);
+        if (!comm) throw std::invalid_argument("shm_exchange: no shared-memory communicator");
+        const jaxring::ShmStores stores =
+            streamed ? jaxring::ShmStores::kStreaming : jaxring::ShmStores::kPlain;
+        jaxring::Status status;
+        {
+          nb::gil_scoped_release release;
+          status = jaxring::RunExchange(*comm, dst.data(), src.data(), static_cast<int64_t>(bytes),
+                                        chunk_bytes, stores, loops, jaxring::CurrentConfig());
+        }
+        if (!status.ok()) throw std::runtime_error(status.message());
+      },
+      nb::arg("key"), nb::arg("dst"), nb::arg("src"), nb::arg("chunk_bytes"), nb::arg("streamed"),
+      nb::arg("loops"),
+      "Runs `loops` exchanges through communicator `key`'s shared memory: every rank stages src "
+      "and copies its left neighbour's into dst, chunk_bytes per step.");
 }

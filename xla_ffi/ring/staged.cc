@@ -199,4 +199,32 @@ Status RunAgree(ShmCommunicator& comm, const Header& header, const Config& confi
                [](int64_t, const Deadline&, int64_t) { return Status(); });
 }
 
+Status RunExchange(ShmCommunicator& comm, void* output, const void* input, int64_t bytes,
+                   int64_t chunk_bytes, ShmStores stores, int64_t loops, const Config& config) {
+  Header header;
+  header.kind = Collective::kAllGather;
+  header.count = bytes / 4;  // float32 by default
+  const Deadline deadline(config.timeout_seconds);
+  const int left = (comm.rank() + comm.size() - 1) % comm.size();
+  const int64_t chunk = std::max<int64_t>(1, std::min(chunk_bytes, comm.slot_bytes()));
+  for (int64_t loop = 0; loop < loops; ++loop) {
+    for (int64_t at = 0; at < bytes; at += chunk) {
+      const size_t len = static_cast<size_t>(std::min(chunk, bytes - at));
+      Status status = comm.BeginStep(header, deadline, config.spin_iterations);
+      if (status.ok()) {
+        comm.CopyIn(comm.Slot(comm.rank()), At(input, at, 1), len, stores);
+        comm.Publish(Phase::kStaged);
+        status = comm.WaitFor(left, Phase::kStaged, header, deadline, config.spin_iterations);
+      }
+      if (!status.ok()) {
+        comm.Abandon();
+        return status;
+      }
+      std::memcpy(At(output, at, 1), comm.Slot(left), len);
+      comm.Publish(Phase::kCopied);
+    }
+  }
+  return Status();
+}
+
 }  // namespace jaxring
