@@ -83,8 +83,10 @@ def mpi_rows(run: dict) -> dict:
     """(table, bytes) -> (jaxring / target, {floor kind: floor / target}) for one run of
     allreduce_mpi.py, the target being issue3_target() of the same table's mpi4jax and mpi4py
     times. A lone row's floors: the `effect` floor below huge_page_bytes, the `launch` (the least
-    effect floor at its size or a smaller one) and, from 16 MiB, the loop table's `copy` floor; a
-    loop row's, the loop table's `traffic` or `copy` floor and its `exchange` floor."""
+    effect floor at its size or a smaller one), from 16 MiB the loop table's `copy` floor, and its
+    `exchange` floor where the loop table has one (a lone all-reduce moves at least what one in a
+    loop does); a loop row's, the loop table's `traffic` or `copy` floor and its `exchange`
+    floor."""
     rows = run["rows"]
     by = {(r["impl"], r["bytes"]): r["seconds"] for r in rows}
     out = {}
@@ -94,7 +96,8 @@ def mpi_rows(run: dict) -> dict:
                                 by[("mpi4py Allreduce", nbytes)], nbytes)
         floors = {"effect": by[("effect floor", nbytes)] if nbytes < HUGE_PAGE_BYTES else None,
                   "launch": min(by[("effect floor", s)] for s in sizes if s <= nbytes),
-                  "copy": looped_floor(rows, nbytes, "copy floor")}
+                  "copy": looped_floor(rows, nbytes, "copy floor"),
+                  "exchange": looped_floor(rows, nbytes, "exchange floor")}
         out[("lone", nbytes)] = (by[("jaxring.all_reduce", nbytes)] / allowed,
                                  {k: f / allowed for k, f in floors.items() if f is not None})
     for nbytes in sorted({r["bytes"] for r in rows if r.get("per_op")}):
