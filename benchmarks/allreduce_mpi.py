@@ -43,7 +43,7 @@ from mpi4py import MPI  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import jaxring  # noqa: E402
 import jaxring.mpi  # noqa: E402
-from common import (RESULTS, bus_factor, copy_ways, effect_floor_ratio,  # noqa: E402
+from common import (RESULTS, bus_factor, copy_ways,  # noqa: E402
                     environment, human_bytes, issue3_target, keep_freed_memory, looped_floor,
                     medians_in_turns, memory_bandwidth_gbps, plot_time_per_size, rank_binding,
                     steal_sentence, with_jaxring_effect, write_results)
@@ -60,6 +60,10 @@ SPIN_FOREVER = 1 << 40
 # carries jaxring's ordered effect, communicating nothing (common.with_jaxring_effect): every lone
 # call of a collective that carries the effect costs at least this, however it moves the data.
 EFFECT_FLOOR = "effect floor"
+# A lone jitted program that carries jaxring's ordered effect and does nothing else (its output is
+# its input): what launching any program with the effect costs, the least a lone call of a
+# collective that carries it can take, whatever it does with the bytes.
+LAUNCH_FLOOR = "launch floor"
 
 
 def implementations():
@@ -70,6 +74,7 @@ def implementations():
     two_nodes_sum = jax.jit(lambda v: jaxring.all_reduce(v, TWO_NODES))
     mpi4jax_sum = jax.jit(lambda v: mpi4jax.allreduce(v, MPI.SUM, comm=WORLD))
     effect_floor = jax.jit(lambda v: with_jaxring_effect(v + 1))
+    launch_floor = jax.jit(with_jaxring_effect)
 
     def mpi4py_sum(x):
         out = np.empty_like(x)
@@ -91,6 +96,7 @@ def implementations():
         "mpi4jax.allreduce": (lambda x, xj: mpi4jax_sum(xj).block_until_ready(), {}),
         "mpi4py Allreduce": (lambda x, xj: mpi4py_sum(x), {}),
         EFFECT_FLOOR: (lambda x, xj: effect_floor(xj).block_until_ready(), {}),
+        LAUNCH_FLOOR: (lambda x, xj: launch_floor(xj).block_until_ready(), {}),
     }
 
 
@@ -213,6 +219,39 @@ def exchange_floors(nbytes: int, loops: int) -> dict:
     return floors
 
 
+FRESH_EXCHANGE_FLOOR = "exchange floor, fresh output"
+
+
+def fresh_exchange_floors(nbytes: int) -> dict:
+    """For the lone table from COPY_FLOOR_BYTES: one exchange (exchange_floors) into a fresh
+    output, as a lone call's output is. From 32 MiB glibc maps every block afresh, and the kernel
+    zeroes each page of it on its first write, for every implementation alike; the fresh output
+    here is advised onto huge pages as jaxring advises its own outputs (huge_page_bytes), which
+    faults them in fastest. In 256 KiB steps, with plain and with non-temporal stores; the floor
+    is the faster. Only on the shared-memory transport."""
+    import ctypes
+    import ctypes.util
+
+    from jaxring._jaxring import shm_exchange
+
+    if COMM.transport != "shm":
+        return {}
+    libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+    huge, advice = 2 << 20, 14  # MADV_HUGEPAGE
+    src = np.random.default_rng(COMM.rank).standard_normal(max(1, nbytes // 4), np.float32)
+
+    def run(streamed):
+        dst = np.empty_like(src)
+        start = dst.ctypes.data
+        begin, end = -(-start // huge) * huge, (start + dst.nbytes) // huge * huge
+        if end > begin:
+            libc.madvise(ctypes.c_void_p(begin), ctypes.c_size_t(end - begin), advice)
+        shm_exchange(COMM.key, dst, src, 256 << 10, streamed, 1)
+
+    return {f"{FRESH_EXCHANGE_FLOOR}[{way}]": (lambda x, xj, streamed=streamed: run(streamed), {})
+            for way, streamed in (("plain", False), ("streamed", True))}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true")
@@ -229,6 +268,8 @@ def main() -> None:
         x = np.random.default_rng(COMM.rank).standard_normal(max(1, nbytes // 4), np.float32)
         xj = jax.device_put(x)
         cases = implementations()
+        if nbytes >= COPY_FLOOR_BYTES:
+            cases.update(fresh_exchange_floors(nbytes))
         medians = medians_in_turns(
             {name: lambda fn=fn: fn(x, xj) for name, (fn, _) in cases.items()}, world=WORLD,
             context=lambda name: jaxring.config.override(**cases[name][1]))
@@ -264,6 +305,19 @@ def main() -> None:
         plot_time_per_size(rows, f"all-reduce, {n} processes", RESULTS / f"{name}.png")
 
 
+def lone_floor(rows, nbytes: int, huge_pages: int) -> float | None:
+    """The largest floor under a lone all-reduce of `nbytes` in this run that jaxring's own time
+    there does not refute: the effect floor (below huge_pages), the launch floor, and the loop
+    table's copy and exchange floors and the fresh-output exchange floor where measured."""
+    by = {(r["impl"], r["bytes"]): r["seconds"] for r in rows if not r.get("per_op")}
+    fresh = [t for (m, b), t in by.items() if b == nbytes and m.startswith(FRESH_EXCHANGE_FLOOR)]
+    floors = [by[(EFFECT_FLOOR, nbytes)] if nbytes < huge_pages else None,
+              by.get((LAUNCH_FLOOR, nbytes)), min(fresh, default=None),
+              looped_floor(rows, nbytes, COPY_FLOOR), looped_floor(rows, nbytes, EXCHANGE_FLOOR)]
+    standing = [f for f in floors if f is not None and f <= by[("jaxring.all_reduce", nbytes)]]
+    return max(standing, default=None)
+
+
 def markdown(rows, env, n, ceiling) -> str:
     names = list(dict.fromkeys(r["impl"] for r in rows if not r.get("per_op")))
     floors = (FLOOR, COPY_FLOOR, EXCHANGE_FLOOR)
@@ -287,14 +341,12 @@ def markdown(rows, env, n, ceiling) -> str:
         "|---|" + "---|" * (len(names) + 6)]
     for nbytes in sorted({r["bytes"] for r in rows}):
         ours = by[("jaxring.all_reduce", nbytes)]
-        cells = " | ".join(f"{by[(m, nbytes)]['seconds'] * 1e6:.1f}" for m in names)
+        cells = " | ".join(f"{by[(m, nbytes)]['seconds'] * 1e6:.1f}" if (m, nbytes) in by
+                           else "" for m in names)
         target = issue3_target(by[("mpi4jax.allreduce", nbytes)]["seconds"],
                                by[("mpi4py Allreduce", nbytes)]["seconds"], nbytes)
-        copy_floor = looped_floor(rows, nbytes, COPY_FLOOR)
-        exchange = looped_floor(rows, nbytes, EXCHANGE_FLOOR) or 0.0
-        bound = (f"{max(copy_floor, exchange) / target:.2f}" if copy_floor is not None else
-                 effect_floor_ratio(by[(EFFECT_FLOOR, nbytes)]["seconds"], target, nbytes,
-                                    huge_pages))
+        floor = lone_floor(rows, nbytes, huge_pages)
+        bound = "-" if floor is None else f"{floor / target:.2f}"
         lines.append(
             f"| {human_bytes(nbytes)} | {cells} | {ours['busbw_gbps']:.2f} | "
             f"{by[('mpi4jax.allreduce', nbytes)]['seconds'] / ours['seconds']:.1f}x | "
@@ -308,16 +360,23 @@ def markdown(rows, env, n, ceiling) -> str:
               "effect costs at least this, unless XLA's pass is a slower way to touch the bytes "
               "than the collective's own: where jaxring takes less, as from 4 KiB it often "
               "does, the floor bounds nothing (`targets.py` counts only the floors that stand). "
+              f"`{LAUNCH_FLOOR}`: a lone jitted program that carries the effect and does "
+              "nothing else. "
+              f"`{FRESH_EXCHANGE_FLOOR}` (from {human_bytes(COPY_FLOOR_BYTES)}): the loop "
+              "table's exchange, once, into a fresh output advised onto huge pages as jaxring's "
+              "are: from 32 MiB a fresh output is a new mapping, which the kernel zeroes page "
+              "by page for every implementation (`fresh_exchange_floors`). "
               "`target`: the time issue 3 asks for, mpi4py's below "
               "1 MiB (no slower than mpi4py), from 1 MiB the smaller of mpi4py's / 2 and "
-              "mpi4jax's / 5. `floor / target` above 1: no collective carrying the effect reaches "
-              "the target in a lone call, however it moves the data. From 8 MiB "
-              "(`huge_page_bytes`) the effect floor bounds nothing (`-`): jaxring's outputs are "
-              "then advised onto huge pages and fault in faster than the floor's XLA output. "
-              f"From {human_bytes(COPY_FLOOR_BYTES)} up to the largest size looped the column "
-              f"takes the larger of the `{COPY_FLOOR}` and the `{EXCHANGE_FLOOR}` of the loop "
-              "table below instead: a lone all-reduce, too, reads every input byte, writes every "
-              "output byte and moves what the exchange moves from core to core.", "",
+              "mpi4jax's / 5. `floor / target`: the largest floor under a lone call that "
+              "jaxring's time does not refute (`lone_floor`: the effect floor below "
+              "`huge_page_bytes`, 8 MiB, where jaxring's outputs start to be advised onto huge "
+              "pages and fault in faster than the floor's XLA output; the launch floor; the "
+              "fresh-output exchange; and the copy and exchange floors of the loop table below, "
+              "since a lone all-reduce, too, reads every input byte, writes every output byte "
+              "and moves what the exchange moves from core to core). Above 1: no collective "
+              "carrying the effect reaches the target in a lone call, however it moves the "
+              "data.", "",
               "## Per all-reduce inside one compiled loop (program launch excluded)", "",
               "Each implementation all-reduces the same input again and again, with nothing else "
               "in the loop (mpi4py: a Python loop of Allreduce on the same numpy buffers).", "",
