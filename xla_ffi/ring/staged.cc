@@ -201,9 +201,9 @@ Status RunAgree(ShmCommunicator& comm, const Header& header, const Config& confi
 
 Status RunExchange(ShmCommunicator& comm, void* output, const void* input, int64_t bytes,
                    int64_t chunk_bytes, ShmStores stores, int64_t loops, const Config& config) {
-  Header header;
+  Header header;  // names the exchange in a timeout's error: an all_gather of float32
   header.kind = Collective::kAllGather;
-  header.count = bytes / 4;  // float32 by default
+  header.count = bytes / 4;
   const Deadline deadline(config.timeout_seconds);
   const int left = (comm.rank() + comm.size() - 1) % comm.size();
   const int64_t chunk = std::max<int64_t>(1, std::min(chunk_bytes, comm.slot_bytes()));
