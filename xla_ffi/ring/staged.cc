@@ -106,7 +106,7 @@ Status RunStaged(ShmCommunicator& comm, const Header& h, const CollectiveBuffers
             // then copies the other shares out. Reducing straight into the result area as well
             // (a second target) saves a read of the share but stores into lines that the peers
             // read last, block by block: on this VM, with its two cores on different dies, a
-            // 1 MiB all-reduce at 2 ranks then took 105-125 us in a loop, against 70-90 us with
+            // 1 MiB all-reduce at 2 ranks then took 103-124 us in a loop, against 71-90 us with
             // the copy, which takes those lines in one long run; on one die the copy costs 4-5%.
             const Partition share = shares(len);
             const int64_t begin = share.Begin(me);
