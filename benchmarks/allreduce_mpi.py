@@ -43,8 +43,8 @@ from mpi4py import MPI  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import jaxring  # noqa: E402
 import jaxring.mpi  # noqa: E402
-from common import (RESULTS, bus_factor, copy_ways,  # noqa: E402
-                    environment, human_bytes, issue3_target, keep_freed_memory, looped_floor,
+from common import (RESULTS, bus_factor, copy_ways, environment, human_bytes,  # noqa: E402
+                    issue3_target, keep_freed_memory, launch_and_exchange, looped_floor,
                     medians_in_turns, memory_bandwidth_gbps, plot_time_per_size, rank_binding,
                     steal_sentence, with_jaxring_effect, write_results)
 
@@ -308,18 +308,11 @@ def main() -> None:
 
 def lone_floor(rows, nbytes: int, huge_pages: int) -> float | None:
     """The largest floor under a lone all-reduce of `nbytes` in this run that jaxring's own time
-    there does not refute: the effect floor (below huge_pages); the launch (the least effect or
-    launch floor at this size or a smaller one: XLA copies the launch floor's input into its
-    output 2-3x slower than numpy at 1-4 MiB, so only its smallest sizes bound the launch); the
-    loop table's copy floor; and the launch followed by the larger of the loop table's exchange
-    and the exchange into a fresh output (a lone call launches, then moves its data)."""
+    there does not refute: the effect floor (below huge_pages), the loop table's copy floor, and
+    the launch and the launch followed by the exchange (common.launch_and_exchange)."""
     by = {(r["impl"], r["bytes"]): r["seconds"] for r in rows if not r.get("per_op")}
-    launch = min(t for (m, b), t in by.items()
-                 if b <= nbytes and m in (EFFECT_FLOOR, LAUNCH_FLOOR))
-    fresh = [t for (m, b), t in by.items() if b == nbytes and m.startswith(FRESH_EXCHANGE_FLOOR)]
-    moved = max(looped_floor(rows, nbytes, EXCHANGE_FLOOR) or 0.0, min(fresh, default=0.0))
-    floors = [by[(EFFECT_FLOOR, nbytes)] if nbytes < huge_pages else None, launch,
-              looped_floor(rows, nbytes, COPY_FLOOR), launch + moved if moved else None]
+    floors = [by[(EFFECT_FLOOR, nbytes)] if nbytes < huge_pages else None,
+              looped_floor(rows, nbytes, COPY_FLOOR), *launch_and_exchange(rows, nbytes)]
     standing = [f for f in floors if f is not None and f <= by[("jaxring.all_reduce", nbytes)]]
     return max(standing, default=None)
 

@@ -138,6 +138,23 @@ def looped_floor(rows: list[dict], nbytes: int, kinds) -> float | None:
                 and r["impl"].startswith(kinds)), default=None)
 
 
+def launch_and_exchange(rows: list[dict], nbytes: int) -> tuple[float, float | None]:
+    """Two floors under a lone all-reduce of `nbytes` in one run of allreduce_mpi.py: the launch,
+    the least `effect floor` or `launch floor` at this size or a smaller one (a lone call's launch
+    does not shrink as the message grows; XLA copies the launch floor's input into its output
+    2-3x slower than numpy at 1-4 MiB, so at its own size it would overstate the launch), and the
+    launch followed by the larger of the loop table's `exchange floor` and the lone `exchange
+    floor, fresh output` (a lone call launches, then moves its data), or None where neither
+    exchange was measured."""
+    lone = {(r["impl"], r["bytes"]): r["seconds"] for r in rows if not r.get("per_op")}
+    launch = min(t for (m, b), t in lone.items()
+                 if b <= nbytes and m in ("effect floor", "launch floor"))
+    fresh = [t for (m, b), t in lone.items()
+             if b == nbytes and m.startswith("exchange floor, fresh output")]
+    moved = max(looped_floor(rows, nbytes, "exchange floor") or 0.0, min(fresh, default=0.0))
+    return launch, (launch + moved if moved else None)
+
+
 def _cpu_times() -> list[int] | None:
     """The "cpu" line of /proc/stat: user, nice, system, idle, iowait, irq, softirq, steal, ..."""
     try:

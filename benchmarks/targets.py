@@ -40,8 +40,8 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import (RESULTS, human_bytes, issue2_target, issue3_target, looped_floor,  # noqa: E402
-                    output_bytes)
+from common import (RESULTS, human_bytes, issue2_target, issue3_target,  # noqa: E402
+                    launch_and_exchange, looped_floor, output_bytes)
 
 # jaxring's case in allreduce.py -> (its collective, the lax twin's case)
 TWINS = {"jaxring.all_reduce": ("all_reduce", "lax.psum"),
@@ -100,15 +100,11 @@ def mpi_rows(run: dict) -> dict:
     for nbytes in sizes:
         allowed = issue3_target(by[("mpi4jax.allreduce", nbytes)],
                                 by[("mpi4py Allreduce", nbytes)], nbytes)
-        launch = min(by[(m, s)] for s in sizes if s <= nbytes
-                     for m in ("effect floor", "launch floor") if (m, s) in by)
-        fresh = [t for (m, b), t in by.items()
-                 if b == nbytes and m.startswith("exchange floor, fresh output")]
-        moved = max(looped_floor(rows, nbytes, "exchange floor") or 0.0, min(fresh, default=0.0))
+        launch, launch_exchange = launch_and_exchange(rows, nbytes)
         floors = {"effect": by[("effect floor", nbytes)] if nbytes < HUGE_PAGE_BYTES else None,
                   "launch": launch,
                   "copy": looped_floor(rows, nbytes, "copy floor"),
-                  "launch+exchange": launch + moved if moved else None}
+                  "launch+exchange": launch_exchange}
         out[("lone", nbytes)] = (by[("jaxring.all_reduce", nbytes)] / allowed,
                                  {k: f / allowed for k, f in floors.items() if f is not None})
     for nbytes in sorted({r["bytes"] for r in rows if r.get("per_op")}):
