@@ -3,7 +3,7 @@
 Environment variables (JAXRING_TIMEOUT_SECONDS, JAXRING_RING_THRESHOLD_BYTES, JAXRING_ALGORITHM,
 JAXRING_PIPELINE_SLICE_BYTES, JAXRING_SPIN_ITERATIONS, JAXRING_P2P_EAGER_BYTES,
 JAXRING_MPI_RING_THRESHOLD_BYTES, JAXRING_MPI_DIRECT_HEADER_RANKS, JAXRING_HUGE_PAGE_BYTES,
-JAXRING_SHM_STORES, JAXRING_COPY_INPUT_BYTES) override the defaults at import time;
+JAXRING_SHM_STORES, JAXRING_COPY_INPUT_BYTES, JAXRING_CPU_KERNELS) override the defaults at import time;
 ``update`` and ``override`` change them at run time. Values are read when a collective runs.
 """
 
@@ -53,6 +53,11 @@ class Config:
     # output from the copies and leaves without waiting for its peers to finish reading (one
     # hand-off instead of two); 0 turns it off.
     copy_input_bytes: int = 16 * 1024
+    # The instruction set of the CPU reduction kernels: "auto" (the widest this CPU supports),
+    # "baseline" (SSE2 on x86-64), "avx2" or "avx512". All write the same bits; the wider ones
+    # are faster where the reduction, not memory, is the bottleneck: float16/bfloat16 sums, and
+    # sums of few inputs that sit in the cache.
+    cpu_kernels: str = "auto"
 
 
 _ENV = {
@@ -67,6 +72,7 @@ _ENV = {
     "huge_page_bytes": ("JAXRING_HUGE_PAGE_BYTES", int),
     "shm_stores": ("JAXRING_SHM_STORES", str),
     "copy_input_bytes": ("JAXRING_COPY_INPUT_BYTES", int),
+    "cpu_kernels": ("JAXRING_CPU_KERNELS", str),
 }
 
 
@@ -78,6 +84,10 @@ def _validate(config: Config) -> Config:
     if config.shm_stores not in ("auto", "plain", "streaming"):
         raise ValueError("jaxring.config: shm_stores must be 'auto', 'plain' or 'streaming', got "
                          f"{config.shm_stores!r}")
+    kernels = native.extension.cpu_kernels_supported()
+    if config.cpu_kernels not in kernels:
+        raise ValueError(f"jaxring.config: cpu_kernels must be one of "
+                         f"{', '.join(map(repr, kernels))} on this CPU, got {config.cpu_kernels!r}")
     if not config.timeout_seconds > 0:
         raise ValueError(f"jaxring.config: timeout_seconds must be > 0, got {config.timeout_seconds}")
     if (config.pipeline_slice_bytes <= 0 or config.spin_iterations < 0

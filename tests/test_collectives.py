@@ -10,6 +10,7 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 import jaxring
+from jaxring._src import native
 from helpers import (AWKWARD_SIZES, DEVICE_COUNTS, DTYPES, assert_close, mesh, random_array,
                      shard, shmap)
 
@@ -151,6 +152,41 @@ def test_all_reduce_large_enough_to_stream_its_stores(n, dtype, op):
         else:
             assert_close(out[device], expected, dtype, count=n if op in ("sum", "mean") else 1)
     assert (out == out[0]).all(), "every device holds the same bits"
+
+
+CPU_KERNELS = native.extension.cpu_kernels_supported()[1:]  # without "auto"
+
+
+@pytest.mark.parametrize("n", [2, 3, 8])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("op", ["sum", "mean", "max", "min"])
+def test_every_build_of_the_kernels_writes_the_same_bits(n, dtype, op):
+    """The reduction kernels are built for SSE2, AVX2 and AVX-512 (kernels/reduce_cpu_impl.inc);
+    every build this CPU runs must write the baseline's bits, and those must match float64. The
+    sizes cover vector tails, several 512-element blocks and, at 3 and 8 devices, the streamed
+    line-at-a-time fold (16 MiB of outputs in all, float32 to int64: StreamLines)."""
+    rng = np.random.default_rng(hash((n, str(dtype), op)) % 2**32)
+    big = (16 << 20) // (n * np.dtype(dtype).itemsize) + 5 if n > 2 else 0
+    data = {size: random_array(rng, (n * size,), dtype) for size in (13, 1541, big) if size}
+    m = mesh(n)
+    f = shmap(lambda d: jaxring.all_reduce(d, "i", op), m, out_specs=P())
+    sharded = {size: shard(x, m) for size, x in data.items()}
+    outs = {}
+    for kernels in CPU_KERNELS:
+        with jaxring.config.override(cpu_kernels=kernels, algorithm="direct"):
+            outs[kernels] = jax.tree.map(np.asarray, f(sharded))
+    for size, x in data.items():
+        ref = x.astype(np.float64).reshape(n, size)
+        expected = {"sum": ref.sum(0), "mean": ref.mean(0), "max": ref.max(0),
+                    "min": ref.min(0)}[op]
+        baseline = outs["baseline"][size]
+        if op == "mean" and np.issubdtype(dtype, np.integer):
+            np.testing.assert_allclose(baseline, expected, rtol=1e-6)
+        else:
+            assert_close(baseline, expected, dtype, count=n if op in ("sum", "mean") else 1)
+        for kernels, out in outs.items():
+            np.testing.assert_array_equal(out[size].view(np.uint8), baseline.view(np.uint8),
+                                          err_msg=f"{kernels} against baseline, {size} elements")
 
 
 @pytest.mark.parametrize("n", [2, 3])

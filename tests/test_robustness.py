@@ -364,6 +364,26 @@ def test_config_override_restores_and_reaches_native():
     assert jaxring.config.get() == before
 
 
+def test_cpu_kernels_config_chooses_the_build_and_refuses_what_this_cpu_lacks():
+    supported = native.extension.cpu_kernels_supported()
+    assert supported[:2] == ["auto", "baseline"]
+    widest = supported[-1] if len(supported) > 2 else "baseline"
+    with jaxring.config.override(cpu_kernels="auto"):
+        assert native.extension.cpu_kernels_in_use() == widest
+    for kernels in supported[1:]:
+        with jaxring.config.override(cpu_kernels=kernels):
+            assert native.extension.get_config()["cpu_kernels"] == kernels
+            assert native.extension.cpu_kernels_in_use() == kernels
+    before = jaxring.config.get()
+    allowed = ", ".join(repr(k) for k in supported)
+    for bad in ["sse9", *(k for k in ("avx2", "avx512") if k not in supported)]:
+        with pytest.raises(ValueError, match=f"cpu_kernels must be one of {allowed} on this CPU, "
+                                             f"got '{bad}'"):
+            jaxring.config.update(cpu_kernels=bad)
+    assert jaxring.config.get() == before
+    assert native.extension.get_config()["cpu_kernels"] == before.cpu_kernels
+
+
 def test_config_from_environment():
     code = "import jaxring; c = jaxring.config.get(); print(c.timeout_seconds, c.algorithm)"
     env = dict(os.environ, JAXRING_TIMEOUT_SECONDS="12.5", JAXRING_ALGORITHM="ring")

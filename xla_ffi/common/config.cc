@@ -26,6 +26,16 @@ const char* ShmStoresName(ShmStores s) {
   return "unknown";
 }
 
+const char* CpuKernelsName(CpuKernels k) {
+  switch (k) {
+    case CpuKernels::kAuto: return "auto";
+    case CpuKernels::kBaseline: return "baseline";
+    case CpuKernels::kAvx2: return "avx2";
+    case CpuKernels::kAvx512: return "avx512";
+  }
+  return "unknown";
+}
+
 Config CurrentConfig() {
   std::lock_guard<std::mutex> lock(config_mutex);
   return global_config;

@@ -14,6 +14,11 @@ const char* AlgorithmName(Algorithm a);
 enum class ShmStores : uint8_t { kAuto = 0, kPlain = 1, kStreaming = 2 };
 const char* ShmStoresName(ShmStores s);
 
+// The instruction set of the CPU reduction kernels (UseCpuKernels in kernels/reduce_cpu.h);
+// kAuto: the widest this CPU supports.
+enum class CpuKernels : uint8_t { kAuto = 0, kBaseline = 1, kAvx2 = 2, kAvx512 = 3 };
+const char* CpuKernelsName(CpuKernels k);
+
 struct Config {
   // Every wait gives up after this long and names the peers that never arrived.
   double timeout_seconds = 300.0;
@@ -52,6 +57,9 @@ struct Config {
   // input into the rendezvous as they arrive; each device then writes only its own output from
   // the copies and leaves without waiting for its peers (LocalTransport::Join's copy_input).
   int64_t copy_input_bytes = 16 * 1024;
+  // The CPU reduction kernels' instruction set. Python's jaxring.config passes it on to the
+  // kernels (UseCpuKernels) in every extension module that carries a copy of them.
+  CpuKernels cpu_kernels = CpuKernels::kAuto;
 };
 
 // A snapshot of the current configuration; cheap enough to take once per collective.

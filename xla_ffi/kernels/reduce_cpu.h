@@ -4,6 +4,7 @@
 
 #include <cstdint>
 
+#include "common/config.h"
 #include "common/types.h"
 
 namespace jaxring {
@@ -39,6 +40,13 @@ void CopyStreamed(void* dst, const void* src, size_t bytes);
 // source once and writing each target once is what makes the direct all-reduce memory-optimal.
 void Reduce(DType dtype, ReduceOp op, const Operand* srcs, int num_srcs, const Target* dsts,
             int num_dsts, int64_t count, int64_t mean_divisor);
+
+// Which build of the kernels Reduce() runs (reduce_cpu_impl.inc): every build writes the same
+// bits, the wider ones faster (float16/bfloat16 sums most of all, which convert every element).
+// The first Reduce() takes kAuto's choice, the widest this CPU supports, unless chosen before.
+bool CpuKernelsSupported(CpuKernels kernels);
+bool UseCpuKernels(CpuKernels kernels);  // false, changing nothing, if not supported here
+CpuKernels CpuKernelsInUse();            // never kAuto
 
 // Bit-exact conversions used by the kernels (and tested against numpy's).
 float HalfToFloat(uint16_t h);

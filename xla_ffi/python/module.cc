@@ -180,6 +180,21 @@ jaxring::ShmStores ParseShmStores(const std::string& name) {
       ("shm_stores must be one of 'auto', 'plain', 'streaming'; got '" + name + "'").c_str());
 }
 
+constexpr jaxring::CpuKernels kAllCpuKernels[] = {
+    jaxring::CpuKernels::kAuto, jaxring::CpuKernels::kBaseline, jaxring::CpuKernels::kAvx2,
+    jaxring::CpuKernels::kAvx512};
+
+jaxring::CpuKernels ParseCpuKernels(const std::string& name) {
+  std::string supported;
+  for (jaxring::CpuKernels k : kAllCpuKernels) {
+    if (!jaxring::CpuKernelsSupported(k)) continue;
+    if (name == jaxring::CpuKernelsName(k)) return k;
+    supported += std::string(supported.empty() ? "'" : ", '") + jaxring::CpuKernelsName(k) + "'";
+  }
+  throw nb::value_error(("cpu_kernels must be one of " + supported + " on this CPU; got '" +
+                         name + "'").c_str());
+}
+
 }  // namespace
 
 NB_MODULE(_jaxring, m) {
@@ -211,7 +226,8 @@ NB_MODULE(_jaxring, m) {
       [](double timeout_seconds, int64_t ring_threshold_bytes, const std::string& algorithm,
          int64_t pipeline_slice_bytes, int64_t spin_iterations, int64_t p2p_eager_bytes,
          int64_t mpi_ring_threshold_bytes, int64_t mpi_direct_header_ranks,
-         int64_t huge_page_bytes, const std::string& shm_stores, int64_t copy_input_bytes) {
+         int64_t huge_page_bytes, const std::string& shm_stores, int64_t copy_input_bytes,
+         const std::string& cpu_kernels) {
         jaxring::Config config;
         config.timeout_seconds = timeout_seconds;
         config.ring_threshold_bytes = ring_threshold_bytes;
@@ -224,12 +240,15 @@ NB_MODULE(_jaxring, m) {
         config.huge_page_bytes = huge_page_bytes;
         config.shm_stores = ParseShmStores(shm_stores);
         config.copy_input_bytes = copy_input_bytes;
+        config.cpu_kernels = ParseCpuKernels(cpu_kernels);
+        jaxring::UseCpuKernels(config.cpu_kernels);
         jaxring::SetConfig(config);
       },
       nb::arg("timeout_seconds"), nb::arg("ring_threshold_bytes"), nb::arg("algorithm"),
       nb::arg("pipeline_slice_bytes"), nb::arg("spin_iterations"), nb::arg("p2p_eager_bytes"),
       nb::arg("mpi_ring_threshold_bytes"), nb::arg("mpi_direct_header_ranks"),
-      nb::arg("huge_page_bytes"), nb::arg("shm_stores"), nb::arg("copy_input_bytes"));
+      nb::arg("huge_page_bytes"), nb::arg("shm_stores"), nb::arg("copy_input_bytes"),
+      nb::arg("cpu_kernels"));
 
   m.def("get_config", []() {
     const jaxring::Config config = jaxring::CurrentConfig();
@@ -245,8 +264,18 @@ NB_MODULE(_jaxring, m) {
     d["huge_page_bytes"] = config.huge_page_bytes;
     d["shm_stores"] = std::string(jaxring::ShmStoresName(config.shm_stores));
     d["copy_input_bytes"] = config.copy_input_bytes;
+    d["cpu_kernels"] = std::string(jaxring::CpuKernelsName(config.cpu_kernels));
     return d;
   });
+
+  m.def("cpu_kernels_supported", []() {
+    nb::list names;
+    for (jaxring::CpuKernels k : kAllCpuKernels)
+      if (jaxring::CpuKernelsSupported(k)) names.append(jaxring::CpuKernelsName(k));
+    return names;
+  });
+  m.def("cpu_kernels_in_use",
+        []() { return std::string(jaxring::CpuKernelsName(jaxring::CpuKernelsInUse())); });
 
   m.def(
       "shm_attach",

@@ -227,6 +227,7 @@ Status MpiTransport::RunCollective(const Header& h, const CollectiveBuffers& b,
                                    const Config& config) {
   if (!broken_.empty()) return Broken(h);
   config_ = config;
+  UseCpuKernels(config.cpu_kernels);  // this module's own copy of the kernels follows the config
   const Deadline deadline(config.timeout_seconds);
   sends_.Clear();
   recvs_.Clear();
