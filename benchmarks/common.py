@@ -197,15 +197,30 @@ def steal_sentence(env: dict) -> str:
             f" CPU steal during the run (time the hypervisor gave other guests): {steal:.1f}%.")
 
 
+def cpu_model() -> str:
+    """The CPU's model name from /proc/cpuinfo (under a VM, the host's part), or the machine."""
+    try:
+        with open("/proc/cpuinfo") as info:
+            for line in info:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
 def environment() -> dict:
     import jax
     import jaxlib
+
+    from jaxring._src import native
 
     devices = jax.devices()
     return {
         "device": (f"cpu x{len(devices)} host devices" if devices[0].platform == "cpu" else
                    f"{devices[0].device_kind} x{len(devices)}"),
-        "cpu": platform.processor() or platform.machine(),
+        "cpu": cpu_model(),
+        "cpu_kernels": native.extension.cpu_kernels_in_use(),
         "cores": os.cpu_count(),
         "python": platform.python_version(),
         "jax": jax.__version__,

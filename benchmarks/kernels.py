@@ -1,0 +1,130 @@
+"""jaxring's CPU reduction kernels, built per instruction set, against lax.psum, in one run.
+
+    python benchmarks/kernels.py   ->  benchmarks/results/kernels-cpu.{json,md}
+
+jaxring compiles its reduction kernels for SSE2 (the x86-64 baseline), AVX2 and AVX-512 and runs
+the widest the CPU supports (`jaxring.config` `cpu_kernels`, kernels/reduce_cpu_impl.inc). This
+times jaxring.all_reduce with each build this CPU runs, and lax.psum, inside one compiled loop
+(program launch left out, as in allreduce.py's loop table: the program donates its input, each
+result feeds the next call), on 2, 4 and 8 CPU devices, float32 and bfloat16, the cases taking
+turns call by call. bfloat16 (and float16) accumulate in float32, so every element is converted
+twice: that, not memory, bounds their reductions, which is where wider vectors pay.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+os.environ["XLA_FLAGS"] = (
+    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from jax import lax  # noqa: E402
+from jax.sharding import NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import jaxring  # noqa: E402
+from common import (environment, human_bytes, keep_freed_memory, medians_in_turns,  # noqa: E402
+                    steal_sentence, write_results)
+from jaxring._src import native  # noqa: E402
+from jaxring._src.common import make_varying  # noqa: E402
+
+DEVICES = (2, 4, 8)
+SIZES = (64 << 10, 256 << 10, 1 << 20, 4 << 20)
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+PSUM = "lax.psum"
+
+
+def measure(n: int, nbytes: int, dtype, builds: list[str]) -> dict:
+    """Seconds per all-reduce of `nbytes` per device inside a compiled loop, per case."""
+    mesh = jax.make_mesh((n,), ("i",), devices=jax.devices()[:n])
+    sharding = NamedSharding(mesh, P("i"))
+    count = nbytes // jnp.dtype(dtype).itemsize
+    repeats = int(min(64, max(8, (128 << 20) // nbytes)))
+    # Each pass multiplies the values by about n; starting near 2^-100 they stay finite (bfloat16
+    # has float32's exponent range).
+    start = np.asarray(np.random.default_rng(0).standard_normal(n * count) * 2.0 ** -100, dtype)
+    programs = {}
+    for name, reduce in [("jaxring", lambda a: jaxring.all_reduce(a, "i")),
+                         (PSUM, lambda a: lax.psum(a, "i"))]:
+        body = lambda v, reduce=reduce: lax.fori_loop(  # noqa: E731
+            0, repeats, lambda _, a: make_varying(reduce(a), ("i",)), v)
+        programs[name] = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("i"),
+                                               out_specs=P("i")), donate_argnums=0)
+    cases = {f"jaxring[{build}]": ("jaxring", build) for build in builds}
+    cases[PSUM] = (PSUM, "auto")
+    held = {}
+
+    def run(name):
+        program = programs[cases[name][0]]
+
+        def call():  # a warm-up without a fresh input donates the last output
+            held[name] = program(held[name])
+            held[name].block_until_ready()
+        return call
+
+    def context(name):
+        held[name] = jax.device_put(start, sharding)  # a fresh input to donate, outside the clock
+        held[name].block_until_ready()
+        return jaxring.config.override(cpu_kernels=cases[name][1])
+
+    medians = medians_in_turns({name: run(name) for name in cases}, budget_seconds=0.4,
+                               context=context)
+    return {name: seconds / repeats for name, seconds in medians.items()}
+
+
+def markdown(env: dict, builds: list[str], rows: list[dict]) -> str:
+    lines = [
+        "# CPU reduction kernels per instruction set: jaxring.all_reduce vs lax.psum",
+        "",
+        f"Device: {env['device']}, {env['cores']} cores ({env['cpu']}); python {env['python']}, "
+        f"jax {env['jax']}; {env['date']}.{steal_sentence(env)} Builds this CPU runs: "
+        f"{', '.join(builds)} (`auto` takes {env['cpu_kernels']}).",
+        "",
+        "Per all-reduce inside one compiled loop (program launch excluded; see the docstring of "
+        "`benchmarks/kernels.py`), medians, the cases taking turns. `vs baseline`: each build's "
+        "time over the SSE2 build's; `vs psum`: the widest build's time over lax.psum's (below 1: "
+        "jaxring is faster). Every build writes the same bits "
+        "(`test_every_build_of_the_kernels_writes_the_same_bits`).",
+        "",
+        "| dtype | n | size | " + " | ".join(f"jaxring[{b}] (us)" for b in builds)
+        + " | lax.psum (us) | " + " | ".join(f"{b} vs baseline" for b in builds[1:])
+        + " | vs psum |",
+        "|---|---|---|" + "---|" * (2 * len(builds) + 1),
+    ]
+    for r in rows:
+        t = r["seconds"]
+        base = t["jaxring[baseline]"]
+        widest = t[f"jaxring[{builds[-1]}]"]
+        lines.append(
+            f"| {r['dtype']} | {r['devices']} | {human_bytes(r['bytes'])} | "
+            + " | ".join(f"{t[f'jaxring[{b}]'] * 1e6:.1f}" for b in builds)
+            + f" | {t[PSUM] * 1e6:.1f} | "
+            + " | ".join(f"{t[f'jaxring[{b}]'] / base:.2f}" for b in builds[1:])
+            + f" | {widest / t[PSUM]:.2f} |")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    keep_freed_memory()
+    builds = native.extension.cpu_kernels_supported()[1:]  # without "auto"
+    env = environment()
+    rows = []
+    for dtype_name, dtype in DTYPES.items():
+        for n in DEVICES:
+            for nbytes in SIZES:
+                seconds = measure(n, nbytes, dtype, builds)
+                rows.append({"dtype": dtype_name, "devices": n, "bytes": nbytes,
+                             "seconds": seconds})
+                print(f"{dtype_name} n={n} {human_bytes(nbytes):>8}: " + "  ".join(
+                    f"{name} {s * 1e6:.1f} us" for name, s in seconds.items()), flush=True)
+    write_results("kernels-cpu", {"environment": env, "builds": builds, "rows": rows},
+                  markdown(env, builds, rows))
+
+
+if __name__ == "__main__":
+    main()
