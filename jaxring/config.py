@@ -3,8 +3,8 @@
 Environment variables (JAXRING_TIMEOUT_SECONDS, JAXRING_RING_THRESHOLD_BYTES, JAXRING_ALGORITHM,
 JAXRING_PIPELINE_SLICE_BYTES, JAXRING_SPIN_ITERATIONS, JAXRING_P2P_EAGER_BYTES,
 JAXRING_MPI_RING_THRESHOLD_BYTES, JAXRING_MPI_DIRECT_HEADER_RANKS, JAXRING_HUGE_PAGE_BYTES,
-JAXRING_SHM_STORES, JAXRING_COPY_INPUT_BYTES, JAXRING_CPU_KERNELS) override the defaults at import time;
-``update`` and ``override`` change them at run time. Values are read when a collective runs.
+JAXRING_SHM_STORES, JAXRING_COPY_INPUT_BYTES, JAXRING_CPU_KERNELS) override the defaults at import
+time; ``update`` and ``override`` change them at run time. Values are read when a collective runs.
 """
 
 from __future__ import annotations
@@ -87,7 +87,8 @@ def _validate(config: Config) -> Config:
     kernels = native.extension.cpu_kernels_supported()
     if config.cpu_kernels not in kernels:
         raise ValueError(f"jaxring.config: cpu_kernels must be one of "
-                         f"{', '.join(map(repr, kernels))} on this CPU, got {config.cpu_kernels!r}")
+                         f"{', '.join(map(repr, kernels))} on this CPU, "
+                         f"got {config.cpu_kernels!r}")
     if not config.timeout_seconds > 0:
         raise ValueError(f"jaxring.config: timeout_seconds must be > 0, got {config.timeout_seconds}")
     if (config.pipeline_slice_bytes <= 0 or config.spin_iterations < 0

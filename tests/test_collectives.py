@@ -115,7 +115,7 @@ def test_all_reduce_matches_lax_psum(n, dtype):
 @pytest.mark.parametrize("dtype", [np.float32, np.float64], ids=str)
 def test_mean_divides_the_sum_bit_for_bit(n, dtype):
     """"mean" is the sum divided by n, as lax.pmean computes it, to the bit: a power-of-two n
-    multiplies by its exact reciprocal instead (kernels/reduce_cpu.cc); 3 must still divide
+    multiplies by its exact reciprocal instead (kernels/reduce_cpu_impl.inc); 3 must still divide
     (x * (1/3) differs from x / 3 in the last bit for many x)."""
     rng = np.random.default_rng(n)
     m = mesh(n)
@@ -132,10 +132,11 @@ def test_mean_divides_the_sum_bit_for_bit(n, dtype):
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("op", ["sum", "mean", "max", "min"])
 def test_all_reduce_large_enough_to_stream_its_stores(n, dtype, op):
-    """Outputs of 16 MiB and more in all are written with streaming stores (kernels/reduce_cpu.cc,
-    StreamingPays): on 2 devices in blocks (BlockElements), on 3 and 8 a 64-byte line at a time
-    (StreamLines); 16-bit floats are not streamed. An odd count leaves a tail of every share
-    unaligned. Every element of every device's result is checked against float64."""
+    """Outputs of 16 MiB and more in all are written with streaming stores (StreamingPays in
+    kernels/reduce_cpu.cc): on 2 devices in blocks (BlockElements), on 3 and 8 a 64-byte line at a
+    time (StreamLines, kernels/reduce_cpu_impl.inc); 16-bit floats are not streamed. An odd count
+    leaves a tail of every share unaligned. Every element of every device's result is checked
+    against float64."""
     rng = np.random.default_rng(n)
     width = np.dtype(dtype).itemsize
     count = (16 << 20) // (n * width) + 13

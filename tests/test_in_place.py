@@ -105,7 +105,7 @@ def test_in_place_gives_the_bits_of_a_fresh_output(n, variant, dtype):
 @pytest.mark.parametrize("n", [3, 8])
 def test_in_place_gives_the_bits_of_a_fresh_output_when_streamed(n):
     """From 16 MiB of outputs in all the direct all-reduce streams its stores: a fresh output a
-    64-byte line at a time, one in place in blocks (kernels/reduce_cpu.cc, StreamLines). Both
+    64-byte line at a time, one in place in blocks (kernels/reduce_cpu_impl.inc, StreamLines). Both
     must give the same bits, every element checked against float64."""
     count = (16 << 20) // (n * 4) + 13
     m = mesh(n)
