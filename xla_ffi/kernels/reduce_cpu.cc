@@ -7,10 +7,13 @@
 
 namespace jaxring {
 
-#if defined(JAXRING_X86_KERNELS)
+// The wider builds, where the compiler could make them (CMakeLists.txt).
+#if defined(JAXRING_KERNELS_AVX2)
 namespace avx2 {
 void Reduce(DType, ReduceOp, const Operand*, int, const Target*, int, int64_t, int64_t);
 }
+#endif
+#if defined(JAXRING_KERNELS_AVX512)
 namespace avx512 {
 void Reduce(DType, ReduceOp, const Operand*, int, const Target*, int, int64_t, int64_t);
 }
@@ -23,8 +26,10 @@ using ReduceFn = void (*)(DType, ReduceOp, const Operand*, int, const Target*, i
 
 ReduceFn KernelsOf(CpuKernels kernels) {
   switch (kernels) {
-#if defined(JAXRING_X86_KERNELS)
+#if defined(JAXRING_KERNELS_AVX2)
     case CpuKernels::kAvx2: return &avx2::Reduce;
+#endif
+#if defined(JAXRING_KERNELS_AVX512)
     case CpuKernels::kAvx512: return &avx512::Reduce;
 #endif
     default: return &baseline::Reduce;
@@ -47,9 +52,11 @@ bool CpuKernelsSupported(CpuKernels kernels) {
   switch (kernels) {
     case CpuKernels::kAuto:
     case CpuKernels::kBaseline: return true;
-#if defined(JAXRING_X86_KERNELS)
     // __builtin_cpu_supports also checks that the operating system saves the wider registers.
+#if defined(JAXRING_KERNELS_AVX2)
     case CpuKernels::kAvx2: return __builtin_cpu_supports("avx2");
+#endif
+#if defined(JAXRING_KERNELS_AVX512)
     case CpuKernels::kAvx512:
       return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
              __builtin_cpu_supports("avx512vl");
