@@ -367,13 +367,16 @@ def test_config_override_restores_and_reaches_native():
 def test_cpu_kernels_config_chooses_the_build_and_refuses_what_this_cpu_lacks():
     supported = native.extension.cpu_kernels_supported()
     assert supported[:2] == ["auto", "baseline"]
-    widest = supported[-1] if len(supported) > 2 else "baseline"
+    dtypes = [str(np.dtype(d)) for d in jaxring.SUPPORTED_DTYPES]
     with jaxring.config.override(cpu_kernels="auto"):
-        assert native.extension.cpu_kernels_in_use() == widest
+        # the widest build for 16-bit floats, AVX2 (where there is one) for the rest
+        other = "avx2" if "avx2" in supported else "baseline"
+        assert native.extension.cpu_kernels_in_use() == {
+            d: supported[-1] if d in ("float16", "bfloat16") else other for d in dtypes}
     for kernels in supported[1:]:
         with jaxring.config.override(cpu_kernels=kernels):
             assert native.extension.get_config()["cpu_kernels"] == kernels
-            assert native.extension.cpu_kernels_in_use() == kernels
+            assert native.extension.cpu_kernels_in_use() == {d: kernels for d in dtypes}
     before = jaxring.config.get()
     allowed = ", ".join(repr(k) for k in supported)
     for bad in ["sse9", *(k for k in ("avx2", "avx512") if k not in supported)]:

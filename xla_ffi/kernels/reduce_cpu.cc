@@ -36,15 +36,21 @@ ReduceFn KernelsOf(CpuKernels kernels) {
   }
 }
 
-std::atomic<ReduceFn> kernels_in_use{nullptr};
-std::atomic<CpuKernels> kernels_chosen{CpuKernels::kBaseline};
+bool Is16BitFloat(DType dtype) { return dtype == DType::kF16 || dtype == DType::kBF16; }
 
-ReduceFn Kernels() {
-  ReduceFn fn = kernels_in_use.load(std::memory_order_relaxed);
-  if (fn) return fn;
-  UseCpuKernels(CpuKernels::kAuto);
-  return kernels_in_use.load(std::memory_order_relaxed);
+// The builds Reduce() runs: one for float16 and bfloat16, whose every element is converted to
+// float32 and back, so that arithmetic bounds their reductions; one for the other dtypes, which
+// memory bounds.
+std::atomic<ReduceFn> kernels_16bit{&baseline::Reduce}, kernels_other{&baseline::Reduce};
+std::atomic<CpuKernels> chosen_16bit{CpuKernels::kBaseline}, chosen_other{CpuKernels::kBaseline};
+
+bool ChooseAtLoad() {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_cpu_init();  // __builtin_cpu_supports before the constructors have run
+#endif
+  return UseCpuKernels(CpuKernels::kAuto);
 }
+[[maybe_unused]] const bool chosen_at_load = ChooseAtLoad();
 
 }  // namespace
 
@@ -66,26 +72,35 @@ bool CpuKernelsSupported(CpuKernels kernels) {
 }
 
 bool UseCpuKernels(CpuKernels kernels) {
-  if (kernels == CpuKernels::kAuto) {
-    kernels = CpuKernels::kBaseline;
-    for (CpuKernels wider : {CpuKernels::kAvx2, CpuKernels::kAvx512})
-      if (CpuKernelsSupported(wider)) kernels = wider;
-  }
   if (!CpuKernelsSupported(kernels)) return false;
-  kernels_chosen.store(kernels, std::memory_order_relaxed);
-  kernels_in_use.store(KernelsOf(kernels), std::memory_order_relaxed);
+  CpuKernels for_16bit = kernels, for_other = kernels;
+  if (kernels == CpuKernels::kAuto) {
+    // 16-bit floats: the widest build (bfloat16 all-reduces in a loop on 2-8 devices took
+    // 0.23-0.52x the SSE2 build's time with AVX-512, 0.50-0.66x with AVX2; benchmarks/kernels.py).
+    // The rest: AVX2. In cache it matched AVX-512 (float32: 0.88-1.0x the SSE2 build's time), and
+    // where the reductions stream from memory AVX-512 lost: 16 MiB float32 reduce-scatters and
+    // all-reduces in a loop on 2 devices took 1.10-1.12x the SSE2 build's time, AVX2 1.0-1.04x.
+    for_16bit = for_other = CpuKernels::kBaseline;
+    if (CpuKernelsSupported(CpuKernels::kAvx2)) for_16bit = for_other = CpuKernels::kAvx2;
+    if (CpuKernelsSupported(CpuKernels::kAvx512)) for_16bit = CpuKernels::kAvx512;
+  }
+  chosen_16bit.store(for_16bit, std::memory_order_relaxed);
+  chosen_other.store(for_other, std::memory_order_relaxed);
+  kernels_16bit.store(KernelsOf(for_16bit), std::memory_order_relaxed);
+  kernels_other.store(KernelsOf(for_other), std::memory_order_relaxed);
   return true;
 }
 
-CpuKernels CpuKernelsInUse() {
-  Kernels();
-  return kernels_chosen.load(std::memory_order_relaxed);
+CpuKernels CpuKernelsFor(DType dtype) {
+  return (Is16BitFloat(dtype) ? chosen_16bit : chosen_other).load(std::memory_order_relaxed);
 }
 
 void Reduce(DType dtype, ReduceOp op, const Operand* srcs, int num_srcs, const Target* dsts,
             int num_dsts, int64_t count, int64_t mean_divisor) {
   if (count <= 0 || num_srcs <= 0) return;
-  Kernels()(dtype, op, srcs, num_srcs, dsts, num_dsts, count, mean_divisor);
+  const ReduceFn kernels =
+      (Is16BitFloat(dtype) ? kernels_16bit : kernels_other).load(std::memory_order_relaxed);
+  kernels(dtype, op, srcs, num_srcs, dsts, num_dsts, count, mean_divisor);
 }
 
 void CopyStreamed(void* dst, const void* src, size_t bytes) {

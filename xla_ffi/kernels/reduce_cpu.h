@@ -41,12 +41,13 @@ void CopyStreamed(void* dst, const void* src, size_t bytes);
 void Reduce(DType dtype, ReduceOp op, const Operand* srcs, int num_srcs, const Target* dsts,
             int num_dsts, int64_t count, int64_t mean_divisor);
 
-// Which build of the kernels Reduce() runs (reduce_cpu_impl.inc): every build writes the same
-// bits, the wider ones faster (float16/bfloat16 sums most of all, which convert every element).
-// The first Reduce() takes kAuto's choice, the widest this CPU supports, unless chosen before.
+// Which build of the kernels Reduce() runs (reduce_cpu_impl.inc). Every build writes the same
+// bits; the wider ones are faster, float16/bfloat16 reductions most of all (they convert every
+// element). kAuto, chosen when the library loads, takes the widest build for 16-bit floats and
+// AVX2 for the rest; any other choice applies to every dtype.
 bool CpuKernelsSupported(CpuKernels kernels);
 bool UseCpuKernels(CpuKernels kernels);  // false, changing nothing, if not supported here
-CpuKernels CpuKernelsInUse();            // never kAuto
+CpuKernels CpuKernelsFor(DType dtype);   // the build that reduces `dtype` now (never kAuto)
 
 // Bit-exact conversions used by the kernels (and tested against numpy's).
 float HalfToFloat(uint16_t h);

@@ -185,14 +185,10 @@ constexpr jaxring::CpuKernels kAllCpuKernels[] = {
     jaxring::CpuKernels::kAvx512};
 
 jaxring::CpuKernels ParseCpuKernels(const std::string& name) {
-  std::string supported;
-  for (jaxring::CpuKernels k : kAllCpuKernels) {
-    if (!jaxring::CpuKernelsSupported(k)) continue;
-    if (name == jaxring::CpuKernelsName(k)) return k;
-    supported += std::string(supported.empty() ? "'" : ", '") + jaxring::CpuKernelsName(k) + "'";
-  }
-  throw nb::value_error(("cpu_kernels must be one of " + supported + " on this CPU; got '" +
-                         name + "'").c_str());
+  for (jaxring::CpuKernels k : kAllCpuKernels)
+    if (name == jaxring::CpuKernelsName(k) && jaxring::CpuKernelsSupported(k)) return k;
+  throw nb::value_error(("cpu_kernels: '" + name + "' is not a build of the reduction kernels "
+                         "that this CPU runs (see cpu_kernels_supported())").c_str());
 }
 
 }  // namespace
@@ -274,8 +270,13 @@ NB_MODULE(_jaxring, m) {
       if (jaxring::CpuKernelsSupported(k)) names.append(jaxring::CpuKernelsName(k));
     return names;
   });
-  m.def("cpu_kernels_in_use",
-        []() { return std::string(jaxring::CpuKernelsName(jaxring::CpuKernelsInUse())); });
+  m.def("cpu_kernels_in_use", []() {
+    nb::dict builds;
+    for (jaxring::DType dtype : {jaxring::DType::kF32, jaxring::DType::kF64, jaxring::DType::kF16,
+                                 jaxring::DType::kBF16, jaxring::DType::kS32, jaxring::DType::kS64})
+      builds[jaxring::DTypeName(dtype)] = jaxring::CpuKernelsName(jaxring::CpuKernelsFor(dtype));
+    return builds;
+  });
 
   m.def(
       "shm_attach",
