@@ -35,7 +35,7 @@ from jaxring._src import native  # noqa: E402
 from jaxring._src.common import make_varying  # noqa: E402
 
 DEVICES = (2, 4, 8)
-SIZES = (64 << 10, 256 << 10, 1 << 20, 4 << 20)
+SIZES = (64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20)
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 PSUM = "lax.psum"
 
