@@ -3,7 +3,7 @@
     python benchmarks/kernels.py   ->  benchmarks/results/kernels-cpu.{json,md}
 
 jaxring compiles its reduction kernels for SSE2 (the x86-64 baseline), AVX2 and AVX-512 and runs
-by default the widest the CPU supports for float16/bfloat16 and AVX2 for the other dtypes
+by default the widest the CPU supports for float16/bfloat16 and SSE2 for the other dtypes
 (`jaxring.config` `cpu_kernels`, kernels/reduce_cpu.cc). This
 times jaxring.all_reduce with each build this CPU runs, and lax.psum, inside one compiled loop
 (program launch left out, as in allreduce.py's loop table: the program donates its input, each

@@ -75,14 +75,15 @@ bool UseCpuKernels(CpuKernels kernels) {
   if (!CpuKernelsSupported(kernels)) return false;
   CpuKernels for_16bit = kernels, for_other = kernels;
   if (kernels == CpuKernels::kAuto) {
-    // 16-bit floats: the widest build (bfloat16 all-reduces in a loop on 2-8 devices took
-    // 0.23-0.52x the SSE2 build's time with AVX-512, 0.50-0.66x with AVX2; benchmarks/kernels.py).
-    // The rest: AVX2. In cache it matched AVX-512 (float32: 0.88-1.0x the SSE2 build's time), and
-    // where the reductions stream from memory AVX-512 lost: 16 MiB float32 reduce-scatters and
-    // all-reduces in a loop on 2 devices took 1.10-1.12x the SSE2 build's time, AVX2 1.0-1.04x.
+    // 16-bit floats: the widest build. bfloat16 all-reduces in a loop on 2-8 devices took
+    // 0.21-0.55x the SSE2 build's time with AVX-512 and 0.50-0.71x with AVX2 (benchmarks/
+    // kernels.py). The other dtypes: SSE2, since memory bounds them. In the cache the wider builds
+    // saved 0-17% (float32 all-reduces, 64 KiB-4 MiB); with 16 MiB on 2 devices, where the stores
+    // stream, they lost: in a loop of float32 all-reduces on one buffer, taking turns, SSE2 took
+    // 809 us, AVX-512 914 us and AVX2 1245 us, and reduce-scatters 1730, 1853 and 1875 us.
     for_16bit = for_other = CpuKernels::kBaseline;
-    if (CpuKernelsSupported(CpuKernels::kAvx2)) for_16bit = for_other = CpuKernels::kAvx2;
-    if (CpuKernelsSupported(CpuKernels::kAvx512)) for_16bit = CpuKernels::kAvx512;
+    for (CpuKernels wider : {CpuKernels::kAvx2, CpuKernels::kAvx512})
+      if (CpuKernelsSupported(wider)) for_16bit = wider;
   }
   chosen_16bit.store(for_16bit, std::memory_order_relaxed);
   chosen_other.store(for_other, std::memory_order_relaxed);

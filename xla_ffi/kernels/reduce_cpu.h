@@ -44,7 +44,7 @@ void Reduce(DType dtype, ReduceOp op, const Operand* srcs, int num_srcs, const T
 // Which build of the kernels Reduce() runs (reduce_cpu_impl.inc). Every build writes the same
 // bits; the wider ones are faster, float16/bfloat16 reductions most of all (they convert every
 // element). kAuto, chosen when the library loads, takes the widest build for 16-bit floats and
-// AVX2 for the rest; any other choice applies to every dtype.
+// the baseline for the rest, which memory bounds; any other choice applies to every dtype.
 bool CpuKernelsSupported(CpuKernels kernels);
 bool UseCpuKernels(CpuKernels kernels);  // false, changing nothing, if not supported here
 CpuKernels CpuKernelsFor(DType dtype);   // the build that reduces `dtype` now (never kAuto)
