@@ -230,23 +230,15 @@ def fresh_exchange_floors(nbytes: int) -> dict:
     here is advised onto huge pages as jaxring advises its own outputs (huge_page_bytes), which
     faults them in fastest. In 256 KiB steps, with plain and with non-temporal stores; the floor
     is the faster. Only on the shared-memory transport."""
-    import ctypes
-    import ctypes.util
-
-    from jaxring._jaxring import shm_exchange
+    from jaxring._jaxring import advise_huge_pages, shm_exchange
 
     if COMM.transport != "shm":
         return {}
-    libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
-    huge, advice = 2 << 20, 14  # MADV_HUGEPAGE
     src = np.random.default_rng(COMM.rank).standard_normal(max(1, nbytes // 4), np.float32)
 
     def run(streamed):
         dst = np.empty_like(src)
-        start = dst.ctypes.data
-        begin, end = -(-start // huge) * huge, (start + dst.nbytes) // huge * huge
-        if end > begin:
-            libc.madvise(ctypes.c_void_p(begin), ctypes.c_size_t(end - begin), advice)
+        advise_huge_pages(dst)  # as jaxring advises its own outputs
         shm_exchange(COMM.key, dst, src, 256 << 10, streamed, 1)
 
     return {f"{FRESH_EXCHANGE_FLOOR}[{way}]": (lambda x, xj, streamed=streamed: run(streamed), {})

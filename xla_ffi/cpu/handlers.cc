@@ -1,7 +1,5 @@
 // XLA FFI handlers for CPU devices: the shared handler bodies (common/handlers.h) with a Runner
 // that reads rank and data in place and runs the call through cpu/host.cc.
-#include <sys/mman.h>
-
 #include <cstdint>
 
 #include "common/config.h"
@@ -12,23 +10,6 @@ namespace jaxring {
 namespace {
 
 namespace ffi = xla::ffi;
-
-// Large outputs from XLA's CPU allocator are usually fresh anonymous mappings (glibc maps every
-// block over 32 MiB), and each 4 KiB page then faults on its first write: about 2.7 us a page on
-// this VM, 48 ms for 64 MiB, more than the all-reduce itself. Asking for transparent huge pages on
-// the buffer's 2 MiB-aligned interior cuts that to 10 ms. The call is advice: it changes no data,
-// and a kernel without THP ignores it. Every device advises its own output before it joins the
-// rendezvous, so before any peer writes to it.
-void AdviseHugePages(const ffi::AnyBuffer& y) {
-  const int64_t threshold = CurrentConfig().huge_page_bytes;
-  const size_t bytes = y.size_bytes();
-  if (threshold <= 0 || bytes < static_cast<size_t>(threshold)) return;
-  constexpr uintptr_t kHugePage = uintptr_t{2} << 20;
-  const uintptr_t start = reinterpret_cast<uintptr_t>(y.untyped_data());
-  const uintptr_t begin = (start + kHugePage - 1) & ~(kHugePage - 1);
-  const uintptr_t end = (start + bytes) & ~(kHugePage - 1);
-  if (end > begin) madvise(reinterpret_cast<void*>(begin), end - begin, MADV_HUGEPAGE);
-}
 
 struct CpuRunner {
   using Ctx = ffi::RunId;
@@ -41,7 +22,7 @@ struct CpuRunner {
     call.group = *static_cast<const int32_t*>(group.untyped_data());
     if (x != nullptr) call.input = x->untyped_data();
     if (y != nullptr) {
-      AdviseHugePages(*y);
+      AdviseHugePages(y->untyped_data(), y->size_bytes());
       call.output = y->untyped_data();
     }
     const HostResult result = RunHostCall(call);

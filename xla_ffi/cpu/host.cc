@@ -1,5 +1,7 @@
 #include "cpu/host.h"
 
+#include <sys/mman.h>
+
 #include <cstdint>
 #include <cstring>
 #include <mutex>
@@ -170,6 +172,16 @@ HostResult RunHostCall(const JaxringHostCall& c) {
   header.op = ReduceOp::kSum;
   header.count = c.role == kJaxringHostRecv ? c.output_count : c.input_count;
   return {RunPointToPointCall(c, header)};
+}
+
+void AdviseHugePages(void* data, size_t bytes) {
+  const int64_t threshold = CurrentConfig().huge_page_bytes;
+  if (threshold <= 0 || bytes < static_cast<size_t>(threshold)) return;
+  constexpr uintptr_t kHugePage = uintptr_t{2} << 20;
+  const uintptr_t start = reinterpret_cast<uintptr_t>(data);
+  const uintptr_t begin = (start + kHugePage - 1) & ~(kHugePage - 1);
+  const uintptr_t end = (start + bytes) & ~(kHugePage - 1);
+  if (end > begin) madvise(reinterpret_cast<void*>(begin), end - begin, MADV_HUGEPAGE);
 }
 
 }  // namespace jaxring

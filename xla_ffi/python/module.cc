@@ -13,6 +13,7 @@
 #include "common/config.h"
 #include "common/host_call.h"
 #include "common/types.h"
+#include "cpu/host.h"
 #include "gpu/host_memory.h"
 #include "gpu/ipc_steps.h"
 #include "gpu/plan.h"
@@ -474,4 +475,10 @@ NB_MODULE(_jaxring, m) {
       nb::arg("loops"),
       "Runs `loops` exchanges through communicator `key`'s shared memory: every rank stages src "
       "and copies its left neighbour's into dst, chunk_bytes per step.");
+  m.def(
+      "advise_huge_pages",
+      [](HostArray a) { jaxring::AdviseHugePages(a.data(), a.size() * a.itemsize()); },
+      nb::arg("array"),
+      "Advises `array` onto transparent huge pages as jaxring advises its CPU outputs "
+      "(huge_page_bytes): for benchmarks that compare against a fresh output.");
 }
