@@ -196,6 +196,20 @@ LOOP_CASES = {
 }
 
 
+def loop_repeats(nbytes: int) -> int:
+    """Passes of a loop program (measure_in_loop says why this many)."""
+    return int(min(64, max(8, (128 << 20) // nbytes)))
+
+
+def donated_loop(step, mesh, repeats: int):
+    """A jitted shard_map program over axis "i" of `mesh` that runs `carry = step(carry)`
+    `repeats` times and donates its input, which becomes the loop carry."""
+    body = lambda v: lax.fori_loop(  # noqa: E731
+        0, repeats, lambda _, a: make_varying(step(a), ("i",)), v)
+    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("i"), out_specs=P("i")),
+                   donate_argnums=0)
+
+
 def measure_in_loop(n: int, nbytes: int) -> list[dict]:
     """Per collective inside one compiled loop that feeds each result to the next, with nothing
     else in the loop: the collective's own cost, without the program launch that dominates a lone
@@ -210,19 +224,13 @@ def measure_in_loop(n: int, nbytes: int) -> list[dict]:
     float32 numbers. Sizes as in the lone tables: the input per device, all_gather's output."""
     mesh = jax.make_mesh((n,), ("i",), devices=jax.devices()[:n])
     sharding = NamedSharding(mesh, P("i"))
-    repeats = int(min(64, max(8, (128 << 20) // nbytes)))
+    repeats = loop_repeats(nbytes)
     runs, sizes, inputs = {}, {}, {}
     for name, (collective, one_pass) in LOOP_CASES.items():
         per_device, sizes[name] = _elements(collective, n, nbytes)
         start = np.random.default_rng(0).standard_normal(n * per_device, np.float32) * 2.0 ** -100
         inputs[name] = [start, None]  # the start values, and the array the next call donates
-
-        def body(v, one_pass=one_pass):
-            step = lambda _, a: make_varying(one_pass(a, n), ("i",))
-            return lax.fori_loop(0, repeats, step, v)
-
-        f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("i"), out_specs=P("i")),
-                    donate_argnums=0)
+        f = donated_loop(lambda a, one_pass=one_pass: one_pass(a, n), mesh, repeats)
 
         def run(f=f, held=inputs[name]):
             held[1] = f(held[1])  # a warm-up without a fresh input donates the last output

@@ -31,8 +31,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import jaxring  # noqa: E402
 from common import (environment, human_bytes, keep_freed_memory, medians_in_turns,  # noqa: E402
                     steal_sentence, write_results)
+from allreduce import donated_loop, loop_repeats  # noqa: E402
 from jaxring._src import native  # noqa: E402
-from jaxring._src.common import make_varying  # noqa: E402
 
 DEVICES = (2, 4, 8)
 SIZES = (64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20)
@@ -45,17 +45,12 @@ def measure(n: int, nbytes: int, dtype, builds: list[str]) -> dict:
     mesh = jax.make_mesh((n,), ("i",), devices=jax.devices()[:n])
     sharding = NamedSharding(mesh, P("i"))
     count = nbytes // jnp.dtype(dtype).itemsize
-    repeats = int(min(64, max(8, (128 << 20) // nbytes)))
+    repeats = loop_repeats(nbytes)
     # Each pass multiplies the values by about n; starting near 2^-100 they stay finite (bfloat16
     # has float32's exponent range).
     start = np.asarray(np.random.default_rng(0).standard_normal(n * count) * 2.0 ** -100, dtype)
-    programs = {}
-    for name, reduce in [("jaxring", lambda a: jaxring.all_reduce(a, "i")),
-                         (PSUM, lambda a: lax.psum(a, "i"))]:
-        body = lambda v, reduce=reduce: lax.fori_loop(  # noqa: E731
-            0, repeats, lambda _, a: make_varying(reduce(a), ("i",)), v)
-        programs[name] = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("i"),
-                                               out_specs=P("i")), donate_argnums=0)
+    programs = {"jaxring": donated_loop(lambda a: jaxring.all_reduce(a, "i"), mesh, repeats),
+                PSUM: donated_loop(lambda a: lax.psum(a, "i"), mesh, repeats)}
     cases = {f"jaxring[{build}]": ("jaxring", build) for build in builds}
     cases[PSUM] = (PSUM, "auto")
     held = {}
@@ -96,8 +91,8 @@ def markdown(env: dict, builds: list[str], rows: list[dict]) -> str:
         "",
         "Per all-reduce inside one compiled loop (program launch excluded; see the docstring of "
         "`benchmarks/kernels.py`), medians, the cases taking turns. `vs baseline`: each build's "
-        "time over the SSE2 build's; `vs psum`: the time of the build `auto` takes for the dtype over "
-        "lax.psum's (below 1: jaxring is faster). Every build writes the same bits "
+        "time over the SSE2 build's; `vs psum`: the time of the build `auto` takes for the dtype "
+        "over lax.psum's (below 1: jaxring is faster). Every build writes the same bits "
         "(`test_every_build_of_the_kernels_writes_the_same_bits`).",
         "",
         "| dtype | n | size | " + " | ".join(f"jaxring[{b}] (us)" for b in builds)

@@ -41,7 +41,6 @@ bool Is16BitFloat(DType dtype) { return dtype == DType::kF16 || dtype == DType::
 // The builds Reduce() runs: one for float16 and bfloat16, whose every element is converted to
 // float32 and back, so that arithmetic bounds their reductions; one for the other dtypes, which
 // memory bounds.
-std::atomic<ReduceFn> kernels_16bit{&baseline::Reduce}, kernels_other{&baseline::Reduce};
 std::atomic<CpuKernels> chosen_16bit{CpuKernels::kBaseline}, chosen_other{CpuKernels::kBaseline};
 
 bool ChooseAtLoad() {
@@ -76,19 +75,18 @@ bool UseCpuKernels(CpuKernels kernels) {
   CpuKernels for_16bit = kernels, for_other = kernels;
   if (kernels == CpuKernels::kAuto) {
     // 16-bit floats: the widest build. bfloat16 all-reduces in a loop on 2-8 devices took
-    // 0.21-0.55x the SSE2 build's time with AVX-512 and 0.50-0.71x with AVX2 (benchmarks/
-    // kernels.py). The other dtypes: SSE2, since memory bounds them. In the cache the wider builds
-    // saved 0-17% (float32 all-reduces, 64 KiB-4 MiB); with 16 MiB on 2 devices, where the stores
-    // stream, they lost: in a loop of float32 all-reduces on one buffer, taking turns, SSE2 took
-    // 809 us, AVX-512 914 us and AVX2 1245 us, and reduce-scatters 1730, 1853 and 1875 us.
+    // 0.21-0.52x the SSE2 build's time with AVX-512 and 0.47-0.68x with AVX2 (benchmarks/
+    // kernels.py). The other dtypes: SSE2, since memory bounds them. In the cache the wider
+    // builds took 0.85-1.04x its time (float32 all-reduces, 64 KiB-4 MiB); with 16 MiB on 2
+    // devices, where the stores stream, they lost: in a loop of float32 all-reduces on one
+    // buffer, taking turns, SSE2 took 809 us, AVX-512 914 us and AVX2 1245 us, and
+    // reduce-scatters 1730, 1853 and 1875 us.
     for_16bit = for_other = CpuKernels::kBaseline;
     for (CpuKernels wider : {CpuKernels::kAvx2, CpuKernels::kAvx512})
       if (CpuKernelsSupported(wider)) for_16bit = wider;
   }
   chosen_16bit.store(for_16bit, std::memory_order_relaxed);
   chosen_other.store(for_other, std::memory_order_relaxed);
-  kernels_16bit.store(KernelsOf(for_16bit), std::memory_order_relaxed);
-  kernels_other.store(KernelsOf(for_other), std::memory_order_relaxed);
   return true;
 }
 
@@ -99,9 +97,7 @@ CpuKernels CpuKernelsFor(DType dtype) {
 void Reduce(DType dtype, ReduceOp op, const Operand* srcs, int num_srcs, const Target* dsts,
             int num_dsts, int64_t count, int64_t mean_divisor) {
   if (count <= 0 || num_srcs <= 0) return;
-  const ReduceFn kernels =
-      (Is16BitFloat(dtype) ? kernels_16bit : kernels_other).load(std::memory_order_relaxed);
-  kernels(dtype, op, srcs, num_srcs, dsts, num_dsts, count, mean_divisor);
+  KernelsOf(CpuKernelsFor(dtype))(dtype, op, srcs, num_srcs, dsts, num_dsts, count, mean_divisor);
 }
 
 void CopyStreamed(void* dst, const void* src, size_t bytes) {
