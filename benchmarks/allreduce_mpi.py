@@ -43,7 +43,8 @@ from mpi4py import MPI  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import jaxring  # noqa: E402
 import jaxring.mpi  # noqa: E402
-from common import (RESULTS, bus_factor, copy_ways, environment, human_bytes,  # noqa: E402
+from common import (EFFECT_FLOOR, EXCHANGE_FLOOR, FRESH_EXCHANGE_FLOOR,  # noqa: E402
+                    LAUNCH_FLOOR, RESULTS, bus_factor, copy_ways, environment, human_bytes,
                     issue3_target, keep_freed_memory, launch_and_exchange, looped_floor,
                     medians_in_turns, memory_bandwidth_gbps, plot_time_per_size, rank_binding,
                     steal_sentence, with_jaxring_effect, write_results)
@@ -56,15 +57,6 @@ OVER_MPI = jaxring.mpi.Communicator(WORLD.Dup(), label="over MPI", transport="mp
 TWO_NODES = (jaxring.mpi.Communicator(WORLD.Dup(), label="2 nodes", ranks_per_node=WORLD.size // 2)
              if WORLD.size >= 4 and WORLD.size % 2 == 0 else None)
 SPIN_FOREVER = 1 << 40
-# A lone jitted program that reads the input, writes the output in one XLA elementwise pass and
-# carries jaxring's ordered effect, communicating nothing (common.with_jaxring_effect): every lone
-# call of a collective that carries the effect costs at least this, however it moves the data.
-EFFECT_FLOOR = "effect floor"
-# A lone jitted program that carries jaxring's ordered effect and returns its input, which XLA
-# copies into a fresh output: what launching any program with the effect and writing an output
-# of the input's size costs, the least a lone call of a collective that carries the effect can
-# take, whatever it does with the bytes.
-LAUNCH_FLOOR = "launch floor"
 
 
 def implementations():
@@ -105,7 +97,6 @@ LOOP_MAX_BYTES = 16 << 20
 FLOOR = "traffic floor"
 COPY_FLOOR = "copy floor"
 COPY_FLOOR_BYTES = 16 << 20
-EXCHANGE_FLOOR = "exchange floor"
 EXCHANGE_CHUNKS = (256 << 10, 1 << 20)  # bytes per step; 128-512 KiB ran alike
 
 
@@ -218,9 +209,6 @@ def exchange_floors(nbytes: int, loops: int) -> dict:
                 lambda x, xj, chunk=chunk, streamed=streamed:
                 shm_exchange(COMM.key, dst, src, chunk, streamed, loops))
     return floors
-
-
-FRESH_EXCHANGE_FLOOR = "exchange floor, fresh output"
 
 
 def fresh_exchange_floors(nbytes: int) -> dict:

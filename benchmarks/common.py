@@ -138,6 +138,22 @@ def looped_floor(rows: list[dict], nbytes: int, kinds) -> float | None:
                 and r["impl"].startswith(kinds)), default=None)
 
 
+# Lone floors across processes (allreduce_mpi.py). A lone jitted program that reads the input,
+# writes the output in one XLA elementwise pass and carries jaxring's ordered effect,
+# communicating nothing (with_jaxring_effect): every lone call of a collective that carries the
+# effect costs at least this, however it moves the data.
+EFFECT_FLOOR = "effect floor"
+# A lone jitted program that carries jaxring's ordered effect and returns its input, which XLA
+# copies into a fresh output: what launching any program with the effect and writing an output
+# of the input's size costs, the least a lone call of a collective that carries the effect can
+# take, whatever it does with the bytes.
+LAUNCH_FLOOR = "launch floor"
+# Every rank staging its input in shared memory and copying a neighbour's out, in a loop
+# (allreduce_mpi.exchange_floors), and once into a fresh output (fresh_exchange_floors).
+EXCHANGE_FLOOR = "exchange floor"
+FRESH_EXCHANGE_FLOOR = "exchange floor, fresh output"
+
+
 def launch_and_exchange(rows: list[dict], nbytes: int) -> tuple[float, float | None]:
     """Two floors under a lone all-reduce of `nbytes` in one run of allreduce_mpi.py: the launch,
     the least `effect floor` or `launch floor` at this size or a smaller one (a lone call's launch
@@ -148,10 +164,10 @@ def launch_and_exchange(rows: list[dict], nbytes: int) -> tuple[float, float | N
     exchange was measured."""
     lone = {(r["impl"], r["bytes"]): r["seconds"] for r in rows if not r.get("per_op")}
     launch = min(t for (m, b), t in lone.items()
-                 if b <= nbytes and m in ("effect floor", "launch floor"))
+                 if b <= nbytes and m in (EFFECT_FLOOR, LAUNCH_FLOOR))
     fresh = [t for (m, b), t in lone.items()
-             if b == nbytes and m.startswith("exchange floor, fresh output")]
-    moved = max(looped_floor(rows, nbytes, "exchange floor") or 0.0, min(fresh, default=0.0))
+             if b == nbytes and m.startswith(FRESH_EXCHANGE_FLOOR)]
+    moved = max(looped_floor(rows, nbytes, EXCHANGE_FLOOR) or 0.0, min(fresh, default=0.0))
     return launch, (launch + moved if moved else None)
 
 

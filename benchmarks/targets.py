@@ -40,8 +40,8 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import (RESULTS, human_bytes, issue2_target, issue3_target,  # noqa: E402
-                    launch_and_exchange, looped_floor, output_bytes)
+from common import (EFFECT_FLOOR, RESULTS, human_bytes, issue2_target,  # noqa: E402
+                    issue3_target, launch_and_exchange, looped_floor, output_bytes)
 
 # jaxring's case in allreduce.py -> (its collective, the lax twin's case)
 TWINS = {"jaxring.all_reduce": ("all_reduce", "lax.psum"),
@@ -101,7 +101,7 @@ def mpi_rows(run: dict) -> dict:
         allowed = issue3_target(by[("mpi4jax.allreduce", nbytes)],
                                 by[("mpi4py Allreduce", nbytes)], nbytes)
         launch, launch_exchange = launch_and_exchange(rows, nbytes)
-        floors = {"effect": by[("effect floor", nbytes)] if nbytes < HUGE_PAGE_BYTES else None,
+        floors = {"effect": by[(EFFECT_FLOOR, nbytes)] if nbytes < HUGE_PAGE_BYTES else None,
                   "launch": launch,
                   "copy": looped_floor(rows, nbytes, "copy floor"),
                   "launch+exchange": launch_exchange}
