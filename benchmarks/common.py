@@ -237,6 +237,7 @@ def environment() -> dict:
                    f"{devices[0].device_kind} x{len(devices)}"),
         "cpu": cpu_model(),
         "cpu_kernels": native.extension.cpu_kernels_in_use(),
+        "cpu_kernels_streaming": native.extension.cpu_kernels_in_use(streaming=True),
         "cores": os.cpu_count(),
         "python": platform.python_version(),
         "jax": jax.__version__,

@@ -3,9 +3,10 @@
     python benchmarks/kernels.py   ->  benchmarks/results/kernels-cpu.{json,md}
 
 jaxring compiles its reduction kernels for SSE2 (the x86-64 baseline), AVX2 and AVX-512 and runs
-by default the widest the CPU supports for float16/bfloat16 and SSE2 for the other dtypes
-(`jaxring.config` `cpu_kernels`, kernels/reduce_cpu.cc). This
-times jaxring.all_reduce with each build this CPU runs, and lax.psum, inside one compiled loop
+by default the widest the CPU supports, except SSE2 for the reductions of dtypes other than
+float16/bfloat16 whose stores stream (`jaxring.config` `cpu_kernels`, kernels/reduce_cpu.cc). This
+times jaxring.all_reduce with each build this CPU runs and with that default (`auto`), and
+lax.psum, inside one compiled loop
 (program launch left out, as in allreduce.py's loop table: the program donates its input, each
 result feeds the next call), on 2, 4 and 8 CPU devices, float32 and bfloat16, the cases taking
 turns call by call. bfloat16 (and float16) accumulate in float32, so every element is converted
@@ -51,7 +52,7 @@ def measure(n: int, nbytes: int, dtype, builds: list[str]) -> dict:
     start = np.asarray(np.random.default_rng(0).standard_normal(n * count) * 2.0 ** -100, dtype)
     programs = {"jaxring": donated_loop(lambda a: jaxring.all_reduce(a, "i"), mesh, repeats),
                 PSUM: donated_loop(lambda a: lax.psum(a, "i"), mesh, repeats)}
-    cases = {f"jaxring[{build}]": ("jaxring", build) for build in builds}
+    cases = {f"jaxring[{build}]": ("jaxring", build) for build in (*builds, "auto")}
     cases[PSUM] = (PSUM, "auto")
     held = {}
 
@@ -74,7 +75,7 @@ def measure(n: int, nbytes: int, dtype, builds: list[str]) -> dict:
 
 
 def auto_choice(in_use: dict) -> str:
-    """'avx512 for float16, bfloat16; avx2 for float32, ...' from {dtype: build}."""
+    """'avx512 for float16, bfloat16; baseline for float32, ...' from {dtype: build}."""
     by_build = {}
     for dtype, build in in_use.items():
         by_build.setdefault(build, []).append(dtype)
@@ -82,34 +83,37 @@ def auto_choice(in_use: dict) -> str:
 
 
 def markdown(env: dict, builds: list[str], rows: list[dict]) -> str:
+    columns = [*builds, "auto"]
     lines = [
         "# CPU reduction kernels per instruction set: jaxring.all_reduce vs lax.psum",
         "",
         f"Device: {env['device']}, {env['cores']} cores ({env['cpu']}); python {env['python']}, "
         f"jax {env['jax']}; {env['date']}.{steal_sentence(env)} Builds this CPU runs: "
-        f"{', '.join(builds)}; `auto` takes {auto_choice(env['cpu_kernels'])}.",
+        f"{', '.join(builds)}; `auto` takes {auto_choice(env['cpu_kernels'])} where the targets "
+        f"stay in the cache, and {auto_choice(env['cpu_kernels_streaming'])} where they stream "
+        "(16 MiB of outputs over all devices or more: here 16 MiB on 2 devices, 4 and 16 MiB on 4 "
+        "and 8).",
         "",
         "Per all-reduce inside one compiled loop (program launch excluded; see the docstring of "
         "`benchmarks/kernels.py`), medians, the cases taking turns. `vs baseline`: each build's "
-        "time over the SSE2 build's; `vs psum`: the time of the build `auto` takes for the dtype "
-        "over lax.psum's (below 1: jaxring is faster). Every build writes the same bits "
+        "time, and `auto`'s, over the SSE2 build's; `vs psum`: `auto`'s time over lax.psum's "
+        "(below 1: jaxring is faster). Every build writes the same bits "
         "(`test_every_build_of_the_kernels_writes_the_same_bits`).",
         "",
-        "| dtype | n | size | " + " | ".join(f"jaxring[{b}] (us)" for b in builds)
-        + " | lax.psum (us) | " + " | ".join(f"{b} vs baseline" for b in builds[1:])
+        "| dtype | n | size | " + " | ".join(f"jaxring[{b}] (us)" for b in columns)
+        + " | lax.psum (us) | " + " | ".join(f"{b} vs baseline" for b in columns[1:])
         + " | vs psum |",
-        "|---|---|---|" + "---|" * (2 * len(builds) + 1),
+        "|---|---|---|" + "---|" * (2 * len(columns) + 1),
     ]
     for r in rows:
         t = r["seconds"]
         base = t["jaxring[baseline]"]
-        chosen = t[f"jaxring[{env['cpu_kernels'][r['dtype']]}]"]
         lines.append(
             f"| {r['dtype']} | {r['devices']} | {human_bytes(r['bytes'])} | "
-            + " | ".join(f"{t[f'jaxring[{b}]'] * 1e6:.1f}" for b in builds)
+            + " | ".join(f"{t[f'jaxring[{b}]'] * 1e6:.1f}" for b in columns)
             + f" | {t[PSUM] * 1e6:.1f} | "
-            + " | ".join(f"{t[f'jaxring[{b}]'] / base:.2f}" for b in builds[1:])
-            + f" | {chosen / t[PSUM]:.2f} |")
+            + " | ".join(f"{t[f'jaxring[{b}]'] / base:.2f}" for b in columns[1:])
+            + f" | {t['jaxring[auto]'] / t[PSUM]:.2f} |")
     return "\n".join(lines) + "\n"
 
 

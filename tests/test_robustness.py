@@ -369,13 +369,16 @@ def test_cpu_kernels_config_chooses_the_build_and_refuses_what_this_cpu_lacks():
     assert supported[:2] == ["auto", "baseline"]
     dtypes = [str(np.dtype(d)) for d in jaxring.SUPPORTED_DTYPES]
     with jaxring.config.override(cpu_kernels="auto"):
-        # the widest build for 16-bit floats, the baseline for the rest
-        assert native.extension.cpu_kernels_in_use() == {
+        # the widest build, except the baseline for streamed reductions of all but 16-bit floats
+        assert native.extension.cpu_kernels_in_use() == {d: supported[-1] for d in dtypes}
+        assert native.extension.cpu_kernels_in_use(streaming=True) == {
             d: supported[-1] if d in ("float16", "bfloat16") else "baseline" for d in dtypes}
     for kernels in supported[1:]:
         with jaxring.config.override(cpu_kernels=kernels):
             assert native.extension.get_config()["cpu_kernels"] == kernels
-            assert native.extension.cpu_kernels_in_use() == {d: kernels for d in dtypes}
+            for streaming in (False, True):
+                assert native.extension.cpu_kernels_in_use(streaming=streaming) == {
+                    d: kernels for d in dtypes}
     before = jaxring.config.get()
     allowed = ", ".join(repr(k) for k in supported)
     for bad in ["sse9", *(k for k in ("avx2", "avx512") if k not in supported)]:

@@ -39,9 +39,10 @@ ReduceFn KernelsOf(CpuKernels kernels) {
 bool Is16BitFloat(DType dtype) { return dtype == DType::kF16 || dtype == DType::kBF16; }
 
 // The builds Reduce() runs: one for float16 and bfloat16, whose every element is converted to
-// float32 and back, so that arithmetic bounds their reductions; one for the other dtypes, which
-// memory bounds.
-std::atomic<CpuKernels> chosen_16bit{CpuKernels::kBaseline}, chosen_other{CpuKernels::kBaseline};
+// float32 and back, so that arithmetic bounds their reductions; for the other dtypes, which
+// memory bounds, one where the targets stay in the cache and one where they stream.
+std::atomic<CpuKernels> chosen_16bit{CpuKernels::kBaseline}, chosen_cached{CpuKernels::kBaseline},
+    chosen_streamed{CpuKernels::kBaseline};
 
 bool ChooseAtLoad() {
 #if defined(__x86_64__) || defined(__i386__)
@@ -72,32 +73,39 @@ bool CpuKernelsSupported(CpuKernels kernels) {
 
 bool UseCpuKernels(CpuKernels kernels) {
   if (!CpuKernelsSupported(kernels)) return false;
-  CpuKernels for_16bit = kernels, for_other = kernels;
+  CpuKernels for_16bit = kernels, cached = kernels, streamed = kernels;
   if (kernels == CpuKernels::kAuto) {
-    // 16-bit floats: the widest build. bfloat16 all-reduces in a loop on 2-8 devices took
-    // 0.21-0.52x the SSE2 build's time with AVX-512 and 0.47-0.68x with AVX2 (benchmarks/
-    // kernels.py). The other dtypes: SSE2, since memory bounds them. In the cache the wider
-    // builds took 0.85-1.04x its time (float32 all-reduces, 64 KiB-4 MiB); with 16 MiB on 2
-    // devices, where the stores stream, they lost: in a loop of float32 all-reduces on one
-    // buffer, taking turns, SSE2 took 809 us, AVX-512 914 us and AVX2 1245 us, and
-    // reduce-scatters 1730, 1853 and 1875 us.
-    for_16bit = for_other = CpuKernels::kBaseline;
+    // The widest build, except for memory-bound reductions whose targets stream. bfloat16
+    // all-reduces in a loop on 2-8 devices took 0.21-0.52x the SSE2 build's time with AVX-512
+    // and 0.47-0.68x with AVX2 (benchmarks/kernels.py); float32 ones in the cache 0.81-0.96x
+    // with AVX-512. Where the stores stream, float32 reduce-scatters of 16 MiB on 2 devices took
+    // 1.07-1.17x SSE2's time with AVX-512 (alone and in a loop, two runs), and a loop of
+    // all-reduces there on one buffer, in turns, took 809 us with SSE2, 914 us with AVX-512 and
+    // 1245 us with AVX2. (All-reduces that stream a line at a time, on 4 and 8 devices at 4 MiB,
+    // took 0.85-0.93x SSE2's time with either wider build: the case for a finer rule.)
+    for_16bit = cached = streamed = CpuKernels::kBaseline;
     for (CpuKernels wider : {CpuKernels::kAvx2, CpuKernels::kAvx512})
-      if (CpuKernelsSupported(wider)) for_16bit = wider;
+      if (CpuKernelsSupported(wider)) for_16bit = cached = wider;
   }
   chosen_16bit.store(for_16bit, std::memory_order_relaxed);
-  chosen_other.store(for_other, std::memory_order_relaxed);
+  chosen_cached.store(cached, std::memory_order_relaxed);
+  chosen_streamed.store(streamed, std::memory_order_relaxed);
   return true;
 }
 
-CpuKernels CpuKernelsFor(DType dtype) {
-  return (Is16BitFloat(dtype) ? chosen_16bit : chosen_other).load(std::memory_order_relaxed);
+CpuKernels CpuKernelsFor(DType dtype, bool streaming) {
+  const std::atomic<CpuKernels>& chosen =
+      Is16BitFloat(dtype) ? chosen_16bit : streaming ? chosen_streamed : chosen_cached;
+  return chosen.load(std::memory_order_relaxed);
 }
 
 void Reduce(DType dtype, ReduceOp op, const Operand* srcs, int num_srcs, const Target* dsts,
             int num_dsts, int64_t count, int64_t mean_divisor) {
   if (count <= 0 || num_srcs <= 0) return;
-  KernelsOf(CpuKernelsFor(dtype))(dtype, op, srcs, num_srcs, dsts, num_dsts, count, mean_divisor);
+  bool streaming = false;
+  for (int d = 0; d < num_dsts; ++d) streaming = streaming || dsts[d].streaming;
+  KernelsOf(CpuKernelsFor(dtype, streaming))(dtype, op, srcs, num_srcs, dsts, num_dsts, count,
+                                             mean_divisor);
 }
 
 void CopyStreamed(void* dst, const void* src, size_t bytes) {

@@ -43,11 +43,13 @@ void Reduce(DType dtype, ReduceOp op, const Operand* srcs, int num_srcs, const T
 
 // Which build of the kernels Reduce() runs (reduce_cpu_impl.inc). Every build writes the same
 // bits; the wider ones are faster, float16/bfloat16 reductions most of all (they convert every
-// element). kAuto, chosen when the library loads, takes the widest build for 16-bit floats and
-// the baseline for the rest, which memory bounds; any other choice applies to every dtype.
+// element). kAuto, chosen when the library loads, takes the widest build, except for the
+// reductions of the other dtypes whose targets stream (Target::streaming), which memory bounds
+// and which ran slower with it: those take the baseline. Any other choice applies to every call.
 bool CpuKernelsSupported(CpuKernels kernels);
 bool UseCpuKernels(CpuKernels kernels);  // false, changing nothing, if not supported here
-CpuKernels CpuKernelsFor(DType dtype);   // the build that reduces `dtype` now (never kAuto)
+// The build that reduces `dtype` now (never kAuto) into targets that stream or not.
+CpuKernels CpuKernelsFor(DType dtype, bool streaming);
 
 // Bit-exact conversions used by the kernels (and tested against numpy's).
 float HalfToFloat(uint16_t h);

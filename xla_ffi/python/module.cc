@@ -271,13 +271,18 @@ NB_MODULE(_jaxring, m) {
       if (jaxring::CpuKernelsSupported(k)) names.append(jaxring::CpuKernelsName(k));
     return names;
   });
-  m.def("cpu_kernels_in_use", []() {
-    nb::dict builds;
-    for (jaxring::DType dtype : {jaxring::DType::kF32, jaxring::DType::kF64, jaxring::DType::kF16,
-                                 jaxring::DType::kBF16, jaxring::DType::kS32, jaxring::DType::kS64})
-      builds[jaxring::DTypeName(dtype)] = jaxring::CpuKernelsName(jaxring::CpuKernelsFor(dtype));
-    return builds;
-  });
+  m.def(
+      "cpu_kernels_in_use",
+      [](bool streaming) {
+        nb::dict builds;
+        for (jaxring::DType dtype :
+             {jaxring::DType::kF32, jaxring::DType::kF64, jaxring::DType::kF16,
+              jaxring::DType::kBF16, jaxring::DType::kS32, jaxring::DType::kS64})
+          builds[jaxring::DTypeName(dtype)] =
+              jaxring::CpuKernelsName(jaxring::CpuKernelsFor(dtype, streaming));
+        return builds;
+      },
+      nb::arg("streaming") = false);
 
   m.def(
       "shm_attach",
