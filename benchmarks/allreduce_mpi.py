@@ -44,8 +44,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import jaxring  # noqa: E402
 import jaxring.mpi  # noqa: E402
 from common import (EFFECT_FLOOR, EXCHANGE_FLOOR, FRESH_EXCHANGE_FLOOR,  # noqa: E402
-                    LAUNCH_FLOOR, RESULTS, bus_factor, copy_ways, environment, human_bytes,
-                    issue3_target, keep_freed_memory, launch_and_exchange, looped_floor,
+                    LAUNCH_FLOOR, RESULTS, TRAFFIC_FLOOR, bus_factor, copy_ways, environment,
+                    human_bytes, issue3_target, keep_freed_memory, launch_floors, looped_floor,
                     medians_in_turns, memory_bandwidth_gbps, plot_time_per_size, rank_binding,
                     steal_sentence, with_jaxring_effect, write_results)
 
@@ -94,7 +94,6 @@ def implementations():
 
 
 LOOP_MAX_BYTES = 16 << 20
-FLOOR = "traffic floor"
 COPY_FLOOR = "copy floor"
 COPY_FLOOR_BYTES = 16 << 20
 EXCHANGE_CHUNKS = (256 << 10, 1 << 20)  # bytes per step; 128-512 KiB ran alike
@@ -261,7 +260,7 @@ def main() -> None:
         if nbytes <= LOOP_MAX_BYTES:
             loops = loop_count(nbytes)
             floors = (copy_floors(nbytes, loops) if nbytes >= COPY_FLOOR_BYTES else
-                      {FLOOR: traffic_floor(nbytes, n, loops)})
+                      {TRAFFIC_FLOOR: traffic_floor(nbytes, n, loops)})
             floors.update(exchange_floors(nbytes, loops))
             cases = {**loop_implementations(loops),
                      **{name: (run, {}) for name, run in floors.items()}}
@@ -289,17 +288,17 @@ def main() -> None:
 def lone_floor(rows, nbytes: int, huge_pages: int) -> float | None:
     """The largest floor under a lone all-reduce of `nbytes` in this run that jaxring's own time
     there does not refute: the effect floor (below huge_pages), the loop table's copy floor, and
-    the launch and the launch followed by the exchange (common.launch_and_exchange)."""
+    the launch, alone and followed by the exchange or the traffic (common.launch_floors)."""
     by = {(r["impl"], r["bytes"]): r["seconds"] for r in rows if not r.get("per_op")}
     floors = [by[(EFFECT_FLOOR, nbytes)] if nbytes < huge_pages else None,
-              looped_floor(rows, nbytes, COPY_FLOOR), *launch_and_exchange(rows, nbytes)]
+              looped_floor(rows, nbytes, COPY_FLOOR), *launch_floors(rows, nbytes).values()]
     standing = [f for f in floors if f is not None and f <= by[("jaxring.all_reduce", nbytes)]]
     return max(standing, default=None)
 
 
 def markdown(rows, env, n, ceiling) -> str:
     names = list(dict.fromkeys(r["impl"] for r in rows if not r.get("per_op")))
-    floors = (FLOOR, COPY_FLOOR, EXCHANGE_FLOOR)
+    floors = (TRAFFIC_FLOOR, COPY_FLOOR, EXCHANGE_FLOOR)
     looped_names = list(dict.fromkeys(r["impl"] for r in rows
                                       if r.get("per_op") and not r["impl"].startswith(floors)))
 
@@ -354,14 +353,15 @@ def markdown(rows, env, n, ceiling) -> str:
               "effect or launch floor at this size or a smaller one; the loop table's copy "
               "floor, since a lone all-reduce, too, reads every input byte and writes every "
               "output byte; and the launch followed by the larger of the loop table's exchange "
-              "floor and the fresh-output exchange, since a lone call launches and then moves "
-              "what the exchange moves from core to core). Above 1: no collective carrying the "
+              "floor and the fresh-output exchange, or by its traffic floor, since a lone call "
+              "launches and then moves at least what one in a loop moves). Above 1: no "
+              "collective carrying the "
               "effect reaches the target in a lone call, however it moves the data.", "",
               "## Per all-reduce inside one compiled loop (program launch excluded)", "",
               "Each implementation all-reduces the same input again and again, with nothing else "
               "in the loop (mpi4py: a Python loop of Allreduce on the same numpy buffers).", "",
-              f"`floor`: up to 4 MiB the `{FLOOR}`, every rank at once copying its input as "
-              "often as it takes to move as many bytes as it must read and write per all-reduce "
+              f"`floor`: up to 4 MiB the `{TRAFFIC_FLOOR}`, every rank at once copying its input "
+              "as often as it takes to move as many bytes as it must read and write per all-reduce "
               f"when processes cannot read each other's buffers, (5 - 2/{n}) x the size "
               "(`traffic_floor` in the script); while the copies stay in the cache, no "
               "all-reduce between processes that stage through shared memory takes less. From "
@@ -393,7 +393,7 @@ def markdown(rows, env, n, ceiling) -> str:
         cells = " | ".join(f"{by[(m, nbytes)]['seconds'] * 1e6:.1f}" for m in looped_names)
         ours = by[("jaxring.all_reduce in a loop", nbytes)]["seconds"]
         theirs = by[("mpi4jax.allreduce in a loop", nbytes)]["seconds"]
-        memory = looped_floor(rows, nbytes, (FLOOR, COPY_FLOOR))
+        memory = looped_floor(rows, nbytes, (TRAFFIC_FLOOR, COPY_FLOOR))
         exchange = looped_floor(rows, nbytes, EXCHANGE_FLOOR)
         floor = max(memory, exchange or 0.0)
         lines.append(

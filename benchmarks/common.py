@@ -152,23 +152,30 @@ LAUNCH_FLOOR = "launch floor"
 # (allreduce_mpi.exchange_floors), and once into a fresh output (fresh_exchange_floors).
 EXCHANGE_FLOOR = "exchange floor"
 FRESH_EXCHANGE_FLOOR = "exchange floor, fresh output"
+# Every rank copying its input as often as it takes to move the bytes a staged all-reduce must
+# read and write, in a loop, up to 4 MiB (allreduce_mpi.traffic_floor).
+TRAFFIC_FLOOR = "traffic floor"
 
 
-def launch_and_exchange(rows: list[dict], nbytes: int) -> tuple[float, float | None]:
-    """Two floors under a lone all-reduce of `nbytes` in one run of allreduce_mpi.py: the launch,
-    the least `effect floor` or `launch floor` at this size or a smaller one (a lone call's launch
-    does not shrink as the message grows; XLA copies the launch floor's input into its output
-    2-3x slower than numpy at 1-4 MiB, so at its own size it would overstate the launch), and the
-    launch followed by the larger of the loop table's `exchange floor` and the lone `exchange
-    floor, fresh output` (a lone call launches, then moves its data), or None where neither
-    exchange was measured."""
+def launch_floors(rows: list[dict], nbytes: int) -> dict[str, float | None]:
+    """The floors under a lone all-reduce of `nbytes` in one run of allreduce_mpi.py that start
+    with its launch: `launch`, the least `effect floor` or `launch floor` at this size or a
+    smaller one (a lone call's launch does not shrink as the message grows; XLA copies the launch
+    floor's input into its output 2-3x slower than numpy at 1-4 MiB, so at its own size it would
+    overstate the launch); `launch+exchange`, the launch followed by the larger of the loop
+    table's `exchange floor` and the lone `exchange floor, fresh output`; and `launch+traffic`,
+    the launch followed by the loop table's `traffic floor` (up to 4 MiB). A lone call launches,
+    then moves its data, and moves at least what one in a loop moves, so the loop table's floors
+    bound that part as they bound the loop's rows. None where a floor was not measured."""
     lone = {(r["impl"], r["bytes"]): r["seconds"] for r in rows if not r.get("per_op")}
     launch = min(t for (m, b), t in lone.items()
                  if b <= nbytes and m in (EFFECT_FLOOR, LAUNCH_FLOOR))
     fresh = [t for (m, b), t in lone.items()
              if b == nbytes and m.startswith(FRESH_EXCHANGE_FLOOR)]
     moved = max(looped_floor(rows, nbytes, EXCHANGE_FLOOR) or 0.0, min(fresh, default=0.0))
-    return launch, (launch + moved if moved else None)
+    traffic = looped_floor(rows, nbytes, TRAFFIC_FLOOR)
+    return {"launch": launch, "launch+exchange": launch + moved if moved else None,
+            "launch+traffic": launch + traffic if traffic else None}
 
 
 def _cpu_times() -> list[int] | None:

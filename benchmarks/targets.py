@@ -18,9 +18,10 @@ or a smaller one, since a lone call's launch does not shrink as the message grow
 processes also a program that carries the effect and returns its input); `copy` and
 `traffic`: every byte the collective must read and write, copied; `exchange` (across
 processes): every rank staging its input in shared memory and copying a neighbour's out, the
-least any all-reduce between processes moves from core to core, and `launch+exchange` for a
-lone call, the launch and then the exchange (into a fresh output from 16 MiB, as a lone call's
-is). Those programs are not always
+least any all-reduce between processes moves from core to core, and for a lone call
+`launch+exchange`, the launch and then the exchange (into a fresh output from 16 MiB, as a lone
+call's is), and `launch+traffic`, the launch and then the traffic (up to 4 MiB). Those programs
+are not always
 the fastest way to do what they do: XLA's elementwise pass at times took longer than jaxring's
 whole collective (across processes from 4 KiB; in one process `jnp.tile(v, n) + 1`, all_gather's
 floor before `jnp.concatenate`, at 1-4 MiB on 4 and 8 devices). So a floor counts only where it
@@ -41,7 +42,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (EFFECT_FLOOR, RESULTS, human_bytes, issue2_target,  # noqa: E402
-                    issue3_target, launch_and_exchange, looped_floor, output_bytes)
+                    issue3_target, launch_floors, looped_floor, output_bytes)
 
 # jaxring's case in allreduce.py -> (its collective, the lax twin's case)
 TWINS = {"jaxring.all_reduce": ("all_reduce", "lax.psum"),
@@ -89,10 +90,11 @@ def mpi_rows(run: dict) -> dict:
     allreduce_mpi.py, the target being issue3_target() of the same table's mpi4jax and mpi4py
     times. A lone row's floors: the `effect` floor below huge_page_bytes, the `launch` (the least
     effect or launch floor at its size or a smaller one), from 16 MiB the loop table's `copy`
-    floor, and `launch+exchange`: the launch, then the larger of the loop table's exchange floor
+    floor, `launch+exchange`: the launch, then the larger of the loop table's exchange floor
     (a lone all-reduce moves at least what one in a loop does) and, from 16 MiB, the exchange
-    into a fresh output. A lone call launches, then moves its data, one after the other. A loop
-    row's floors: the loop table's `traffic` or `copy` floor and its `exchange` floor."""
+    into a fresh output, and `launch+traffic`: the launch, then the loop table's traffic floor
+    (up to 4 MiB). A lone call launches, then moves its data, one after the other. A loop row's
+    floors: the loop table's `traffic` or `copy` floor and its `exchange` floor."""
     rows = run["rows"]
     by = {(r["impl"], r["bytes"]): r["seconds"] for r in rows}
     out = {}
@@ -100,11 +102,9 @@ def mpi_rows(run: dict) -> dict:
     for nbytes in sizes:
         allowed = issue3_target(by[("mpi4jax.allreduce", nbytes)],
                                 by[("mpi4py Allreduce", nbytes)], nbytes)
-        launch, launch_exchange = launch_and_exchange(rows, nbytes)
         floors = {"effect": by[(EFFECT_FLOOR, nbytes)] if nbytes < HUGE_PAGE_BYTES else None,
-                  "launch": launch,
                   "copy": looped_floor(rows, nbytes, "copy floor"),
-                  "launch+exchange": launch_exchange}
+                  **launch_floors(rows, nbytes)}
         out[("lone", nbytes)] = (by[("jaxring.all_reduce", nbytes)] / allowed,
                                  {k: f / allowed for k, f in floors.items() if f is not None})
     for nbytes in sorted({r["bytes"] for r in rows if r.get("per_op")}):
@@ -199,9 +199,10 @@ def markdown(issue2: list[dict], n_in_process: int, issue3: dict, n_mpi: dict) -
         "program that carries the effect and returns its input); `copy` and `traffic`, "
         "copies of the bytes the collective must move; `exchange`, every rank staging its "
         "input in shared memory and copying a neighbour's out (the least any all-reduce "
-        "between processes moves from core to core), and `launch+exchange`, for a lone call "
+        "between processes moves from core to core), and for a lone call `launch+exchange`, "
         "the launch and then the exchange (into a fresh output from 16 MiB, as a lone call's "
-        "is). `refuted floors`: floors whose median exceeds "
+        "is), and `launch+traffic`, the launch and then the traffic (up to 4 MiB). "
+        "`refuted floors`: floors whose median exceeds "
         "jaxring's, so that their programs were slower than jaxring's collective and bound "
         "nothing there. "
         "`met in` counts the runs that met the row on their own.",
