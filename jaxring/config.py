@@ -53,10 +53,11 @@ class Config:
     # output from the copies and leaves without waiting for its peers to finish reading (one
     # hand-off instead of two); 0 turns it off.
     copy_input_bytes: int = 16 * 1024
-    # The instruction set of the CPU reduction kernels: "auto" (the widest this CPU supports),
-    # "baseline" (SSE2 on x86-64), "avx2" or "avx512". All write the same bits; the wider ones
-    # are faster where the reduction, not memory, is the bottleneck: float16/bfloat16 sums, and
-    # sums of few inputs that sit in the cache.
+    # The instruction set of the CPU reduction kernels: "auto" (the widest this CPU supports,
+    # except SSE2 for dtypes other than float16/bfloat16 where the outputs are large enough to be
+    # written with streaming stores), "baseline" (SSE2 on x86-64), "avx2" or "avx512". All write
+    # the same bits; the wider ones are faster where the reduction, not memory, is the
+    # bottleneck: float16/bfloat16 sums, and sums whose data sits in the cache.
     cpu_kernels: str = "auto"
 
 
