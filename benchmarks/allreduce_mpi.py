@@ -355,8 +355,8 @@ def markdown(rows, env, n, ceiling) -> str:
               "output byte; and the launch followed by the larger of the loop table's exchange "
               "floor and the fresh-output exchange, or by its traffic floor, since a lone call "
               "launches and then moves at least what one in a loop moves). Above 1: no "
-              "collective carrying the "
-              "effect reaches the target in a lone call, however it moves the data.", "",
+              "collective carrying the effect reaches the target in a lone call, however it "
+              "moves the data.", "",
               "## Per all-reduce inside one compiled loop (program launch excluded)", "",
               "Each implementation all-reduces the same input again and again, with nothing else "
               "in the loop (mpi4py: a Python loop of Allreduce on the same numpy buffers).", "",

@@ -15,7 +15,7 @@ enum class ShmStores : uint8_t { kAuto = 0, kPlain = 1, kStreaming = 2 };
 const char* ShmStoresName(ShmStores s);
 
 // The instruction set of the CPU reduction kernels (UseCpuKernels in kernels/reduce_cpu.h);
-// kAuto: the widest this CPU supports.
+// kAuto: the widest this CPU supports, except where memory-bound reductions stream.
 enum class CpuKernels : uint8_t { kAuto = 0, kBaseline = 1, kAvx2 = 2, kAvx512 = 3 };
 const char* CpuKernelsName(CpuKernels k);
 

@@ -38,11 +38,10 @@ ReduceFn KernelsOf(CpuKernels kernels) {
 
 bool Is16BitFloat(DType dtype) { return dtype == DType::kF16 || dtype == DType::kBF16; }
 
-// The builds Reduce() runs: one for float16 and bfloat16, whose every element is converted to
-// float32 and back, so that arithmetic bounds their reductions; for the other dtypes, which
-// memory bounds, one where the targets stay in the cache and one where they stream.
-std::atomic<CpuKernels> chosen_16bit{CpuKernels::kBaseline}, chosen_cached{CpuKernels::kBaseline},
-    chosen_streamed{CpuKernels::kBaseline};
+// The builds Reduce() runs: `chosen` for every reduction but those of dtypes other than float16
+// and bfloat16 (whose every element is converted to float32 and back, so that arithmetic bounds
+// them) whose targets stream, which memory bounds: those run `chosen_streamed`.
+std::atomic<CpuKernels> chosen{CpuKernels::kBaseline}, chosen_streamed{CpuKernels::kBaseline};
 
 bool ChooseAtLoad() {
 #if defined(__x86_64__) || defined(__i386__)
@@ -73,7 +72,7 @@ bool CpuKernelsSupported(CpuKernels kernels) {
 
 bool UseCpuKernels(CpuKernels kernels) {
   if (!CpuKernelsSupported(kernels)) return false;
-  CpuKernels for_16bit = kernels, cached = kernels, streamed = kernels;
+  CpuKernels usual = kernels, streamed = kernels;
   if (kernels == CpuKernels::kAuto) {
     // The widest build, except for memory-bound reductions whose targets stream. bfloat16
     // all-reduces in a loop on 2-8 devices took 0.21-0.52x the SSE2 build's time with AVX-512
@@ -83,20 +82,18 @@ bool UseCpuKernels(CpuKernels kernels) {
     // all-reduces there on one buffer, in turns, took 809 us with SSE2, 914 us with AVX-512 and
     // 1245 us with AVX2. (All-reduces that stream a line at a time, on 4 and 8 devices at 4 MiB,
     // took 0.85-0.93x SSE2's time with either wider build: the case for a finer rule.)
-    for_16bit = cached = streamed = CpuKernels::kBaseline;
+    usual = streamed = CpuKernels::kBaseline;
     for (CpuKernels wider : {CpuKernels::kAvx2, CpuKernels::kAvx512})
-      if (CpuKernelsSupported(wider)) for_16bit = cached = wider;
+      if (CpuKernelsSupported(wider)) usual = wider;
   }
-  chosen_16bit.store(for_16bit, std::memory_order_relaxed);
-  chosen_cached.store(cached, std::memory_order_relaxed);
+  chosen.store(usual, std::memory_order_relaxed);
   chosen_streamed.store(streamed, std::memory_order_relaxed);
   return true;
 }
 
 CpuKernels CpuKernelsFor(DType dtype, bool streaming) {
-  const std::atomic<CpuKernels>& chosen =
-      Is16BitFloat(dtype) ? chosen_16bit : streaming ? chosen_streamed : chosen_cached;
-  return chosen.load(std::memory_order_relaxed);
+  return (streaming && !Is16BitFloat(dtype) ? chosen_streamed : chosen)
+      .load(std::memory_order_relaxed);
 }
 
 void Reduce(DType dtype, ReduceOp op, const Operand* srcs, int num_srcs, const Target* dsts,
