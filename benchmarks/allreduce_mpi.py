@@ -45,9 +45,10 @@ import jaxring  # noqa: E402
 import jaxring.mpi  # noqa: E402
 from common import (EFFECT_FLOOR, EXCHANGE_FLOOR, FRESH_EXCHANGE_FLOOR,  # noqa: E402
                     LAUNCH_FLOOR, RESULTS, TRAFFIC_FLOOR, bus_factor, copy_ways, environment,
-                    human_bytes, issue3_target, keep_freed_memory, launch_floors, looped_floor,
-                    medians_in_turns, memory_bandwidth_gbps, plot_time_per_size, rank_binding,
-                    steal_sentence, with_jaxring_effect, write_results)
+                    exchange_reads, human_bytes, issue3_target, keep_freed_memory,
+                    launch_floors, looped_floor, medians_in_turns, memory_bandwidth_gbps,
+                    plot_time_per_size, rank_binding, steal_sentence, with_jaxring_effect,
+                    write_results)
 
 keep_freed_memory()
 COMM = jaxring.mpi.world()
@@ -182,13 +183,16 @@ def copy_floors(nbytes: int, loops: int) -> dict:
 
 def exchange_floors(nbytes: int, loops: int) -> dict:
     """The least data movement between processes, timed the way the loops are: every rank at once
-    copies its input into its shared-memory slot and, once its left neighbour has done the same,
-    copies the neighbour's into an output (jaxring's RunExchange, through COMM's slots and
-    progress flags, chunk by chunk). Every element of a rank's all-reduce output depends on each
-    other rank's input, which the rank cannot read where it lies: so each rank must read its input
-    (S), write at least S into shared memory for the others, read at least S that other ranks
-    wrote there and write its output (S), and read after the writer has finished. The exchange
-    does exactly that and nothing else; unlike the traffic floor it pays for taking cache lines
+    copies its input into its shared-memory slot and, once its left neighbours have done the
+    same, copies the first neighbour's into an output, adding the second's over the last (n - 2)/n
+    of the elements (jaxring's RunExchange, through COMM's slots and progress flags, chunk by
+    chunk). Every element of a rank's all-reduce output depends on each other rank's input, which
+    the rank cannot read where it lies: so each rank must read its input (S), write S into shared
+    memory for the others, read what other ranks wrote there, and write its output (S), reading
+    only after the writer has finished. Of those reads, any all-reduce makes 2(n - 1) per element
+    over the n ranks, 2(n - 1)/n S per rank on average (common.exchange_reads; the proof is
+    RunExchange's comment in xla_ffi/ring/staged.h). The exchange does exactly that and nothing
+    else; unlike the traffic floor, which counts the same bytes, it pays for taking cache lines
     from another core, which costs up to 3x more where the VM's two cores sit on different dies.
     (A rank can read another's buffer where it lies only through the kernel, by cross-memory
     attach, which copied at 10-11 GB/s here, slower than this floor: README, "Across
@@ -281,7 +285,8 @@ def main() -> None:
         bound, env["binding"] = binding
         name = args.name or f"allreduce_mpi-cpu-n{n}" + ("-bound" if bound else "")
         write_results(name, {"environment": env, "ranks": n, "copy_bandwidth_gbps": ceiling,
-                             "rows": rows}, markdown(rows, env, n, ceiling))
+                             "exchange_reads": exchange_reads(n), "rows": rows},
+                      markdown(rows, env, n, ceiling))
         plot_time_per_size(rows, f"all-reduce, {n} processes", RESULTS / f"{name}.png")
 
 
@@ -375,10 +380,13 @@ def markdown(rows, env, n, ceiling) -> str:
               "bounds nothing at 16 MiB: its whole-buffer copies go through memory, while "
               "jaxring's transport works in 1 MiB chunks that stay in the cache.) "
               f"`{EXCHANGE_FLOOR}`: every rank at once stages its input in shared memory and, "
-              "once its neighbour has, copies the neighbour's into an output, in 256 KiB or 1 MiB "
-              "steps with plain or non-temporal stores, the fastest of the four "
-              "(`exchange_floors`): the least any all-reduce between processes must move from "
-              "core to core, which the traffic floor leaves out. `floor` in the ratios is the "
+              "once its two left neighbours have, copies the first's into an output, adding the "
+              f"second's over the last (n - 2)/n of the elements, so that it reads "
+              f"{exchange_reads(n):g} x the size from shared memory, the fewest reads of any "
+              "all-reduce; in 256 KiB or 1 MiB steps with plain or non-temporal stores, the "
+              "fastest of the four (`exchange_floors`): the least any all-reduce between "
+              "processes must move from core to core, which the traffic floor leaves out. "
+              "`floor` in the ratios is the "
               "larger of the two floors. `5x mpi4jax` is the time issue 3's "
               "target asks for (mpi4jax's / 5); `floor / 5x` above 1: no all-reduce reaches it. "
               "`plain stores` forces plain stores into shared memory; where it is slower than "

@@ -148,10 +148,19 @@ EFFECT_FLOOR = "effect floor"
 # of the input's size costs, the least a lone call of a collective that carries the effect can
 # take, whatever it does with the bytes.
 LAUNCH_FLOOR = "launch floor"
-# Every rank staging its input in shared memory and copying a neighbour's out, in a loop
-# (allreduce_mpi.exchange_floors), and once into a fresh output (fresh_exchange_floors).
+# Every rank staging its input in shared memory and reading as much of the others' as any
+# all-reduce must into its output, in a loop (allreduce_mpi.exchange_floors), and once into a
+# fresh output (fresh_exchange_floors).
 EXCHANGE_FLOOR = "exchange floor"
 FRESH_EXCHANGE_FLOOR = "exchange floor, fresh output"
+
+
+def exchange_reads(ranks: int) -> float:
+    """How much of its message each rank of the exchange floor reads from shared memory: 2(n -
+    1)/n, the fewest reads of any all-reduce between n processes (jaxring::RunExchange,
+    xla_ffi/ring/staged.h, says why). Result files record it as `exchange_reads`; those without
+    it come from an exchange that read the message once, the same only at n = 2."""
+    return 2 * (ranks - 1) / ranks
 # Every rank copying its input as often as it takes to move the bytes a staged all-reduce must
 # read and write, in a loop, up to 4 MiB (allreduce_mpi.traffic_floor).
 TRAFFIC_FLOOR = "traffic floor"

@@ -324,15 +324,25 @@ def test_build_time_and_run_time_mpi_must_agree(monkeypatch):
 
 @pytest.mark.skipif(COMM.transport != "shm", reason="the exchange runs on shared memory")
 @pytest.mark.parametrize("streamed", [False, True], ids=["plain", "streamed"])
-def test_the_benchmarks_exchange_floor_moves_the_left_neighbours_input(streamed):
+def test_the_benchmarks_exchange_floor_moves_what_it_claims(streamed):
     """benchmarks/allreduce_mpi.py's exchange floor must do the data movement it claims: each
-    rank ends with its left neighbour's input, in steps smaller than the message and larger."""
+    rank ends with its left neighbour's input plus, over the last (n - 2)/n of each step's
+    elements, its second left neighbour's, in steps of one element, smaller than the message and
+    of the whole slot."""
     from jaxring._jaxring import shm_exchange
 
     rng = np.random.default_rng([COMM.rank, 7])
-    left = (COMM.rank - 1) % COMM.size
-    for size, chunk in ((1, 4), (100_003, 64 << 10), (300_001, 4 << 20)):
+    n = COMM.size
+    for size, chunk in ((1, 4), (100_003, 64 << 10), (300_001, jaxring.mpi.DEFAULT_SLOT_BYTES)):
         x = rng.standard_normal(size).astype(np.float32)
         out = np.full_like(x, np.nan)
         shm_exchange(COMM.key, out, x, chunk, streamed, 3)
-        np.testing.assert_array_equal(out, gathered(x)[left])
+        inputs = gathered(x)
+        want = inputs[(COMM.rank - 1) % n].copy()
+        second = inputs[(COMM.rank - 2) % n]
+        per_step = chunk // 4
+        for at in range(0, size, per_step):
+            end = min(at + per_step, size)
+            tail = slice(end - (end - at) * max(n - 2, 0) // n, end)
+            want[tail] += second[tail]
+        np.testing.assert_array_equal(out, want)

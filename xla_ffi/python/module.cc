@@ -444,6 +444,7 @@ NB_MODULE(_jaxring, m) {
   // For the benchmarks' copy floors: from 16 MiB a copy with non-temporal stores moves a third
   // less through memory than glibc's memcpy, which here streams only above 288 MiB.
   using HostArray = nb::ndarray<nb::c_contig, nb::device::cpu>;
+  using Float32Array = nb::ndarray<float, nb::c_contig, nb::device::cpu>;
   m.def(
       "copy_streamed",
       [](HostArray dst, HostArray src) {
@@ -459,10 +460,10 @@ NB_MODULE(_jaxring, m) {
   // For allreduce_mpi.py's exchange floor (jaxring::RunExchange).
   m.def(
       "shm_exchange",
-      [](uint64_t key, HostArray dst, HostArray src, int64_t chunk_bytes, bool streamed,
+      [](uint64_t key, Float32Array dst, Float32Array src, int64_t chunk_bytes, bool streamed,
          int64_t loops) {
-        const size_t bytes = src.size() * src.itemsize();
-        if (dst.size() * dst.itemsize() != bytes)
+        const size_t bytes = src.size() * sizeof(float);
+        if (dst.size() != src.size())
           throw std::invalid_argument("shm_exchange: dst and src differ in size");
         auto comm = jaxring::ShmCommunicator::Find(key);
         if (!comm) throw std::invalid_argument("shm_exchange: no shared-memory communicator");
@@ -478,8 +479,9 @@ NB_MODULE(_jaxring, m) {
       },
       nb::arg("key"), nb::arg("dst"), nb::arg("src"), nb::arg("chunk_bytes"), nb::arg("streamed"),
       nb::arg("loops"),
-      "Runs `loops` exchanges through communicator `key`'s shared memory: every rank stages src "
-      "and copies its left neighbour's into dst, chunk_bytes per step.");
+      "Runs `loops` exchanges through communicator `key`'s shared memory (float32 arrays): every "
+      "rank stages src and copies its left neighbour's into dst, adding its second left "
+      "neighbour's over the last (n - 2)/n of each step's elements, chunk_bytes per step.");
   m.def(
       "advise_huge_pages",
       [](HostArray a) { jaxring::AdviseHugePages(a.data(), a.size() * a.itemsize()); },
