@@ -108,6 +108,7 @@ Status RunStaged(ShmCommunicator& comm, const Header& h, const CollectiveBuffers
             // read last, block by block: on this VM, with its two cores on different dies, a
             // 1 MiB all-reduce at 2 ranks then took 103-124 us in a loop, against 71-90 us with
             // the copy, which takes those lines in one long run; on one die the copy costs 4-5%.
+            // With 4 ranks it gained nothing at 256 KiB-1 MiB and cost 4% at 4 MiB.
             const Partition share = shares(len);
             const int64_t begin = share.Begin(me);
             const int64_t end = begin + share.Size(me);
@@ -119,13 +120,18 @@ Status RunStaged(ShmCommunicator& comm, const Header& h, const CollectiveBuffers
             Reduce(h.dtype, h.op, srcs.data(), n, &dst, 1, end - begin, n);
             copy_in(At(comm.Result(), begin, width), dst.data, (end - begin) * width);
             comm.Publish(Phase::kReduced);
-            Status status = comm.WaitAll(Phase::kReduced, h, deadline, spin);
-            if (status.ok() && len) {
-              std::memcpy(output, comm.Result(), begin * width);
-              std::memcpy(At(output, end, width), At(comm.Result(), end, width),
-                          (len - end) * width);
+            // Copies each peer's share out as soon as that peer has reduced it, the next rank's
+            // first, rather than after all have: 1-3% faster in a loop at 256 KiB-4 MiB with 4
+            // ranks on 2 cores, bound or not, as a rank then waits only for what it reads.
+            for (int k = 1; k < n; ++k) {
+              const int peer = (me + k) % n;
+              Status status = comm.WaitFor(peer, Phase::kReduced, h, deadline, spin);
+              if (!status.ok()) return status;
+              const int64_t at = share.Begin(peer);
+              std::memcpy(At(output, at, width), At(comm.Result(), at, width),
+                          share.Size(peer) * width);
             }
-            return status;
+            return Status();
           });
     }
     case Collective::kReduceScatter: {
