@@ -9,8 +9,9 @@ common.keep_freed_memory; inputs placed with device_put + NamedSharding): jaxrin
 (auto, and forced direct and ring) against
 lax.psum, jaxring.reduce_scatter against lax.psum_scatter, jaxring.all_gather against
 lax.all_gather, each as a lone jitted call, beside each collective's effect floor (what any lone
-call carrying jaxring's ordered effect costs at least) and, from 16 MiB, a copy floor (what the
-memory takes to move the bytes); and each collective against its twin inside one compiled loop
+call carrying jaxring's ordered effect costs at least), for all_reduce and reduce_scatter a local
+floor (jaxring's own call with no communication) and, from 16 MiB, a copy floor (what the memory takes to move the bytes); and
+each collective against its twin inside one compiled loop
 that donates its input, which leaves out the program launch (jaxring's all-reduce in place and
 with a fresh output). It reports time, algbw and busbw (nccl-tests definitions) against the copy
 bandwidth of this machine measured in the same run, and writes
@@ -67,6 +68,21 @@ TWIN = {"all_reduce": "lax.psum", "reduce_scatter": "lax.psum_scatter",
 # there jaxring advises its outputs onto huge pages, and the floor's XLA output, faulted in 4 KiB
 # at a time, can cost more than jaxring's whole collective.
 FLOOR = "effect floor"
+# The local floor of all_reduce and reduce_scatter on n devices: jaxring's own all_gather on an
+# axis of one device, each of the n devices copying an input of the collective's output size into
+# its output. So the program carries the ordered effect and makes the same FFI call, onto an
+# output that jaxring allocates and advises as it does the collective's, and writes it with
+# jaxring's own copy, communicating nothing; it reads no more than it writes, and no more memory
+# than the collective reads. It bounds where XLA's pass in the effect floor is a slower way to
+# touch the bytes than jaxring's, and it shows what of a lone call is not communication. Not for
+# all_gather: a one-device copy of its output's size reads n inputs of that size, n x the memory
+# that the collective reads, which made it slower than jaxring's whole all_gather from 1 MiB on
+# 4 and 8 devices (the eighth and ninth runs, which also timed it).
+LOCAL = "local floor"
+LOCAL_INPUT = {  # the local floor's float32 elements per device, from _elements' per device
+    "all_reduce": lambda per_device, n: per_device,
+    "reduce_scatter": lambda per_device, n: per_device // n,
+}
 FLOOR_BODIES = {
     "all_reduce": lambda v, n: v + 1,
     # The sum of its n blocks: every input byte read once, as every reduce-scatter must.
@@ -133,23 +149,32 @@ def measure(n: int, nbytes: int) -> list[dict]:
     floors = [(f"{FLOOR}[{collective}]", collective, None,
                lambda v, floor=floor: with_jaxring_effect(floor(v, n)))
               for collective, floor in FLOOR_BODIES.items()]
+    def program(body, per_device, on=mesh, spec=P("i")):
+        x = jax.device_put(np.random.default_rng(0).standard_normal(n * per_device, np.float32),
+                           NamedSharding(on, spec))
+        f = jax.jit(jax.shard_map(body, mesh=on, in_specs=spec, out_specs=spec))
+        return lambda: f(x).block_until_ready()
+
     for name, collective, algorithm, body in CASES + floors:
         per_device, sizes[name] = _elements(collective, n, nbytes)
-        x = jax.device_put(np.random.default_rng(0).standard_normal(n * per_device, np.float32),
-                           NamedSharding(mesh, P("i")))
-        f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("i"), out_specs=P("i")))
-        runs[name] = lambda f=f, x=x: f(x).block_until_ready()
+        runs[name] = program(body, per_device)
+    alone = jax.make_mesh((n, 1), ("i", "j"), devices=jax.devices()[:n])
+    locals_ = [(f"{LOCAL}[{collective}]", collective) for collective in LOCAL_INPUT]
+    for name, collective in locals_:
+        per_device, sizes[name] = _elements(collective, n, nbytes)
+        runs[name] = program(lambda v: jaxring.all_gather(v, "j"),
+                             LOCAL_INPUT[collective](per_device, n), alone, P(("i", "j")))
     copies = ({f"{COPY}[{way}]": copy for way, copy in COPY_WAYS.items()}
               if nbytes >= COPY_FLOOR_BYTES else {})
     for name, copy in copies.items():
         runs[name] = copy_floor(n * nbytes, copy)
     algorithms = {name: algorithm or "auto" for name, _, algorithm, _ in CASES + floors}
-    algorithms.update(dict.fromkeys(copies, "auto"))
+    algorithms.update(dict.fromkeys([*copies, *(name for name, _ in locals_)], "auto"))
     medians = medians_in_turns(runs, budget_seconds=0.6, min_rounds=_min_rounds(nbytes),
                                context=lambda name: jaxring.config.override(
                                    algorithm=algorithms[name]))
     rows = []
-    for name, collective, _, _ in CASES + floors:
+    for name, collective in [(c[0], c[1]) for c in CASES + floors] + locals_:
         algbw = sizes[name] / medians[name] / 1e9
         rows.append({"devices": n, "bytes": sizes[name], "case": name, "collective": collective,
                      "seconds": medians[name], "algbw_GBps": algbw,
@@ -311,6 +336,16 @@ def markdown(env: dict, ceiling: float, rows: list[dict], huge_pages: int) -> st
         " onto huge pages, and the floor's XLA output, faulted in 4 KiB at a time, can cost more"
         " than jaxring's whole collective (README, \"Page faults\").",
         "",
+        f"`{LOCAL}` (all_reduce and reduce_scatter): jaxring's own all_gather on an axis of one"
+        " device, each device copying an input of the collective's output size into its output:"
+        " the same ordered effect, FFI call and output (allocated and advised as the"
+        " collective's), written with jaxring's own copy, and no communication. It reads no"
+        " more than it writes, and no more memory than the collective reads, so it bounds a lone"
+        " call wherever XLA's pass in the effect floor is the slower way to touch the bytes;"
+        " `local / twin` above 1: no collective with the effect matches the twin there. Where"
+        " it comes out above jaxring's whole collective, the collective's communication cost"
+        " nothing measurable.",
+        "",
         f"`{COPY}` (all_reduce and all_gather, from {human_bytes(COPY_FLOOR_BYTES)}): every core"
         " copying n x the size between preallocated numpy buffers, the faster of glibc's memcpy"
         " and a copy with non-temporal stores (which skip reading the destination first; this"
@@ -325,14 +360,16 @@ def markdown(env: dict, ceiling: float, rows: list[dict], huge_pages: int) -> st
     for collective, twin in TWIN.items():
         ours = [c[0] for c in CASES if c[1] == collective and c[0] != twin]
         floor = f"{FLOOR}[{collective}]"
+        local = collective in LOCAL_INPUT
         copies = collective in COPY_FLOOR_OF
         lines += [f"## {collective}", "",
                   "| n | size | " + " | ".join(f"{c} (us)" for c in ours) + f" | {twin} (us) | "
-                  + f"{FLOOR} (us) | " + (f"{COPY} (us) | " if copies else "")
+                  + f"{FLOOR} (us) | " + (f"{LOCAL} (us) | " if local else "")
+                  + (f"{COPY} (us) | " if copies else "")
                   + " | ".join(f"ratio {c.split('.')[1]}" for c in ours)
-                  + " | floor / twin | " + ("copy / twin | " if copies else "")
-                  + "busbw jaxring (GB/s) |",
-                  "|" + "---|" * (3 + 2 * len(ours) + 3 + 2 * copies)]
+                  + " | floor / twin | " + ("local / twin | " if local else "")
+                  + ("copy / twin | " if copies else "") + "busbw jaxring (GB/s) |",
+                  "|" + "---|" * (3 + 2 * len(ours) + 3 + 2 * local + 2 * copies)]
         keys = sorted({(r["devices"], r["bytes"]) for r in rows if r["collective"] == collective})
         for n, size in keys:
             t = by_key[(n, size, twin)]["seconds"]
@@ -340,13 +377,16 @@ def markdown(env: dict, ceiling: float, rows: list[dict], huge_pages: int) -> st
             ratios = [f"{by_key[(n, size, c)]['seconds'] / t:.2f}" for c in ours]
             f = by_key[(n, size, floor)]["seconds"]
             bound = effect_floor_ratio(f, t, output_bytes(collective, n, size), huge_pages)
+            own = by_key[(n, size, f"{LOCAL}[{collective}]")]["seconds"] if local else None
             busbw = by_key[(n, size, ours[0])]["busbw_GBps"]
             copy = by_key.get((n, size, f"{COPY}[{collective}]"), {}).get("seconds")
             copy_time = (f"{copy * 1e6:.1f} | " if copy else "| ") if copies else ""
             copy_ratio = (f"{copy / t:.2f} | " if copy else "| ") if copies else ""
             lines.append(f"| {n} | {human_bytes(size)} | " + " | ".join(cells)
-                         + f" | {t * 1e6:.1f} | {f * 1e6:.1f} | " + copy_time
-                         + " | ".join(ratios) + f" | {bound} | " + copy_ratio + f"{busbw:.2f} |")
+                         + f" | {t * 1e6:.1f} | {f * 1e6:.1f} | "
+                         + (f"{own * 1e6:.1f} | " if local else "") + copy_time
+                         + " | ".join(ratios) + f" | {bound} | "
+                         + (f"{own / t:.2f} | " if local else "") + copy_ratio + f"{busbw:.2f} |")
         lines.append("")
     return "\n".join(lines)
 

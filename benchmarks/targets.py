@@ -15,8 +15,10 @@ programs that do less than the collective must, so that none can take less than 
 of doing what they do. `effect`: the collective's input in, an output of its shape out, and
 jaxring's ordered effect, with no communication; `launch`: the least effect floor at that size
 or a smaller one, since a lone call's launch does not shrink as the message grows (across
-processes also a program that carries the effect and returns its input); `copy` and
-`traffic`: every byte the collective must read and write, copied; `exchange` (across
+processes also a program that carries the effect and returns its input); `local` (in one
+process): jaxring's own call on an axis of one device, each device copying the output's size,
+the same effect, FFI call and output without communicating; `copy` and `traffic`: every byte the
+collective must read and write, copied; `exchange` (across
 processes): every rank staging its input in shared memory and reading 2(n - 1)/n of its size
 from there into its output, the least any all-reduce between processes moves from core to core
 (earlier runs read the size once, a looser floor at n = 4 kept apart as `(one read)`), and for a
@@ -66,7 +68,10 @@ def in_process_rows(run: dict) -> dict:
     run of allreduce.py. The target is issue2_target() x the twin's time. A lone row's floors: the
     `effect` floor at its size (below huge_page_bytes outputs, see allreduce.py), the `launch`
     (the least effect floor at its size or a smaller one: a lone call's launch does not shrink as
-    the message grows) and the `copy` floor; the loop rows have none."""
+    the message grows), the `local` floor (jaxring's own call on an axis of one device, at every
+    size: its output is jaxring's; not all_gather's, which two runs also timed, since it reads
+    n x the memory the collective reads: allreduce.py's LOCAL) and the `copy` floor; the loop
+    rows have none."""
     huge = run.get("config", {}).get("huge_page_bytes", HUGE_PAGE_BYTES)
     out = {}
     for table, key in (("lone", "rows"), ("loop", "in_loop_rows")):
@@ -81,6 +86,8 @@ def in_process_rows(run: dict) -> dict:
                                  if output_bytes(collective, n, nbytes) < huge else None),
                       "launch": min((t for (m, s, c), t in by.items()
                                      if m == n and c == effect and s <= nbytes), default=None),
+                      "local": (by.get((n, nbytes, f"local floor[{collective}]"))
+                                if collective != "all_gather" else None),
                       "copy": by.get((n, nbytes, f"copy floor[{collective}]"))}
             out[(table, collective, n, nbytes)] = (
                 seconds / allowed, {k: f / allowed for k, f in floors.items() if f is not None})
@@ -218,7 +225,10 @@ def markdown(issue2: list[dict], n_in_process: int, issue3: dict, n_mpi: dict) -
         "a program with jaxring's ordered effect that takes the input and writes the output "
         "without communicating; `launch`, the least effect floor at that size or a smaller one "
         "(a lone call's launch does not shrink as the message grows; across processes also a "
-        "program that carries the effect and returns its input); `copy` and `traffic`, "
+        "program that carries the effect and returns its input); `local` (all_reduce and "
+        "reduce_scatter), jaxring's own call on an axis of one device, copying the output's "
+        "size without communicating; `copy` "
+        "and `traffic`, "
         "copies of the bytes the collective must move; `exchange`, every rank staging its "
         "input in shared memory and reading from there as much as any all-reduce must, "
         "2(n - 1)/n of the size (the least any all-reduce between processes moves from core to "
