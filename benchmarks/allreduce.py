@@ -10,9 +10,9 @@ common.keep_freed_memory; inputs placed with device_put + NamedSharding): jaxrin
 lax.psum, jaxring.reduce_scatter against lax.psum_scatter, jaxring.all_gather against
 lax.all_gather, each as a lone jitted call, beside each collective's effect floor (what any lone
 call carrying jaxring's ordered effect costs at least), for all_reduce and reduce_scatter a local
-floor (jaxring's own call with no communication) and, from 16 MiB, a copy floor (what the memory takes to move the bytes); and
-each collective against its twin inside one compiled loop
-that donates its input, which leaves out the program launch (jaxring's all-reduce in place and
+floor (jaxring's own call with no communication) and, from 16 MiB, a copy floor (what the memory
+takes to move the bytes); and each collective against its twin inside one compiled loop that
+donates its input, which leaves out the program launch (jaxring's all-reduce in place and
 with a fresh output). It reports time, algbw and busbw (nccl-tests definitions) against the copy
 bandwidth of this machine measured in the same run, and writes
 benchmarks/results/allreduce-cpu.{json,md,png}.
@@ -149,6 +149,7 @@ def measure(n: int, nbytes: int) -> list[dict]:
     floors = [(f"{FLOOR}[{collective}]", collective, None,
                lambda v, floor=floor: with_jaxring_effect(floor(v, n)))
               for collective, floor in FLOOR_BODIES.items()]
+
     def program(body, per_device, on=mesh, spec=P("i")):
         x = jax.device_put(np.random.default_rng(0).standard_normal(n * per_device, np.float32),
                            NamedSharding(on, spec))

@@ -161,6 +161,8 @@ def exchange_reads(ranks: int) -> float:
     xla_ffi/ring/staged.h, says why). Result files record it as `exchange_reads`; those without
     it come from an exchange that read the message once, the same only at n = 2."""
     return 2 * (ranks - 1) / ranks
+
+
 # Every rank copying its input as often as it takes to move the bytes a staged all-reduce must
 # read and write, in a loop, up to 4 MiB (allreduce_mpi.traffic_floor).
 TRAFFIC_FLOOR = "traffic floor"

@@ -15,20 +15,19 @@ programs that do less than the collective must, so that none can take less than 
 of doing what they do. `effect`: the collective's input in, an output of its shape out, and
 jaxring's ordered effect, with no communication; `launch`: the least effect floor at that size
 or a smaller one, since a lone call's launch does not shrink as the message grows (across
-processes also a program that carries the effect and returns its input); `local` (in one
-process): jaxring's own call on an axis of one device, each device copying the output's size,
-the same effect, FFI call and output without communicating; `copy` and `traffic`: every byte the
-collective must read and write, copied; `exchange` (across
+processes also a program that carries the effect and returns its input); `local` (all_reduce
+and reduce_scatter in one process): jaxring's own call on an axis of one device, each device
+copying the output's size, the same effect, FFI call and output without communicating; `copy`
+and `traffic`: every byte the collective must read and write, copied; `exchange` (across
 processes): every rank staging its input in shared memory and reading 2(n - 1)/n of its size
 from there into its output, the least any all-reduce between processes moves from core to core
 (earlier runs read the size once, a looser floor at n = 4 kept apart as `(one read)`), and for a
-lone call
-`launch+exchange`, the launch and then the exchange (into a fresh output from 16 MiB, as a lone
-call's is), and `launch+traffic`, the launch and then the traffic (up to 4 MiB). Those programs
-are not always
-the fastest way to do what they do: XLA's elementwise pass at times took longer than jaxring's
-whole collective (across processes from 4 KiB; in one process `jnp.tile(v, n) + 1`, all_gather's
-floor before `jnp.concatenate`, at 1-4 MiB on 4 and 8 devices). So a floor counts only where it
+lone call `launch+exchange`, the launch and then the exchange (into a fresh output from 16 MiB,
+as a lone call's is), and `launch+traffic`, the launch and then the traffic (up to 4 MiB).
+Those programs are not always the fastest way to do what they do: XLA's elementwise pass at
+times took longer than jaxring's whole collective (across processes from 4 KiB; in one process
+`jnp.tile(v, n) + 1`, all_gather's floor before `jnp.concatenate`, at 1-4 MiB on 4 and 8
+devices). So a floor counts only where it
 is not refuted: where its median over the runs is at most jaxring's. The row's floor is the
 largest that stands. The verdict takes the medians over the runs:
 - `met`: jaxring / target at most 1;
@@ -104,9 +103,9 @@ def mpi_rows(run: dict) -> dict:
     into a fresh output, and `launch+traffic`: the launch, then the loop table's traffic floor
     (up to 4 MiB). A lone call launches, then moves its data, one after the other. A loop row's
     floors: the loop table's `traffic` or `copy` floor and its `exchange` floor. Where the run's
-    exchange read fewer bytes than any all-reduce must (common.exchange_reads), as the exchange
-    of runs before it read twice from 3 ranks did, the floors built on it are named `... (one
-    read)`: a looser floor, kept apart from the full one."""
+    exchange read fewer bytes than any all-reduce must (common.exchange_reads), as that of the
+    earlier runs did from 3 ranks on, the floors built on it are named `... (one read)`: looser
+    floors, kept apart from the full ones."""
     rows = run["rows"]
     ranks = run["ranks"]
     one_read = run.get("exchange_reads", 1.0) < exchange_reads(ranks)
@@ -217,28 +216,25 @@ def markdown(issue2: list[dict], n_in_process: int, issue3: dict, n_mpi: dict) -
         "",
         "Written by `benchmarks/targets.py` from the stored runs of `allreduce.py` and "
         "`allreduce_mpi.py` (it measures nothing). Each row: jaxring's time over the time the "
-        "target allows (1 or below: met) in each run, their median, the row's floor over the "
-        "same allowance (median over the runs; `-`: no floor bounds that row) and its kind, and "
-        "the verdict from the medians: `met`; `impossible` (floor / target above 1: nothing "
-        "with jaxring's ordered effect, or nothing that moves the bytes, meets it on this "
-        "machine); `unmet`. Floor kinds (the docstring of `targets.py` says more): `effect`, "
-        "a program with jaxring's ordered effect that takes the input and writes the output "
-        "without communicating; `launch`, the least effect floor at that size or a smaller one "
-        "(a lone call's launch does not shrink as the message grows; across processes also a "
-        "program that carries the effect and returns its input); `local` (all_reduce and "
-        "reduce_scatter), jaxring's own call on an axis of one device, copying the output's "
-        "size without communicating; `copy` "
-        "and `traffic`, "
-        "copies of the bytes the collective must move; `exchange`, every rank staging its "
-        "input in shared memory and reading from there as much as any all-reduce must, "
-        "2(n - 1)/n of the size (the least any all-reduce between processes moves from core to "
-        "core), and for a lone call `launch+exchange`, the launch and then the exchange (into "
-        "a fresh output from 16 MiB, as a lone call's is), and `launch+traffic`, the launch and "
-        "then the traffic (up to 4 MiB). `(one read)`: the same floors from the earlier runs, "
-        "whose exchange read the size once, which is 2(n - 1)/n only at n = 2: looser, and kept "
-        "apart. `k of N runs`: a floor measured in only some of the runs, taken at its median "
-        "over those. "
-        "`refuted floors`: floors whose median exceeds "
+        "target allows (1 or below: met) in each run, their median, the row's floor over the same"
+        " allowance (median over the runs; `-`: no floor bounds that row) and its kind, and the "
+        "verdict from the medians: `met`; `impossible` (floor / target above 1: nothing with "
+        "jaxring's ordered effect, or nothing that moves the bytes, meets it on this machine); "
+        "`unmet`. Floor kinds (the docstring of `targets.py` says more): `effect`, a program with"
+        " jaxring's ordered effect that takes the input and writes the output without "
+        "communicating; `launch`, the least effect floor at that size or a smaller one (a lone "
+        "call's launch does not shrink as the message grows; across processes also a program that"
+        " carries the effect and returns its input); `local` (all_reduce and reduce_scatter), "
+        "jaxring's own call on an axis of one device, copying the output's size without "
+        "communicating; `copy` and `traffic`, copies of the bytes the collective must move; "
+        "`exchange`, every rank staging its input in shared memory and reading from there as much"
+        " as any all-reduce must, 2(n - 1)/n of the size (the least any all-reduce between "
+        "processes moves from core to core), and for a lone call `launch+exchange`, the launch "
+        "and then the exchange (into a fresh output from 16 MiB, as a lone call's is), and "
+        "`launch+traffic`, the launch and then the traffic (up to 4 MiB). `(one read)`: the same "
+        "floors from the earlier runs, whose exchange read the size once, which is 2(n - 1)/n "
+        "only at n = 2: looser, and kept apart. `k of N runs`: a floor measured in only some of "
+        "the runs, taken at its median over those. `refuted floors`: floors whose median exceeds "
         "jaxring's, so that their programs were slower than jaxring's collective and bound "
         "nothing there. "
         "`met in` counts the runs that met the row on their own.",
