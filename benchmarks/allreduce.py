@@ -10,10 +10,11 @@ common.keep_freed_memory; inputs placed with device_put + NamedSharding): jaxrin
 lax.psum, jaxring.reduce_scatter against lax.psum_scatter, jaxring.all_gather against
 lax.all_gather, each as a lone jitted call, beside each collective's effect floor (what any lone
 call carrying jaxring's ordered effect costs at least), for all_reduce and reduce_scatter a local
-floor (jaxring's own call with no communication) and, from 16 MiB, a copy floor (what the memory
-takes to move the bytes); and each collective against its twin inside one compiled loop that
-donates its input, which leaves out the program launch (jaxring's all-reduce in place and
-with a fresh output). It reports time, algbw and busbw (nccl-tests definitions) against the copy
+floor (jaxring's own call with no communication), for reduce_scatter and all_gather a native
+floor (the collective's local part in a native call with the effect) and, from 16 MiB, a copy
+floor (what the memory takes to move the bytes); and each collective against its twin inside
+one compiled loop that donates its input, which leaves out the program launch (jaxring's
+all-reduce in place and with a fresh output). It reports time, algbw and busbw (nccl-tests definitions) against the copy
 bandwidth of this machine measured in the same run, and writes
 benchmarks/results/allreduce-cpu.{json,md,png}.
 """
@@ -41,8 +42,8 @@ import jaxring  # noqa: E402
 from jaxring._src.common import make_varying  # noqa: E402
 from common import (bus_factor, copy_ways, effect_floor_ratio, environment,  # noqa: E402
                     human_bytes, issue2_target, keep_freed_memory, medians_in_turns,
-                    memory_bandwidth_gbps, output_bytes, steal_sentence, with_jaxring_effect,
-                    write_results)
+                    memory_bandwidth_gbps, native_floor, output_bytes, steal_sentence,
+                    with_jaxring_effect, write_results)
 
 # (name, collective, jaxring algorithm or None for the lax twin, body)
 CASES = [
@@ -83,6 +84,14 @@ LOCAL_INPUT = {  # the local floor's float32 elements per device, from _elements
     "all_reduce": lambda per_device, n: per_device,
     "reduce_scatter": lambda per_device, n: per_device // n,
 }
+# The native floor of reduce_scatter and all_gather on n devices: the local part of each with its
+# communication taken out, in a native call that carries the ordered effect and writes an output
+# allocated and advised as jaxring's with jaxring's kernels and copies (common.native_floor,
+# xla_ffi/cpu/local_floor.cc): reduce_scatter's sums the input's n blocks, reading every input
+# byte once as every reduce-scatter must; all_gather's writes n copies of the input. With plain
+# and with non-temporal stores; the floor is the faster.
+NATIVE = "native floor"
+NATIVE_OF = ("reduce_scatter", "all_gather")
 FLOOR_BODIES = {
     "all_reduce": lambda v, n: v + 1,
     # The sum of its n blocks: every input byte read once, as every reduce-scatter must.
@@ -165,12 +174,20 @@ def measure(n: int, nbytes: int) -> list[dict]:
         per_device, sizes[name] = _elements(collective, n, nbytes)
         runs[name] = program(lambda v: jaxring.all_gather(v, "j"),
                              LOCAL_INPUT[collective](per_device, n), alone, P(("i", "j")))
+    natives = {(collective, streamed): f"{NATIVE}[{collective}, {way}]"
+               for collective in NATIVE_OF
+               for way, streamed in (("plain", False), ("streamed", True))}
+    for (collective, streamed), name in natives.items():
+        per_device, _ = _elements(collective, n, nbytes)
+        runs[name] = program(lambda v, c=collective, s=streamed: native_floor(v, c, n, s),
+                             per_device)
     copies = ({f"{COPY}[{way}]": copy for way, copy in COPY_WAYS.items()}
               if nbytes >= COPY_FLOOR_BYTES else {})
     for name, copy in copies.items():
         runs[name] = copy_floor(n * nbytes, copy)
     algorithms = {name: algorithm or "auto" for name, _, algorithm, _ in CASES + floors}
-    algorithms.update(dict.fromkeys([*copies, *(name for name, _ in locals_)], "auto"))
+    algorithms.update(dict.fromkeys([*copies, *natives.values(), *(name for name, _ in locals_)],
+                                    "auto"))
     medians = medians_in_turns(runs, budget_seconds=0.6, min_rounds=_min_rounds(nbytes),
                                context=lambda name: jaxring.config.override(
                                    algorithm=algorithms[name]))
@@ -180,6 +197,11 @@ def measure(n: int, nbytes: int) -> list[dict]:
         rows.append({"devices": n, "bytes": sizes[name], "case": name, "collective": collective,
                      "seconds": medians[name], "algbw_GBps": algbw,
                      "busbw_GBps": algbw * bus_factor(collective, n)})
+    for collective in NATIVE_OF:
+        ways = {name: medians[name] for (c, _), name in natives.items() if c == collective}
+        rows.append({"devices": n, "bytes": _elements(collective, n, nbytes)[1],
+                     "case": f"{NATIVE}[{collective}]", "collective": collective,
+                     "seconds": min(ways.values()), "ways_seconds": ways})
     if copies:
         rows += [{"devices": n, "bytes": nbytes, "case": f"{COPY}[{collective}]",
                   "collective": collective, "seconds": min(medians[c] for c in copies),
@@ -347,6 +369,14 @@ def markdown(env: dict, ceiling: float, rows: list[dict], huge_pages: int) -> st
         " it comes out above jaxring's whole collective, the collective's communication cost"
         " nothing measurable.",
         "",
+        f"`{NATIVE}` (reduce_scatter and all_gather): the local part of the collective with its"
+        " communication taken out, in a native call that carries the ordered effect and writes"
+        " an output allocated and advised as jaxring's (`common.native_floor`): reduce_scatter's"
+        " sums the input's n blocks with jaxring's kernels, reading every input byte once as"
+        " every reduce-scatter must; all_gather's writes n copies of the input, over no more"
+        " memory than the collective reads; the faster of plain and non-temporal stores."
+        " `native / twin` above 1: no collective with the effect matches the twin there.",
+        "",
         f"`{COPY}` (all_reduce and all_gather, from {human_bytes(COPY_FLOOR_BYTES)}): every core"
         " copying n x the size between preallocated numpy buffers, the faster of glibc's memcpy"
         " and a copy with non-temporal stores (which skip reading the destination first; this"
@@ -361,16 +391,15 @@ def markdown(env: dict, ceiling: float, rows: list[dict], huge_pages: int) -> st
     for collective, twin in TWIN.items():
         ours = [c[0] for c in CASES if c[1] == collective and c[0] != twin]
         floor = f"{FLOOR}[{collective}]"
-        local = collective in LOCAL_INPUT
-        copies = collective in COPY_FLOOR_OF
+        extra = [kind for kind, of in ((LOCAL, LOCAL_INPUT), (NATIVE, NATIVE_OF),
+                                       (COPY, COPY_FLOOR_OF)) if collective in of]
         lines += [f"## {collective}", "",
                   "| n | size | " + " | ".join(f"{c} (us)" for c in ours) + f" | {twin} (us) | "
-                  + f"{FLOOR} (us) | " + (f"{LOCAL} (us) | " if local else "")
-                  + (f"{COPY} (us) | " if copies else "")
-                  + " | ".join(f"ratio {c.split('.')[1]}" for c in ours)
-                  + " | floor / twin | " + ("local / twin | " if local else "")
-                  + ("copy / twin | " if copies else "") + "busbw jaxring (GB/s) |",
-                  "|" + "---|" * (3 + 2 * len(ours) + 3 + 2 * local + 2 * copies)]
+                  + f"{FLOOR} (us) | " + "".join(f"{kind} (us) | " for kind in extra)
+                  + " | ".join(f"ratio {c.split('.')[1]}" for c in ours) + " | floor / twin | "
+                  + "".join(f"{kind.split()[0]} / twin | " for kind in extra)
+                  + "busbw jaxring (GB/s) |",
+                  "|" + "---|" * (3 + 2 * len(ours) + 3 + 2 * len(extra))]
         keys = sorted({(r["devices"], r["bytes"]) for r in rows if r["collective"] == collective})
         for n, size in keys:
             t = by_key[(n, size, twin)]["seconds"]
@@ -378,16 +407,15 @@ def markdown(env: dict, ceiling: float, rows: list[dict], huge_pages: int) -> st
             ratios = [f"{by_key[(n, size, c)]['seconds'] / t:.2f}" for c in ours]
             f = by_key[(n, size, floor)]["seconds"]
             bound = effect_floor_ratio(f, t, output_bytes(collective, n, size), huge_pages)
-            own = by_key[(n, size, f"{LOCAL}[{collective}]")]["seconds"] if local else None
             busbw = by_key[(n, size, ours[0])]["busbw_GBps"]
-            copy = by_key.get((n, size, f"{COPY}[{collective}]"), {}).get("seconds")
-            copy_time = (f"{copy * 1e6:.1f} | " if copy else "| ") if copies else ""
-            copy_ratio = (f"{copy / t:.2f} | " if copy else "| ") if copies else ""
+            seconds = [by_key.get((n, size, f"{kind}[{collective}]"), {}).get("seconds")
+                       for kind in extra]
             lines.append(f"| {n} | {human_bytes(size)} | " + " | ".join(cells)
                          + f" | {t * 1e6:.1f} | {f * 1e6:.1f} | "
-                         + (f"{own * 1e6:.1f} | " if local else "") + copy_time
+                         + "".join(f"{s * 1e6:.1f} | " if s else "| " for s in seconds)
                          + " | ".join(ratios) + f" | {bound} | "
-                         + (f"{own / t:.2f} | " if local else "") + copy_ratio + f"{busbw:.2f} |")
+                         + "".join(f"{s / t:.2f} | " if s else "| " for s in seconds)
+                         + f"{busbw:.2f} |")
         lines.append("")
     return "\n".join(lines)
 

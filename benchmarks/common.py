@@ -102,6 +102,51 @@ def with_jaxring_effect(x):
     return _EFFECT_ONLY.bind(x)
 
 
+_NATIVE_FLOOR = None
+_COLLECTIVE_CODES = {"reduce_scatter": 1, "all_gather": 2}  # jaxring::Collective (common/types.h)
+
+
+def native_floor(x, collective: str, n: int, streamed: bool):
+    """What a lone reduce_scatter or all_gather of `x` over n devices does on each device with
+    its communication taken out, carrying jaxring's ordered effect (a measurement-only primitive
+    lowered to the FFI target jaxring_benchmark_local_floor, xla_ffi/cpu/local_floor.cc):
+    reduce_scatter sums x's n blocks, reading every input byte once; all_gather writes n copies
+    of x. Its output is allocated and advised as jaxring's, and written with jaxring's reduction
+    kernels or copies, with plain or non-temporal (`streamed`) stores. float32 only."""
+    global _NATIVE_FLOOR
+    import jax
+    from jax._src import core
+    from jax._src.interpreters import mlir
+
+    from jaxring._src import common as jr
+    from jaxring._src import native
+
+    if _NATIVE_FLOOR is None:
+        for name, capsule in native.extension.benchmark_cpu_targets().items():
+            jax.ffi.register_ffi_target(name, capsule, platform="cpu")
+        primitive = core.Primitive("benchmark_jaxring_native_floor")
+
+        def abstract_eval(v, *, collective, n, streamed):
+            size = v.shape[0] // n if collective == "reduce_scatter" else v.shape[0] * n
+            return v.update(shape=(size,)), {jr.collective_effect}
+
+        def lowering(ctx, v, *, collective, n, streamed):
+            sub = ctx.replace(avals_in=[core.abstract_token, *ctx.avals_in],
+                              avals_out=[core.abstract_token, *ctx.avals_out])
+            token, out = jax.ffi.ffi_lowering("jaxring_benchmark_local_floor",
+                                              has_side_effect=True)(
+                sub, ctx.tokens_in.get(jr.collective_effect), v,
+                collective=np.int64(_COLLECTIVE_CODES[collective]), size=np.int64(n),
+                streamed=np.int64(streamed))
+            ctx.set_tokens_out(mlir.TokenSet({jr.collective_effect: token}))
+            return [out]
+
+        primitive.def_effectful_abstract_eval(abstract_eval)
+        mlir.register_lowering(primitive, lowering, platform="cpu")
+        _NATIVE_FLOOR = primitive
+    return _NATIVE_FLOOR.bind(x, collective=collective, n=n, streamed=streamed)
+
+
 def effect_floor_ratio(floor_seconds: float, reference_seconds: float, nbytes: int,
                        huge_page_bytes: int) -> str:
     """The effect floor over a reference time as a table cell, or "-" from `huge_page_bytes` on:

@@ -17,8 +17,10 @@ jaxring's ordered effect, with no communication; `launch`: the least effect floo
 or a smaller one, since a lone call's launch does not shrink as the message grows (across
 processes also a program that carries the effect and returns its input); `local` (all_reduce
 and reduce_scatter in one process): jaxring's own call on an axis of one device, each device
-copying the output's size, the same effect, FFI call and output without communicating; `copy`
-and `traffic`: every byte the collective must read and write, copied; `exchange` (across
+copying the output's size, the same effect, FFI call and output without communicating;
+`native` (reduce_scatter and all_gather): the collective's local part (the sum of the input's n
+blocks; n copies of the input) in a native call with the effect, onto an output like jaxring's;
+`copy` and `traffic`: every byte the collective must read and write, copied; `exchange` (across
 processes): every rank staging its input in shared memory and reading 2(n - 1)/n of its size
 from there into its output, the least any all-reduce between processes moves from core to core
 (earlier runs read the size once, a looser floor at n = 4 kept apart as `(one read)`), and for a
@@ -69,8 +71,9 @@ def in_process_rows(run: dict) -> dict:
     (the least effect floor at its size or a smaller one: a lone call's launch does not shrink as
     the message grows), the `local` floor (jaxring's own call on an axis of one device, at every
     size: its output is jaxring's; not all_gather's, which two runs also timed, since it reads
-    n x the memory the collective reads: allreduce.py's LOCAL) and the `copy` floor; the loop
-    rows have none."""
+    n x the memory the collective reads: allreduce.py's LOCAL), the `native` floor of
+    reduce_scatter and all_gather (their local part in a native call with the effect, at every
+    size) and the `copy` floor; the loop rows have none."""
     huge = run.get("config", {}).get("huge_page_bytes", HUGE_PAGE_BYTES)
     out = {}
     for table, key in (("lone", "rows"), ("loop", "in_loop_rows")):
@@ -87,6 +90,7 @@ def in_process_rows(run: dict) -> dict:
                                      if m == n and c == effect and s <= nbytes), default=None),
                       "local": (by.get((n, nbytes, f"local floor[{collective}]"))
                                 if collective != "all_gather" else None),
+                      "native": by.get((n, nbytes, f"native floor[{collective}]")),
                       "copy": by.get((n, nbytes, f"copy floor[{collective}]"))}
             out[(table, collective, n, nbytes)] = (
                 seconds / allowed, {k: f / allowed for k, f in floors.items() if f is not None})
@@ -226,7 +230,9 @@ def markdown(issue2: list[dict], n_in_process: int, issue3: dict, n_mpi: dict) -
         "call's launch does not shrink as the message grows; across processes also a program that"
         " carries the effect and returns its input); `local` (all_reduce and reduce_scatter), "
         "jaxring's own call on an axis of one device, copying the output's size without "
-        "communicating; `copy` and `traffic`, copies of the bytes the collective must move; "
+        "communicating; `native` (reduce_scatter and all_gather), the collective's local part "
+        "(the sum of the input's n blocks; n copies of the input) in a native call with the "
+        "effect; `copy` and `traffic`, copies of the bytes the collective must move; "
         "`exchange`, every rank staging its input in shared memory and reading from there as much"
         " as any all-reduce must, 2(n - 1)/n of the size (the least any all-reduce between "
         "processes moves from core to core), and for a lone call `launch+exchange`, the launch "

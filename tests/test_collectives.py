@@ -240,6 +240,28 @@ def test_copy_streamed_copies_every_byte():
         native.extension.copy_streamed(np.zeros(4, np.float32), np.zeros(5, np.float32))
 
 
+@pytest.mark.parametrize("streamed", [False, True], ids=["plain", "streamed"])
+def test_the_benchmarks_native_floor_computes_what_it_claims(streamed):
+    """benchmarks/allreduce.py's native floor must do the local work it claims: reduce_scatter's
+    sums each device's n blocks, all_gather's writes n copies of each device's input."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from common import native_floor
+
+    n, block = 4, 1001
+    m = mesh(n)
+    x = np.random.default_rng(3).standard_normal(n * n * block).astype(np.float32)
+    per_device = x.reshape(n, n, block)
+    for collective, expected in [
+            ("reduce_scatter", per_device.astype(np.float64).sum(1).reshape(-1)),
+            ("all_gather", np.tile(per_device.reshape(n, 1, n * block), (1, n, 1)).reshape(-1))]:
+        f = shmap(lambda v, c=collective: native_floor(v, c, n, streamed), m)
+        out = np.asarray(f(shard(x, m)))
+        np.testing.assert_allclose(out, expected, rtol=1e-5, atol=1e-5, err_msg=collective)
+
+
 def _huge_page_kib(start, size):
     """AnonHugePages of the mappings that overlap [start, start + size), from /proc/self/smaps
     (madvise splits a mapping where the advice begins and ends)."""

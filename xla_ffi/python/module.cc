@@ -37,6 +37,7 @@ XLA_FFI_Error* JaxringBarrierCpu(XLA_FFI_CallFrame*);
 XLA_FFI_Error* JaxringPpermuteCpu(XLA_FFI_CallFrame*);
 XLA_FFI_Error* JaxringSendCpu(XLA_FFI_CallFrame*);
 XLA_FFI_Error* JaxringRecvCpu(XLA_FFI_CallFrame*);
+XLA_FFI_Error* JaxringBenchmarkLocalFloorCpu(XLA_FFI_CallFrame*);
 }
 
 namespace {
@@ -207,6 +208,13 @@ NB_MODULE(_jaxring, m) {
     targets["jaxring_ppermute"] = Capsule(JaxringPpermuteCpu);
     targets["jaxring_send"] = Capsule(JaxringSendCpu);
     targets["jaxring_recv"] = Capsule(JaxringRecvCpu);
+    return targets;
+  });
+
+  // benchmarks/allreduce.py's native floor (cpu/local_floor.cc); registered by the benchmark.
+  m.def("benchmark_cpu_targets", []() {
+    nb::dict targets;
+    targets["jaxring_benchmark_local_floor"] = Capsule(JaxringBenchmarkLocalFloorCpu);
     return targets;
   });
 
