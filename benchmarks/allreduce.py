@@ -87,7 +87,7 @@ LOCAL_INPUT = {  # the local floor's float32 elements per device, from _elements
 # The native floor of reduce_scatter and all_gather on n devices: the local part of each with its
 # communication taken out, in a native call that carries the ordered effect and writes an output
 # allocated and advised as jaxring's with jaxring's kernels and copies (common.native_floor,
-# xla_ffi/cpu/local_floor.cc): reduce_scatter's sums the input's n blocks, reading every input
+# xla_ffi/cpu/native_floor.cc): reduce_scatter's sums the input's n blocks, reading every input
 # byte once as every reduce-scatter must; all_gather's writes n copies of the input. With plain
 # and with non-temporal stores; the floor is the faster.
 NATIVE = "native floor"

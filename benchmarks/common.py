@@ -109,7 +109,7 @@ _COLLECTIVE_CODES = {"reduce_scatter": 1, "all_gather": 2}  # jaxring::Collectiv
 def native_floor(x, collective: str, n: int, streamed: bool):
     """What a lone reduce_scatter or all_gather of `x` over n devices does on each device with
     its communication taken out, carrying jaxring's ordered effect (a measurement-only primitive
-    lowered to the FFI target jaxring_benchmark_local_floor, xla_ffi/cpu/local_floor.cc):
+    lowered to the FFI target jaxring_benchmark_native_floor, xla_ffi/cpu/native_floor.cc):
     reduce_scatter sums x's n blocks, reading every input byte once; all_gather writes n copies
     of x. Its output is allocated and advised as jaxring's, and written with jaxring's reduction
     kernels or copies, with plain or non-temporal (`streamed`) stores. float32 only."""
@@ -133,7 +133,7 @@ def native_floor(x, collective: str, n: int, streamed: bool):
         def lowering(ctx, v, *, collective, n, streamed):
             sub = ctx.replace(avals_in=[core.abstract_token, *ctx.avals_in],
                               avals_out=[core.abstract_token, *ctx.avals_out])
-            token, out = jax.ffi.ffi_lowering("jaxring_benchmark_local_floor",
+            token, out = jax.ffi.ffi_lowering("jaxring_benchmark_native_floor",
                                               has_side_effect=True)(
                 sub, ctx.tokens_in.get(jr.collective_effect), v,
                 collective=np.int64(_COLLECTIVE_CODES[collective]), size=np.int64(n),

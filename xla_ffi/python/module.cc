@@ -37,7 +37,7 @@ XLA_FFI_Error* JaxringBarrierCpu(XLA_FFI_CallFrame*);
 XLA_FFI_Error* JaxringPpermuteCpu(XLA_FFI_CallFrame*);
 XLA_FFI_Error* JaxringSendCpu(XLA_FFI_CallFrame*);
 XLA_FFI_Error* JaxringRecvCpu(XLA_FFI_CallFrame*);
-XLA_FFI_Error* JaxringBenchmarkLocalFloorCpu(XLA_FFI_CallFrame*);
+XLA_FFI_Error* JaxringBenchmarkNativeFloorCpu(XLA_FFI_CallFrame*);
 }
 
 namespace {
@@ -211,10 +211,10 @@ NB_MODULE(_jaxring, m) {
     return targets;
   });
 
-  // benchmarks/allreduce.py's native floor (cpu/local_floor.cc); registered by the benchmark.
+  // benchmarks/allreduce.py's native floor (cpu/native_floor.cc); registered by the benchmark.
   m.def("benchmark_cpu_targets", []() {
     nb::dict targets;
-    targets["jaxring_benchmark_local_floor"] = Capsule(JaxringBenchmarkLocalFloorCpu);
+    targets["jaxring_benchmark_native_floor"] = Capsule(JaxringBenchmarkNativeFloorCpu);
     return targets;
   });
 

@@ -20,18 +20,18 @@ namespace {
 
 namespace ffi = xla::ffi;
 
-ffi::Error LocalFloor(ffi::Token, ffi::AnyBuffer x, ffi::Result<ffi::Token>,
+ffi::Error NativeFloor(ffi::Token, ffi::AnyBuffer x, ffi::Result<ffi::Token>,
                       ffi::Result<ffi::AnyBuffer> y, int64_t collective, int64_t size,
                       int64_t streamed) {
   if (x.element_type() != ffi::DataType::F32 || size < 1)
-    return ffi::Error::InvalidArgument("jaxring_benchmark_local_floor: float32 input, size >= 1");
+    return ffi::Error::InvalidArgument("jaxring_benchmark_native_floor: float32 input, size >= 1");
   AdviseHugePages(y->untyped_data(), y->size_bytes());
   const auto* in = static_cast<const float*>(x.untyped_data());
   auto* out = static_cast<float*>(y->untyped_data());
   const int64_t count = static_cast<int64_t>(x.element_count());
   if (collective == static_cast<int64_t>(Collective::kReduceScatter)) {
     if (count % size != 0 || static_cast<int64_t>(y->element_count()) != count / size)
-      return ffi::Error::InvalidArgument("jaxring_benchmark_local_floor: reduce_scatter shapes");
+      return ffi::Error::InvalidArgument("jaxring_benchmark_native_floor: reduce_scatter shapes");
     const int64_t block = count / size;
     std::vector<Operand> blocks(static_cast<size_t>(size));
     for (int64_t i = 0; i < size; ++i) blocks[static_cast<size_t>(i)] = Operand{in + i * block};
@@ -42,7 +42,7 @@ ffi::Error LocalFloor(ffi::Token, ffi::AnyBuffer x, ffi::Result<ffi::Token>,
   }
   if (collective == static_cast<int64_t>(Collective::kAllGather)) {
     if (static_cast<int64_t>(y->element_count()) != count * size)
-      return ffi::Error::InvalidArgument("jaxring_benchmark_local_floor: all_gather shapes");
+      return ffi::Error::InvalidArgument("jaxring_benchmark_native_floor: all_gather shapes");
     const size_t bytes = static_cast<size_t>(count) * sizeof(float);
     for (int64_t i = 0; i < size; ++i) {
       if (streamed)
@@ -52,13 +52,13 @@ ffi::Error LocalFloor(ffi::Token, ffi::AnyBuffer x, ffi::Result<ffi::Token>,
     }
     return ffi::Error::Success();
   }
-  return ffi::Error::InvalidArgument("jaxring_benchmark_local_floor: reduce_scatter or all_gather");
+  return ffi::Error::InvalidArgument("jaxring_benchmark_native_floor: reduce_scatter or all_gather");
 }
 
 }  // namespace
 }  // namespace jaxring
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxringBenchmarkLocalFloorCpu, ::jaxring::LocalFloor,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxringBenchmarkNativeFloorCpu, ::jaxring::NativeFloor,
                               ::xla::ffi::Ffi::Bind()
                                   .Arg<::xla::ffi::Token>()
                                   .Arg<::xla::ffi::AnyBuffer>()
