@@ -70,6 +70,33 @@ def test_many_collectives_in_one_program_and_back_to_back():
                          exact_reference=False)
 
 
+def test_empty_arrays_on_a_mesh_axis_make_no_call():
+    """Zero-size data on a mesh axis compiles to no custom call (jaxlib 0.11's SPMD partitioner
+    crashes the process compiling one), gives empty results of the lax twins' shapes, and leaves
+    the calls around it matched: the all-reduce after them still meets its peers."""
+    n = 4
+    m = mesh(n)
+    perm = [(i, (i + 1) % n) for i in range(n)]
+    empty = shard(np.zeros((0, 3), np.float32), m)
+    x = shard(random_array(np.random.default_rng(3), (n * 5,), np.float32), m)
+
+    def body(e, v):
+        jaxring.send(e, "i", perm)
+        outs = (jaxring.all_reduce(e, "i"), jaxring.reduce_scatter(e, "i"),
+                jaxring.all_gather(e, "i"), jaxring.broadcast(e, "i", root=1),
+                jaxring.ppermute(e, "i", perm), jaxring.recv(e, "i", perm))
+        return outs, jaxring.all_reduce(v, "i")
+
+    f = shmap(body, m, in_specs=(P("i"), P("i")), out_specs=P("i"))
+    calls = f.lower(empty, x).as_text().count("stablehlo.custom_call @jaxring_")
+    assert calls == 1, f"{calls} jaxring calls; only the non-empty all-reduce should remain"
+    outs, total = f(empty, x)
+    assert [o.shape for o in outs] == [(0, 3)] * 6
+    expected = np.asarray(x).reshape(n, 5).astype(np.float64).sum(0)
+    np.testing.assert_allclose(np.asarray(total).reshape(n, 5), np.tile(expected, (n, 1)),
+                               rtol=1e-6)
+
+
 @pytest.mark.skipif(not runtime_tokens.install(common.CollectiveEffect),
                     reason="JAX's token hand-over differs from what runtime_tokens expects")
 def test_token_hand_over_orders_programs_over_changing_device_lists():

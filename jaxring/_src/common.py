@@ -348,8 +348,15 @@ def lower_collective(target: str, ctx, *operands, comm: AxisCommunicator, op_id:
             f"program runs on {devices} devices of this process. Every one of them would act as "
             "the same rank; run one device per process, or use a mesh axis between the devices "
             "of one process")
-    native.register_targets()
     token = ctx.tokens_in.get(collective_effect)
+    if comm.process_rank is None and moves_nothing(ctx):
+        # Every device of a mesh axis has the same empty shapes, so there is nothing to check or
+        # move, and no call is made: XLA's SPMD partitioner (jaxlib 0.11) crashes the process
+        # compiling a custom call on zero-size arrays in a shard_map or pmap body. Processes keep
+        # the call, whose header check names a peer that passed a different shape.
+        ctx.set_tokens_out(mlir.TokenSet({collective_effect: token}))
+        return [mlir.full_like_aval(ctx, 0, aval) for aval in ctx.avals_out]
+    native.register_targets()
     aliases = {}
     if in_place and tuple(ctx.module_context.platforms) == ("cpu",):
         aliases["operand_output_aliases"] = {len(operands): 1}  # operand 0 is the token
@@ -370,6 +377,13 @@ def lower_collective(target: str, ctx, *operands, comm: AxisCommunicator, op_id:
     )
     ctx.set_tokens_out(mlir.TokenSet({collective_effect: results[0]}))
     return results[1:]
+
+
+def moves_nothing(ctx) -> bool:
+    """Whether a call's data (operands after rank and group, and results) is all empty: a send or
+    a recv of zero elements, or a collective on them. A barrier has no data and always meets."""
+    data = [*ctx.avals_in[2:], *ctx.avals_out]
+    return bool(data) and all(aval.size == 0 for aval in data)
 
 
 def _program_device_count(ctx) -> int:
