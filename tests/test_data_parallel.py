@@ -53,6 +53,27 @@ def test_fused_buckets_equal_per_leaf_psum(n, bucket_bytes, fuse_below_bytes):
                                    rtol=1e-5 if leaf.dtype == np.float32 else 1e-12)
 
 
+def test_a_dtype_with_only_empty_leaves_comes_back():
+    """Leaves with no elements go in no bucket and come back as empty arrays of their shape and
+    dtype, also where they are the only leaves of their dtype (such a dtype's group used to
+    vanish from the plan, and its leaves came back as None)."""
+    n = 3
+    rng = np.random.default_rng(11)
+    tree = {"w": random_array(rng, (n, 5), np.float32), "e32": np.zeros((n, 0, 4), np.float32),
+            "e64": np.zeros((n, 2, 0), np.float64)}
+    m = mesh(n)
+    f = jax.jit(jax.shard_map(
+        lambda t: jax.tree.map(lambda x: x[None], data_parallel.all_reduce_gradients(
+            jax.tree.map(lambda x: x[0], t), "i", "sum", bucket_bytes=8)),
+        mesh=m, in_specs=P("i"), out_specs=P("i")))
+    got = jax.device_get(f(shard(tree, m)))
+    for name, leaf in tree.items():
+        assert got[name].dtype == leaf.dtype and got[name].shape == leaf.shape, name
+    expected = np.asarray(tree["w"], np.float64).sum(0)
+    for replica in range(n):
+        assert_close(got["w"][replica], expected, np.float32, count=n)
+
+
 def count_all_reduces(fn, *args):
     jaxpr = str(jax.make_jaxpr(fn)(*args))
     return jaxpr.count("jaxring_all_reduce")

@@ -351,9 +351,10 @@ def lower_collective(target: str, ctx, *operands, comm: AxisCommunicator, op_id:
     token = ctx.tokens_in.get(collective_effect)
     if comm.process_rank is None and moves_nothing(ctx):
         # Every device of a mesh axis has the same empty shapes, so there is nothing to check or
-        # move, and no call is made: XLA's SPMD partitioner (jaxlib 0.11) crashes the process
-        # compiling a custom call on zero-size arrays in a shard_map or pmap body. Processes keep
-        # the call, whose header check names a peer that passed a different shape.
+        # move, and no call is made. That also leaves a zero-size argument of a shard_map or pmap
+        # body unused: jaxlib 0.11.2's SPMD partitioner crashes the process compiling any use of
+        # one, `v * 2` or a custom call alike (0.10 and 0.12 compile it). Processes keep the
+        # call, whose header check names a peer that passed a different shape.
         ctx.set_tokens_out(mlir.TokenSet({collective_effect: token}))
         return [mlir.full_like_aval(ctx, 0, aval) for aval in ctx.avals_out]
     native.register_targets()

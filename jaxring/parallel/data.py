@@ -44,14 +44,15 @@ class FusionPlan(NamedTuple):
     dtypes: tuple
     groups: tuple  # ((dtype, leaf indices, bucket sizes in elements), ...)
     alone: tuple = ()  # indices of the leaves reduced on their own, unpacked
+    empty: tuple = ()  # indices of the leaves with no elements: nothing to move
 
 
 def fusion_plan(tree, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
                 fuse_below_bytes: int | None = DEFAULT_FUSE_BELOW_BYTES) -> FusionPlan:
     """Leaves of the same dtype under `fuse_below_bytes` (None: every leaf) are concatenated in
     tree order and the result cut into buckets of at most `bucket_bytes` (a leaf may straddle two
-    buckets); larger leaves go alone. Only shapes and dtypes are used, so every rank makes the
-    same plan."""
+    buckets); larger leaves go alone, and leaves with no elements nowhere (unfuse makes them
+    anew). Only shapes and dtypes are used, so every rank makes the same plan."""
     if bucket_bytes <= 0:
         raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
     if fuse_below_bytes is not None and fuse_below_bytes <= 0:
@@ -61,7 +62,8 @@ def fusion_plan(tree, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
     dtypes = tuple(jnp.result_type(leaf) for leaf in leaves)
     alone = tuple(i for i in range(len(leaves)) if fuse_below_bytes is not None
                   and math.prod(shapes[i]) * np.dtype(dtypes[i]).itemsize >= fuse_below_bytes)
-    packed = sorted(set(range(len(leaves))) - set(alone))
+    empty = tuple(i for i in range(len(leaves)) if math.prod(shapes[i]) == 0)
+    packed = sorted(set(range(len(leaves))) - set(alone) - set(empty))
     groups = []
     for dtype in dict.fromkeys(dtypes):  # first-appearance order, deterministic on every rank
         indices = tuple(i for i in packed if dtypes[i] == dtype)
@@ -70,7 +72,7 @@ def fusion_plan(tree, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
         sizes = tuple(min(per_bucket, total - start) for start in range(0, total, per_bucket))
         if sizes:
             groups.append((dtype, indices, sizes))
-    return FusionPlan(treedef, shapes, dtypes, tuple(groups), alone)
+    return FusionPlan(treedef, shapes, dtypes, tuple(groups), alone, empty)
 
 
 def fuse(tree, plan: FusionPlan) -> list:
@@ -86,10 +88,13 @@ def fuse(tree, plan: FusionPlan) -> list:
 
 def unfuse(buckets, plan: FusionPlan, alone=()):
     """The inverse of `fuse`: a pytree of the original structure, shapes and dtypes, with the
-    leaves that went alone (`alone`, in plan.alone's order) put back in their places."""
+    leaves that went alone (`alone`, in plan.alone's order) put back in their places and the
+    empty ones made anew."""
     leaves = [None] * len(plan.shapes)
     for i, leaf in zip(plan.alone, alone):
         leaves[i] = leaf
+    for i in plan.empty:
+        leaves[i] = jnp.zeros(plan.shapes[i], plan.dtypes[i])
     position = 0
     for _, indices, sizes in plan.groups:
         flat = jnp.concatenate(buckets[position:position + len(sizes)])
