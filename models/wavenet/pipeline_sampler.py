@@ -171,7 +171,9 @@ def sample_layer_sharded_fused(weights, config: ModelConfig, key, num_samples: i
     packed = fused_sampler.pack_weights(weights, config, weight_dtype)
     gate_bias = fused_sampler.gate_bias_per_stream(weights, batch, speaker)
 
-    def stage_program(packed, gate_bias, local):
+    def stage_program(packed, gate_bias, local=None):
+        if local is None:  # no conditioning: zeros made here, not passed in (see below)
+            local = jnp.zeros((batch, num_samples, config.local_channels), jnp.float32)
         comm = common.communicator("wavenet stage", axis)
         stage, group = comm.rank_and_group()
         op_id = common.next_op_id(comm)
@@ -187,10 +189,11 @@ def sample_layer_sharded_fused(weights, config: ModelConfig, key, num_samples: i
         return fused_sampler.run_chunks(steps_fn, config, key, num_samples, batch, local,
                                         chunk_steps)
 
-    replicated = P()
-    program = jax.shard_map(stage_program, mesh=mesh, in_specs=(replicated,) * 3,
-                            out_specs=(replicated, replicated), check_vma=False)
-    local = (jnp.zeros((batch, num_samples, config.local_channels), jnp.float32)
-             if local is None else local)
-    tokens, logits = program(packed, gate_bias, local)
+    # Without local conditioning the zeros are made inside the program: with no local channels
+    # they have no elements, and jaxlib 0.11.2 crashes compiling any use of a zero-size
+    # argument of a shard_map body.
+    args = (packed, gate_bias) if local is None else (packed, gate_bias, local)
+    program = jax.shard_map(stage_program, mesh=mesh, in_specs=(P(),) * len(args),
+                            out_specs=(P(), P()), check_vma=False)
+    tokens, logits = program(*args)
     return (tokens, logits) if return_logits else tokens
