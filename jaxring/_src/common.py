@@ -349,7 +349,7 @@ def lower_collective(target: str, ctx, *operands, comm: AxisCommunicator, op_id:
             "the same rank; run one device per process, or use a mesh axis between the devices "
             "of one process")
     token = ctx.tokens_in.get(collective_effect)
-    if comm.process_rank is None and moves_nothing(ctx):
+    if comm.process_rank is None and _moves_nothing(ctx):
         # Every device of a mesh axis has the same empty shapes, so there is nothing to check or
         # move, and no call is made. That also leaves a zero-size argument of a shard_map or pmap
         # body unused: jaxlib 0.11.2's SPMD partitioner crashes the process compiling any use of
@@ -380,7 +380,7 @@ def lower_collective(target: str, ctx, *operands, comm: AxisCommunicator, op_id:
     return results[1:]
 
 
-def moves_nothing(ctx) -> bool:
+def _moves_nothing(ctx) -> bool:
     """Whether a call's data (operands after rank and group, and results) is all empty: a send or
     a recv of zero elements, or a collective on them. A barrier has no data and always meets."""
     data = [*ctx.avals_in[2:], *ctx.avals_out]
