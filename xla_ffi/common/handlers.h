@@ -5,9 +5,12 @@
 //   struct Runner {
 //     using Ctx = ...;       // what the binding asks XLA for (ffi::RunId, a platform stream)
 //     using CtxValue = ...;  // what the handler receives for it
-//     static ffi::Error Run(CtxValue ctx, JaxringHostCall call, ffi::AnyBuffer rank,
-//                           ffi::AnyBuffer group, const ffi::AnyBuffer* x, ffi::AnyBuffer* y);
+//     static Result Run(CtxValue ctx, JaxringHostCall call, ffi::AnyBuffer rank,
+//                       ffi::AnyBuffer group, const ffi::AnyBuffer* x, ffi::AnyBuffer* y);
 //   };
+//
+// where Result (HandlerResult) is what the handlers return: ffi::Error, or a type of the platform's own that
+// XLA's ResultEncoding knows (the CPU handlers may return a future).
 #pragma once
 
 #include <cstdint>
@@ -26,7 +29,13 @@ namespace ffi = xla::ffi;
 inline uint8_t ToDType(ffi::DataType type) { return static_cast<uint8_t>(type); }
 
 template <typename Runner>
-ffi::Error RunCall(typename Runner::CtxValue ctx, Collective kind, JaxringHostRole role,
+using HandlerResult =
+    decltype(Runner::Run(std::declval<typename Runner::CtxValue>(), JaxringHostCall{},
+                         std::declval<ffi::AnyBuffer>(), std::declval<ffi::AnyBuffer>(), nullptr,
+                         nullptr));
+
+template <typename Runner>
+HandlerResult<Runner> RunCall(typename Runner::CtxValue ctx, Collective kind, JaxringHostRole role,
                    ffi::AnyBuffer rank, ffi::AnyBuffer group, const ffi::AnyBuffer* x,
                    ffi::AnyBuffer* y, int64_t comm, std::string_view comm_name, int64_t size,
                    int64_t op_id, int64_t op = 0, int64_t root = 0,
@@ -57,7 +66,7 @@ ffi::Error RunCall(typename Runner::CtxValue ctx, Collective kind, JaxringHostRo
 
 // all_reduce and reduce_scatter: the same binding, told apart by their kind.
 template <typename R, Collective kKind>
-ffi::Error Reduction(typename R::CtxValue ctx, ffi::Token, ffi::AnyBuffer rank,
+HandlerResult<R> Reduction(typename R::CtxValue ctx, ffi::Token, ffi::AnyBuffer rank,
                      ffi::AnyBuffer group, ffi::AnyBuffer x, ffi::Result<ffi::Token>,
                      ffi::Result<ffi::AnyBuffer> y, int64_t comm, std::string_view comm_name,
                      int64_t size, int64_t op_id, int64_t op) {
@@ -66,7 +75,7 @@ ffi::Error Reduction(typename R::CtxValue ctx, ffi::Token, ffi::AnyBuffer rank,
 }
 
 template <typename R>
-ffi::Error AllGather(typename R::CtxValue ctx, ffi::Token, ffi::AnyBuffer rank,
+HandlerResult<R> AllGather(typename R::CtxValue ctx, ffi::Token, ffi::AnyBuffer rank,
                      ffi::AnyBuffer group, ffi::AnyBuffer x, ffi::Result<ffi::Token>,
                      ffi::Result<ffi::AnyBuffer> y, int64_t comm, std::string_view comm_name,
                      int64_t size, int64_t op_id) {
@@ -75,7 +84,7 @@ ffi::Error AllGather(typename R::CtxValue ctx, ffi::Token, ffi::AnyBuffer rank,
 }
 
 template <typename R>
-ffi::Error Broadcast(typename R::CtxValue ctx, ffi::Token, ffi::AnyBuffer rank,
+HandlerResult<R> Broadcast(typename R::CtxValue ctx, ffi::Token, ffi::AnyBuffer rank,
                      ffi::AnyBuffer group, ffi::AnyBuffer x, ffi::Result<ffi::Token>,
                      ffi::Result<ffi::AnyBuffer> y, int64_t comm, std::string_view comm_name,
                      int64_t size, int64_t op_id, int64_t root) {
@@ -84,7 +93,7 @@ ffi::Error Broadcast(typename R::CtxValue ctx, ffi::Token, ffi::AnyBuffer rank,
 }
 
 template <typename R>
-ffi::Error Barrier(typename R::CtxValue ctx, ffi::Token, ffi::AnyBuffer rank,
+HandlerResult<R> Barrier(typename R::CtxValue ctx, ffi::Token, ffi::AnyBuffer rank,
                    ffi::AnyBuffer group, ffi::Result<ffi::Token>, int64_t comm,
                    std::string_view comm_name, int64_t size, int64_t op_id) {
   return RunCall<R>(ctx, Collective::kBarrier, kJaxringHostCollective, rank, group, nullptr,
@@ -92,7 +101,7 @@ ffi::Error Barrier(typename R::CtxValue ctx, ffi::Token, ffi::AnyBuffer rank,
 }
 
 template <typename R>
-ffi::Error Permute(typename R::CtxValue ctx, ffi::Token, ffi::AnyBuffer rank,
+HandlerResult<R> Permute(typename R::CtxValue ctx, ffi::Token, ffi::AnyBuffer rank,
                    ffi::AnyBuffer group, ffi::AnyBuffer x, ffi::Result<ffi::Token>,
                    ffi::Result<ffi::AnyBuffer> y, int64_t comm, std::string_view comm_name,
                    int64_t size, int64_t op_id, ffi::Span<const int64_t> perm) {
@@ -101,7 +110,7 @@ ffi::Error Permute(typename R::CtxValue ctx, ffi::Token, ffi::AnyBuffer rank,
 }
 
 template <typename R>
-ffi::Error Send(typename R::CtxValue ctx, ffi::Token, ffi::AnyBuffer rank, ffi::AnyBuffer group,
+HandlerResult<R> Send(typename R::CtxValue ctx, ffi::Token, ffi::AnyBuffer rank, ffi::AnyBuffer group,
                 ffi::AnyBuffer x, ffi::Result<ffi::Token>, int64_t comm,
                 std::string_view comm_name, int64_t size, int64_t op_id,
                 ffi::Span<const int64_t> perm) {
@@ -110,7 +119,7 @@ ffi::Error Send(typename R::CtxValue ctx, ffi::Token, ffi::AnyBuffer rank, ffi::
 }
 
 template <typename R>
-ffi::Error Recv(typename R::CtxValue ctx, ffi::Token, ffi::AnyBuffer rank, ffi::AnyBuffer group,
+HandlerResult<R> Recv(typename R::CtxValue ctx, ffi::Token, ffi::AnyBuffer rank, ffi::AnyBuffer group,
                 ffi::Result<ffi::Token>, ffi::Result<ffi::AnyBuffer> y, int64_t comm,
                 std::string_view comm_name, int64_t size, int64_t op_id,
                 ffi::Span<const int64_t> perm) {

@@ -4,11 +4,13 @@
 
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <mutex>
 #include <string>
 
 #include "common/config.h"
 #include "common/types.h"
+#include "cpu/handoff.h"
 #include "p2p/protocol.h"
 #include "ring/algorithms.h"
 #include "ring/staged.h"
@@ -64,31 +66,41 @@ Status CheckProcess(const Transport& processes, const Header& header, int rank, 
                        " of " + std::to_string(size));
 }
 
-Status RunCollectiveCall(const JaxringHostCall& c, const Header& header) {
+HostResult RunCollectiveCall(const JaxringHostCall& c, const Header& header,
+                             HostCompletion* complete) {
   const Config config = CurrentConfig();
   const CollectiveBuffers buffers{c.input, c.output, c.output_count};
   if (auto processes = ShmCommunicator::Find(c.comm)) {
     Status status = CheckProcess(*processes, header, c.rank, c.size);
-    return status.ok() ? RunStaged(*processes, header, buffers, config) : status;
+    return {status.ok() ? RunStaged(*processes, header, buffers, config) : status};
   }
   if (auto processes = ProcessTransport::Find(c.comm)) {
     Status status = CheckProcess(*processes, header, c.rank, c.size);
-    if (!status.ok()) return status;
+    if (!status.ok()) return {status};
     std::lock_guard<std::mutex> lock(processes->mutex());
-    return processes->RunCollective(header, buffers, config);
+    return {processes->RunCollective(header, buffers, config)};
   }
-  if (c.comm & kProcessKeyBit) return ProcessCommunicatorGone(c, header);
+  if (c.comm & kProcessKeyBit) return {ProcessCommunicatorGone(c, header)};
   const Algorithm algorithm = ChooseAlgorithm(header, c.size, config);
   ScratchLease scratch = ScratchLease::Acquire(ScratchBytes(header, c.size, algorithm));
   CommunicatorId comm{c.comm, c.group, c.size, CommName(c)};
   const bool copy_input =
       algorithm == Algorithm::kDirect &&
       header.count * static_cast<int64_t>(ByteWidth(header.dtype)) <= config.copy_input_bytes;
-  auto transport = LocalTransport::Join(comm, c.run_id, c.rank, header, c.input, c.output,
-                                        scratch.data(), copy_input, config.timeout_seconds,
-                                        config.spin_iterations);
-  Status status = transport->WaitForPeers();
-  return status.ok() ? RunCollective(*transport, algorithm, config, buffers) : status;
+  std::shared_ptr<LocalTransport> transport = LocalTransport::Join(
+      comm, c.run_id, c.rank, header, c.input, c.output, scratch.data(), copy_input,
+      config.timeout_seconds, config.spin_iterations);
+  auto rest = [transport, algorithm, config, buffers] {
+    Status status = transport->WaitForPeers();
+    return status.ok() ? RunCollective(*transport, algorithm, config, buffers) : status;
+  };
+  if (complete == nullptr || transport->PollPeers()) return {rest()};
+  // A peer is late, and its call may be queued behind this thread (cpu/handoff.h).
+  auto lease = std::make_shared<ScratchLease>(std::move(scratch));
+  HandOff([rest, lease, complete = std::move(*complete)] { complete(HostResult{rest()}); });
+  HostResult handed_off;
+  handed_off.handed_off = true;
+  return handed_off;
 }
 
 // The header exchange alone, on a process communicator (kJaxringHostAgree).
@@ -151,7 +163,7 @@ Status RunPointToPointCall(const JaxringHostCall& c, const Header& header) {
 
 }  // namespace
 
-HostResult RunHostCall(const JaxringHostCall& c) {
+HostResult RunHostCall(const JaxringHostCall& c, HostCompletion* complete) {
   const Collective kind = static_cast<Collective>(c.kind);
   HostResult result = Check(c, kind);
   if (!result.status.ok()) return result;
@@ -167,7 +179,7 @@ HostResult RunHostCall(const JaxringHostCall& c) {
       header.root |= kGpuStepTag;
       return {RunAgreeCall(c, header)};
     }
-    return {RunCollectiveCall(c, header)};
+    return RunCollectiveCall(c, header, complete);
   }
   header.op = ReduceOp::kSum;
   header.count = c.role == kJaxringHostRecv ? c.output_count : c.input_count;

@@ -5,6 +5,7 @@
 #pragma once
 
 #include <cstddef>
+#include <functional>
 
 #include "common/host_call.h"
 #include "common/status.h"
@@ -12,12 +13,22 @@
 namespace jaxring {
 
 // Whether the error is the caller's (bad rank, dtype, size): XLA reports it as invalid argument.
+// `handed_off`: the call goes on on a jaxring thread, which reports its result later.
 struct HostResult {
   Status status;
   bool invalid_argument = false;
+  bool handed_off = false;
 };
 
-HostResult RunHostCall(const JaxringHostCall& call);
+// Receives the result of a call that went on on a jaxring thread (cpu/handoff.h).
+using HostCompletion = std::function<void(const HostResult&)>;
+
+// Runs `call` on this thread. With `complete`, a collective on the local transport whose peers
+// have not all arrived by the end of the spin and yield phases is not slept on here: the rest of
+// it goes to a jaxring thread, which calls `complete` with its result, and the returned result
+// says handed_off. CPU handlers pass one; the CUDA library's calls (which have their own thread
+// and stream) and process transports (one device per process) always run here.
+HostResult RunHostCall(const JaxringHostCall& call, HostCompletion* complete = nullptr);
 
 // Large outputs from XLA's CPU allocator are usually fresh anonymous mappings (glibc maps every
 // block over 32 MiB), and each 4 KiB page then faults on its first write: about 2.7 us a page on

@@ -176,6 +176,10 @@ Status LocalTransport::WaitForPeers() {
   return Status();
 }
 
+bool LocalTransport::PollPeers() const {
+  return meeting_->arrivals.PollAtLeast(static_cast<uint32_t>(comm_.size), spin_iterations_);
+}
+
 Status LocalTransport::Finish() {
   if (inputs_copied_) return Status();  // nobody touches another rank's buffers
   meeting_->peers[rank_].finished.store(true, std::memory_order_release);
