@@ -176,7 +176,7 @@ def test_programs_dispatched_back_to_back_do_not_starve_the_device_threads():
 _MIXED = textwrap.dedent("""
     import faulthandler, os, sys
     os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
-    import jax, jax.numpy as jnp, numpy as np
+    import jax, jax.numpy as jnp, numpy as np, jaxring
     from jax import lax
     from jax.sharding import NamedSharding, PartitionSpec as P
     from jaxring.parallel import data as data_parallel
@@ -188,34 +188,44 @@ _MIXED = textwrap.dedent("""
               "f64": ((3, 3), np.float64), "f64b": ((2,), np.float64), "count": ((4,), np.int32),
               "f16_empty": ((2, 0), np.float16)}
     tree = {k: rng.integers(-100, 100, (8,) + s).astype(d) for k, (s, d) in shapes.items()}
+    ring = [(k, (k + 1) % 8) for k in range(8)]
+    ours, reference = {
+        "all_reduce": (lambda v: jaxring.all_reduce(v, "i"),
+                       lambda x: np.broadcast_to(x.sum(0, dtype=x.dtype), x.shape)),
+        "ppermute": (lambda v: jaxring.ppermute(v, "i", ring), lambda x: np.roll(x, 1, 0)),
+    }[sys.argv[3]]
 
-    def step(grads):  # jaxring's gradient sync beside lax's sums, independent of each other
+    def step(grads):  # jaxring's calls on fused buckets beside lax's sums, independent
         grads = jax.tree.map(lambda g: g[0], grads)
-        ours = data_parallel.all_reduce_gradients(grads, "i", "sum", bucket_bytes=400)
+        mine = data_parallel._apply_fused(ours, grads, 400, None, "i")
         theirs = jax.tree.map(lambda g: lax.psum(g, "i") if g.size else jnp.zeros_like(g), grads)
-        return jax.tree.map(lambda x: x[None], (ours, theirs))
+        return jax.tree.map(lambda x: x[None], (mine, theirs))
 
     f = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=P("i"), out_specs=P("i")))
     args = jax.device_put(tree, NamedSharding(mesh, P("i")))
     for _ in range(int(sys.argv[2])):
-        outs = jax.block_until_ready(f(args))
-    for got, x in zip(jax.tree.leaves(outs), jax.tree.leaves((tree, tree))):
-        expected = np.broadcast_to(x.sum(0, dtype=x.dtype), x.shape)
-        np.testing.assert_array_equal(np.asarray(got), expected)
+        mine, theirs = jax.block_until_ready(f(args))
+    for got, x in zip(jax.tree.leaves(mine), jax.tree.leaves(tree)):
+        np.testing.assert_array_equal(np.asarray(got), reference(x))
+    for got, x in zip(jax.tree.leaves(theirs), jax.tree.leaves(tree)):
+        np.testing.assert_array_equal(np.asarray(got), np.broadcast_to(x.sum(0, dtype=x.dtype),
+                                                                       x.shape))
     print("ALL OK")
 """)
 
 
-def test_jaxring_and_lax_collectives_mixed_in_one_program():
-    """jaxring's fused gradient sync and per-leaf lax.psums, independent of each other, in one
-    program on 8 devices, 100 times. XLA's thunk executor hands independent thunks to its
-    intra-op pool (2 threads here); when jaxring's calls slept there waiting for peers whose
-    calls were queued behind them, and lax's all-reduce (which blocks too) waited for devices
-    stuck that way, the program hung until XLA aborted it (every run of this test did, before
-    cpu/handoff.h). Every element is checked against numpy's exact integer-valued sums."""
+@pytest.mark.parametrize("call", ["all_reduce", "ppermute"])
+def test_jaxring_and_lax_collectives_mixed_in_one_program(call):
+    """jaxring's calls on fused gradient buckets (all_reduce, or a ring pass) and per-leaf
+    lax.psums, independent of each other, in one program on 8 devices, 100 times. XLA's thunk
+    executor hands independent thunks to its intra-op pool (2 threads here); when jaxring's calls
+    slept there waiting for peers whose calls were queued behind them, and lax's all-reduce
+    (which blocks too) waited for devices stuck that way, the program hung until XLA aborted it
+    (every run of this test did, before cpu/handoff.h). Every element is checked against numpy's
+    exact integer-valued results."""
     env = dict(os.environ, JAXRING_TIMEOUT_SECONDS="120")
-    result = subprocess.run([sys.executable, "-c", _MIXED, "240", "100"], capture_output=True,
-                            text=True, timeout=600, env=env)
+    result = subprocess.run([sys.executable, "-c", _MIXED, "240", "100", call],
+                            capture_output=True, text=True, timeout=600, env=env)
     assert result.returncode == 0 and "ALL OK" in result.stdout, result.stderr[-3000:]
 
 

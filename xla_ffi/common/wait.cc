@@ -129,6 +129,15 @@ bool Flag::PollAtLeast(uint32_t target, int64_t spin_iterations) const {
   return SpinThenYield([&] { return Load() >= target; }, spin_iterations, kYieldPhase);
 }
 
+bool Flag::PollUntilEqual(uint32_t target, int64_t spin_iterations) const {
+  return SpinThenYield(
+      [&] {
+        const uint32_t seen = Load();
+        return seen == target || (seen & kAbandoned);
+      },
+      spin_iterations, kYieldPhase);
+}
+
 bool Flag::WaitReached(uint32_t target, const Deadline& deadline, int64_t spin_iterations) const {
   return Wait([target](uint32_t seen) { return Reached(seen, target) || (seen & kAbandoned); },
               deadline, spin_iterations);

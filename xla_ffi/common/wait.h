@@ -100,9 +100,10 @@ class Flag {
   }
   // Waits until Load() >= target (counters only grow; an abandoned counter satisfies any wait). False when the deadline passed first.
   bool WaitAtLeast(uint32_t target, const Deadline& deadline, int64_t spin_iterations) const;
-  // WaitAtLeast's first two phases alone (spin, then yield): never sleeps. False if Load() is
-  // still below `target` at their end.
+  // The first two phases of WaitAtLeast and WaitUntilEqual alone (spin, then yield): they never
+  // sleep, and return false if the wait would go on.
   bool PollAtLeast(uint32_t target, int64_t spin_iterations) const;
+  bool PollUntilEqual(uint32_t target, int64_t spin_iterations) const;
 
  private:
   template <typename Done>

@@ -66,6 +66,12 @@ Status CheckProcess(const Transport& processes, const Header& header, int rank, 
                        " of " + std::to_string(size));
 }
 
+HostResult HandedOff() {
+  HostResult result;
+  result.handed_off = true;
+  return result;
+}
+
 HostResult RunCollectiveCall(const JaxringHostCall& c, const Header& header,
                              HostCompletion* complete) {
   const Config config = CurrentConfig();
@@ -98,9 +104,7 @@ HostResult RunCollectiveCall(const JaxringHostCall& c, const Header& header,
   // A peer is late, and its call may be queued behind this thread (cpu/handoff.h).
   auto lease = std::make_shared<ScratchLease>(std::move(scratch));
   HandOff([rest, lease, complete = std::move(*complete)] { complete(HostResult{rest()}); });
-  HostResult handed_off;
-  handed_off.handed_off = true;
-  return handed_off;
+  return HandedOff();
 }
 
 // The header exchange alone, on a process communicator (kJaxringHostAgree).
@@ -131,34 +135,61 @@ int Partner(const JaxringHostCall& c, bool sending) {
   return -1;
 }
 
-Status RunPointToPointCall(const JaxringHostCall& c, const Header& header) {
+HostResult RunPointToPointCall(const JaxringHostCall& c, const Header& header,
+                               HostCompletion* complete) {
   const Config config = CurrentConfig();
   const size_t bytes = header.count * ByteWidth(header.dtype);
-  auto run = [&](PointToPoint& transport) {
-    switch (c.role) {
+  const int dest = c.role == kJaxringHostRecv ? -1 : Partner(c, true);
+  const int source = c.role == kJaxringHostSend ? -1 : Partner(c, false);
+  const uint8_t role = c.role;
+  const void* input = c.input;
+  void* output = c.output;
+  // By value: a call handed off runs after the handler has returned.
+  auto run = [=](PointToPoint& transport, bool* left_in_place) {
+    switch (role) {
       case kJaxringHostPermute:
-        return Permute(transport, header, Partner(c, true), Partner(c, false), c.input, c.output,
-                       bytes, config);
+        return Permute(transport, header, dest, source, input, output, bytes, config,
+                       left_in_place);
       case kJaxringHostSend:
-        return Send(transport, header, Partner(c, true), c.input, bytes);
+        return Send(transport, header, dest, input, bytes);
       default:
-        return Receive(transport, header, Partner(c, false), c.output, bytes);
+        return Receive(transport, header, source, output, bytes);
     }
   };
   if (auto processes = ProcessTransport::Find(c.comm)) {
     Status status = CheckProcess(*processes, header, c.rank, c.size);
-    if (!status.ok()) return status;
+    if (!status.ok()) return {status};
     std::lock_guard<std::mutex> lock(processes->mutex());
     processes->Configure(config);
-    return run(*processes);
+    return {run(*processes, nullptr)};
   }
   if (auto processes = ShmCommunicator::Find(c.comm))
-    return Status::Error(processes->Where(header) + ": this process communicator has no "
-                         "point-to-point transport (jaxring was built without MPI)");
-  if (c.comm & kProcessKeyBit) return ProcessCommunicatorGone(c, header);
-  LocalPointToPoint transport(CommunicatorId{c.comm, c.group, c.size, CommName(c)}, c.rank,
-                              config.timeout_seconds, config.spin_iterations);
-  return run(transport);
+    return {Status::Error(processes->Where(header) + ": this process communicator has no "
+                          "point-to-point transport (jaxring was built without MPI)")};
+  if (c.comm & kProcessKeyBit) return {ProcessCommunicatorGone(c, header)};
+  auto transport = std::make_shared<LocalPointToPoint>(
+      CommunicatorId{c.comm, c.group, c.size, CommName(c)}, c.rank, config.timeout_seconds,
+      config.spin_iterations);
+  if (complete == nullptr) return {run(*transport, nullptr)};
+  // As for collectives (cpu/handoff.h): what this call would wait for must be there by the end of
+  // the spin and yield phases, or the call goes on on a jaxring thread. A device that sends to
+  // itself and receives from itself only copies.
+  const bool copy = dest == c.rank && source == c.rank;
+  if (!copy && ((dest >= 0 && !transport->PollSendSlot(dest)) ||
+                (source >= 0 && !transport->PollMessage(source)))) {
+    HandOff([transport, run, complete = std::move(*complete)] {
+      complete(HostResult{run(*transport, nullptr)});
+    });
+    return HandedOff();
+  }
+  bool in_place = false;
+  Status status = run(*transport, &in_place);
+  // A message lent in place must be read by its receiver, which may be queued behind this thread.
+  if (!in_place || transport->PollSent()) return {in_place ? transport->WaitSent(dest) : status};
+  HandOff([transport, dest, complete = std::move(*complete)] {
+    complete(HostResult{transport->WaitSent(dest)});
+  });
+  return HandedOff();
 }
 
 }  // namespace
@@ -183,7 +214,7 @@ HostResult RunHostCall(const JaxringHostCall& c, HostCompletion* complete) {
   }
   header.op = ReduceOp::kSum;
   header.count = c.role == kJaxringHostRecv ? c.output_count : c.input_count;
-  return {RunPointToPointCall(c, header)};
+  return RunPointToPointCall(c, header, complete);
 }
 
 void AdviseHugePages(void* data, size_t bytes) {

@@ -20,7 +20,9 @@ Status Receive(PointToPoint& transport, const Header& header, int source, void* 
 }
 
 Status Permute(PointToPoint& transport, const Header& header, int dest, int source,
-               const void* input, void* output, size_t bytes, const Config& config) {
+               const void* input, void* output, size_t bytes, const Config& config,
+               bool* left_in_place) {
+  if (left_in_place != nullptr) *left_in_place = false;
   const int self = transport.rank();
   if (dest == self && source == self) {
     std::memcpy(output, input, bytes);
@@ -32,8 +34,12 @@ Status Permute(PointToPoint& transport, const Header& header, int dest, int sour
                            : Send(transport, header, dest, input, bytes);
   if (!status.ok()) return status;
   status = Receive(transport, header, source, output, bytes);
-  if (!status.ok()) return status;
-  return in_place ? transport.WaitSent(dest) : Status();
+  if (!status.ok() || !in_place) return status;
+  if (left_in_place != nullptr) {
+    *left_in_place = true;
+    return status;
+  }
+  return transport.WaitSent(dest);
 }
 
 }  // namespace jaxring

@@ -13,9 +13,13 @@
 namespace jaxring {
 
 // One rank's part of a permutation: send `input` to `dest` and receive `output` from `source`
-// (-1: none; a rank that receives nothing gets zeros, as lax.ppermute).
+// (-1: none; a rank that receives nothing gets zeros, as lax.ppermute). A large message is read
+// by its receiver straight out of `input`, and Permute waits until it has been (WaitSent) unless
+// `left_in_place` is given: then it says whether the message went in place, and the caller must
+// WaitSent(dest) before `input` may change.
 Status Permute(PointToPoint& transport, const Header& header, int dest, int source,
-               const void* input, void* output, size_t bytes, const Config& config);
+               const void* input, void* output, size_t bytes, const Config& config,
+               bool* left_in_place = nullptr);
 
 // The two halves of a permutation as separate calls. A send never waits for its receiver, so a
 // stage can send, compute, then receive without deadlocking a cycle of stages.

@@ -156,6 +156,23 @@ Status LocalPointToPoint::WaitSent(int dest) {
   return Status();
 }
 
+bool LocalPointToPoint::PollSendSlot(int dest) const {
+  const Mailbox* mailbox = MailboxRegistry::Get().Find(comm_, rank_, dest);
+  const Slot& slot = mailbox->slots[mailbox->sent % kSlots];
+  return slot.read.PollUntilEqual(RoundFlag(mailbox->sent / kSlots - 1), spin_iterations_);
+}
+
+bool LocalPointToPoint::PollMessage(int source) const {
+  const Mailbox* mailbox = MailboxRegistry::Get().Find(comm_, source, rank_);
+  const Slot& slot = mailbox->slots[mailbox->received % kSlots];
+  return slot.ready.PollUntilEqual(RoundFlag(mailbox->received / kSlots), spin_iterations_);
+}
+
+bool LocalPointToPoint::PollSent() const {
+  const Slot& slot = in_place_mailbox_->slots[in_place_sequence_ % kSlots];
+  return slot.read.PollUntilEqual(RoundFlag(in_place_sequence_ / kSlots), spin_iterations_);
+}
+
 Status LocalPointToPoint::Receive(int source, const Header& expected, void* out, size_t bytes) {
   Mailbox* mailbox = MailboxRegistry::Get().Find(comm_, source, rank_);
   const uint64_t sequence = mailbox->received++;
