@@ -125,19 +125,6 @@ bool Flag::WaitAtLeast(uint32_t target, const Deadline& deadline, int64_t spin_i
   return Wait([target](uint32_t seen) { return seen >= target; }, deadline, spin_iterations);
 }
 
-bool Flag::PollAtLeast(uint32_t target, int64_t spin_iterations) const {
-  return SpinThenYield([&] { return Load() >= target; }, spin_iterations, kYieldPhase);
-}
-
-bool Flag::PollUntilEqual(uint32_t target, int64_t spin_iterations) const {
-  return SpinThenYield(
-      [&] {
-        const uint32_t seen = Load();
-        return seen == target || (seen & kAbandoned);
-      },
-      spin_iterations, kYieldPhase);
-}
-
 bool Flag::WaitReached(uint32_t target, const Deadline& deadline, int64_t spin_iterations) const {
   return Wait([target](uint32_t seen) { return Reached(seen, target) || (seen & kAbandoned); },
               deadline, spin_iterations);

@@ -100,10 +100,6 @@ class Flag {
   }
   // Waits until Load() >= target (counters only grow; an abandoned counter satisfies any wait). False when the deadline passed first.
   bool WaitAtLeast(uint32_t target, const Deadline& deadline, int64_t spin_iterations) const;
-  // The first two phases of WaitAtLeast and WaitUntilEqual alone (spin, then yield): they never
-  // sleep, and return false if the wait would go on.
-  bool PollAtLeast(uint32_t target, int64_t spin_iterations) const;
-  bool PollUntilEqual(uint32_t target, int64_t spin_iterations) const;
 
  private:
   template <typename Done>

@@ -10,6 +10,7 @@
 
 #include "common/config.h"
 #include "common/types.h"
+#include "common/wait.h"
 #include "cpu/handoff.h"
 #include "p2p/protocol.h"
 #include "ring/algorithms.h"
@@ -100,7 +101,8 @@ HostResult RunCollectiveCall(const JaxringHostCall& c, const Header& header,
     Status status = transport->WaitForPeers();
     return status.ok() ? RunCollective(*transport, algorithm, config, buffers) : status;
   };
-  if (complete == nullptr || transport->PollPeers()) return {rest()};
+  if (complete == nullptr || transport->PeersArrived(Deadline(kHandOffAfterSeconds)))
+    return {rest()};
   // A peer is late, and its call may be queued behind this thread (cpu/handoff.h).
   auto lease = std::make_shared<ScratchLease>(std::move(scratch));
   HandOff([rest, lease, complete = std::move(*complete)] { complete(HostResult{rest()}); });
@@ -145,11 +147,10 @@ HostResult RunPointToPointCall(const JaxringHostCall& c, const Header& header,
   const void* input = c.input;
   void* output = c.output;
   // By value: a call handed off runs after the handler has returned.
-  auto run = [=](PointToPoint& transport, bool* left_in_place) {
+  auto run = [=](PointToPoint& transport) {
     switch (role) {
       case kJaxringHostPermute:
-        return Permute(transport, header, dest, source, input, output, bytes, config,
-                       left_in_place);
+        return Permute(transport, header, dest, source, input, output, bytes, config);
       case kJaxringHostSend:
         return Send(transport, header, dest, input, bytes);
       default:
@@ -161,7 +162,7 @@ HostResult RunPointToPointCall(const JaxringHostCall& c, const Header& header,
     if (!status.ok()) return {status};
     std::lock_guard<std::mutex> lock(processes->mutex());
     processes->Configure(config);
-    return {run(*processes, nullptr)};
+    return {run(*processes)};
   }
   if (auto processes = ShmCommunicator::Find(c.comm))
     return {Status::Error(processes->Where(header) + ": this process communicator has no "
@@ -170,26 +171,39 @@ HostResult RunPointToPointCall(const JaxringHostCall& c, const Header& header,
   auto transport = std::make_shared<LocalPointToPoint>(
       CommunicatorId{c.comm, c.group, c.size, CommName(c)}, c.rank, config.timeout_seconds,
       config.spin_iterations);
-  if (complete == nullptr) return {run(*transport, nullptr)};
-  // As for collectives (cpu/handoff.h): what this call would wait for must be there by the end of
-  // the spin and yield phases, or the call goes on on a jaxring thread. A device that sends to
-  // itself and receives from itself only copies.
-  const bool copy = dest == c.rank && source == c.rank;
-  if (!copy && ((dest >= 0 && !transport->PollSendSlot(dest)) ||
-                (source >= 0 && !transport->PollMessage(source)))) {
-    HandOff([transport, run, complete = std::move(*complete)] {
-      complete(HostResult{run(*transport, nullptr)});
-    });
+  if (complete == nullptr) return {run(*transport)};
+  // As for collectives (cpu/handoff.h): each step that waits (for a free mailbox slot, for the
+  // message, for the receiver to read a message lent in place) must end its wait in time, or it
+  // and the steps after it go on on a jaxring thread.
+  const Deadline hand_off(kHandOffAfterSeconds);
+  auto go_on_elsewhere = [&](std::function<Status()> rest) {
+    HandOff([rest, complete = std::move(*complete)] { complete(HostResult{rest()}); });
     return HandedOff();
+  };
+  auto whole_call = [transport, run] { return run(*transport); };
+  const bool copy = dest == c.rank && source == c.rank;  // PostPermute only copies
+  if (!copy && dest >= 0 && !transport->SlotFree(dest, hand_off))
+    return go_on_elsewhere(whole_call);
+  if (role != kJaxringHostPermute) {
+    if (source >= 0 && !transport->MessageReady(source, hand_off))
+      return go_on_elsewhere(whole_call);
+    return {run(*transport)};
   }
   bool in_place = false;
-  Status status = run(*transport, &in_place);
-  // A message lent in place must be read by its receiver, which may be queued behind this thread.
-  if (!in_place || transport->PollSent()) return {in_place ? transport->WaitSent(dest) : status};
-  HandOff([transport, dest, complete = std::move(*complete)] {
-    complete(HostResult{transport->WaitSent(dest)});
-  });
-  return HandedOff();
+  Status status =
+      PostPermute(*transport, header, dest, source, input, output, bytes, config, &in_place);
+  if (!status.ok()) return {status};
+  auto wait_read = [transport, dest] { return transport->WaitSent(dest); };
+  if (!copy && source >= 0 && !transport->MessageReady(source, hand_off)) {
+    return go_on_elsewhere([=] {
+      Status received = ReceivePermute(*transport, header, dest, source, output, bytes);
+      return received.ok() && in_place ? wait_read() : received;
+    });
+  }
+  status = ReceivePermute(*transport, header, dest, source, output, bytes);
+  if (!status.ok() || !in_place) return {status};
+  if (!transport->SentRead(hand_off)) return go_on_elsewhere(wait_read);
+  return {wait_read()};
 }
 
 }  // namespace

@@ -23,11 +23,11 @@ struct HostResult {
 // Receives the result of a call that went on on a jaxring thread (cpu/handoff.h).
 using HostCompletion = std::function<void(const HostResult&)>;
 
-// Runs `call` on this thread. With `complete`, a collective on the local transport whose peers
-// have not all arrived by the end of the spin and yield phases is not slept on here: the rest of
-// it goes to a jaxring thread, which calls `complete` with its result, and the returned result
-// says handed_off. CPU handlers pass one; the CUDA library's calls (which have their own thread
-// and stream) and process transports (one device per process) always run here.
+// Runs `call` on this thread. With `complete`, a call on the local transports whose peers (or
+// messages) are not there within kHandOffAfterSeconds (cpu/handoff.h) is not waited for here: the
+// rest of it goes to a jaxring thread, which calls `complete` with its result, and the returned
+// result says handed_off. CPU handlers pass one; the CUDA library's calls (which have their own
+// thread and stream) and process transports (one device per process) always run here.
 HostResult RunHostCall(const JaxringHostCall& call, HostCompletion* complete = nullptr);
 
 // Large outputs from XLA's CPU allocator are usually fresh anonymous mappings (glibc maps every

@@ -19,26 +19,33 @@ Status Receive(PointToPoint& transport, const Header& header, int source, void* 
   return transport.Receive(source, header, output, bytes);
 }
 
-Status Permute(PointToPoint& transport, const Header& header, int dest, int source,
-               const void* input, void* output, size_t bytes, const Config& config,
-               bool* left_in_place) {
-  if (left_in_place != nullptr) *left_in_place = false;
+Status PostPermute(PointToPoint& transport, const Header& header, int dest, int source,
+                   const void* input, void* output, size_t bytes, const Config& config,
+                   bool* in_place) {
+  *in_place = false;
   const int self = transport.rank();
   if (dest == self && source == self) {
     std::memcpy(output, input, bytes);
     return Status();
   }
-  // Everyone posts before anyone receives, so cycles of in-place sends cannot deadlock.
-  const bool in_place = dest >= 0 && static_cast<int64_t>(bytes) > config.p2p_eager_bytes;
-  Status status = in_place ? transport.SendInPlace(dest, header, input, bytes)
-                           : Send(transport, header, dest, input, bytes);
-  if (!status.ok()) return status;
-  status = Receive(transport, header, source, output, bytes);
+  *in_place = dest >= 0 && static_cast<int64_t>(bytes) > config.p2p_eager_bytes;
+  return *in_place ? transport.SendInPlace(dest, header, input, bytes)
+                   : Send(transport, header, dest, input, bytes);
+}
+
+Status ReceivePermute(PointToPoint& transport, const Header& header, int dest, int source,
+                      void* output, size_t bytes) {
+  if (dest == transport.rank() && source == transport.rank()) return Status();  // copied
+  return Receive(transport, header, source, output, bytes);
+}
+
+Status Permute(PointToPoint& transport, const Header& header, int dest, int source,
+               const void* input, void* output, size_t bytes, const Config& config) {
+  bool in_place = false;
+  Status status = PostPermute(transport, header, dest, source, input, output, bytes, config,
+                              &in_place);
+  if (status.ok()) status = ReceivePermute(transport, header, dest, source, output, bytes);
   if (!status.ok() || !in_place) return status;
-  if (left_in_place != nullptr) {
-    *left_in_place = true;
-    return status;
-  }
   return transport.WaitSent(dest);
 }
 

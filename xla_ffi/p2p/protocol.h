@@ -14,12 +14,20 @@ namespace jaxring {
 
 // One rank's part of a permutation: send `input` to `dest` and receive `output` from `source`
 // (-1: none; a rank that receives nothing gets zeros, as lax.ppermute). A large message is read
-// by its receiver straight out of `input`, and Permute waits until it has been (WaitSent) unless
-// `left_in_place` is given: then it says whether the message went in place, and the caller must
-// WaitSent(dest) before `input` may change.
+// by its receiver straight out of `input`, and Permute returns once it has been.
 Status Permute(PointToPoint& transport, const Header& header, int dest, int source,
-               const void* input, void* output, size_t bytes, const Config& config,
-               bool* left_in_place = nullptr);
+               const void* input, void* output, size_t bytes, const Config& config);
+
+// Permute in its three steps, for a caller that may go on with them on another thread: post the
+// message (`in_place` says whether it lends `input`), receive, and, for a message lent in place,
+// wait until `dest` has read it (transport.WaitSent(dest)). Every rank posts before it receives,
+// so cycles of in-place sends cannot deadlock. A rank that sends to and receives from itself
+// only copies, in PostPermute.
+Status PostPermute(PointToPoint& transport, const Header& header, int dest, int source,
+                   const void* input, void* output, size_t bytes, const Config& config,
+                   bool* in_place);
+Status ReceivePermute(PointToPoint& transport, const Header& header, int dest, int source,
+                      void* output, size_t bytes);
 
 // The two halves of a permutation as separate calls. A send never waits for its receiver, so a
 // stage can send, compute, then receive without deadlocking a cycle of stages.

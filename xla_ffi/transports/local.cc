@@ -176,8 +176,8 @@ Status LocalTransport::WaitForPeers() {
   return Status();
 }
 
-bool LocalTransport::PollPeers() const {
-  return meeting_->arrivals.PollAtLeast(static_cast<uint32_t>(comm_.size), spin_iterations_);
+bool LocalTransport::PeersArrived(const Deadline& by) const {
+  return meeting_->arrivals.WaitAtLeast(static_cast<uint32_t>(comm_.size), by, spin_iterations_);
 }
 
 Status LocalTransport::Finish() {

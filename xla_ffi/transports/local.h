@@ -49,9 +49,9 @@ class LocalTransport {
 
   // Waits until every peer has published, then checks that all headers agree.
   Status WaitForPeers();
-  // The first phases of that wait (spin, then yield) without sleeping: whether every peer has
-  // published by their end (or one gave up, which WaitForPeers then reports at once).
-  bool PollPeers() const;
+  // The same wait, given up (false) when `by` passes first; true also when a peer gave up, which
+  // WaitForPeers then reports at once.
+  bool PeersArrived(const Deadline& by) const;
   // Waits until every peer has called Finish (or this rank's deadline passes), so that no peer
   // still reads this rank's input or writes its output. Returns at once when inputs_copied():
   // algorithms then read only the meeting's copies and write only their own output.

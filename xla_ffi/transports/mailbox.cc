@@ -156,21 +156,21 @@ Status LocalPointToPoint::WaitSent(int dest) {
   return Status();
 }
 
-bool LocalPointToPoint::PollSendSlot(int dest) const {
+bool LocalPointToPoint::SlotFree(int dest, const Deadline& by) const {
   const Mailbox* mailbox = MailboxRegistry::Get().Find(comm_, rank_, dest);
   const Slot& slot = mailbox->slots[mailbox->sent % kSlots];
-  return slot.read.PollUntilEqual(RoundFlag(mailbox->sent / kSlots - 1), spin_iterations_);
+  return slot.read.WaitUntilEqual(RoundFlag(mailbox->sent / kSlots - 1), by, spin_iterations_);
 }
 
-bool LocalPointToPoint::PollMessage(int source) const {
+bool LocalPointToPoint::MessageReady(int source, const Deadline& by) const {
   const Mailbox* mailbox = MailboxRegistry::Get().Find(comm_, source, rank_);
   const Slot& slot = mailbox->slots[mailbox->received % kSlots];
-  return slot.ready.PollUntilEqual(RoundFlag(mailbox->received / kSlots), spin_iterations_);
+  return slot.ready.WaitUntilEqual(RoundFlag(mailbox->received / kSlots), by, spin_iterations_);
 }
 
-bool LocalPointToPoint::PollSent() const {
+bool LocalPointToPoint::SentRead(const Deadline& by) const {
   const Slot& slot = in_place_mailbox_->slots[in_place_sequence_ % kSlots];
-  return slot.read.PollUntilEqual(RoundFlag(in_place_sequence_ / kSlots), spin_iterations_);
+  return slot.read.WaitUntilEqual(RoundFlag(in_place_sequence_ / kSlots), by, spin_iterations_);
 }
 
 Status LocalPointToPoint::Receive(int source, const Header& expected, void* out, size_t bytes) {

@@ -32,13 +32,12 @@ class LocalPointToPoint final : public PointToPoint {
   Status Receive(int source, const Header& expected, void* out, size_t bytes) override;
   std::string Where(const Header& header) const override;
 
-  // The first phases (spin, then yield) of the waits that the next calls would make, without
-  // sleeping: whether the next send to `dest` finds its slot free, whether the next message from
-  // `source` is there, and whether the last in-place send has been read (or the wait would end
-  // at once, with an error).
-  bool PollSendSlot(int dest) const;
-  bool PollMessage(int source) const;
-  bool PollSent() const;
+  // The waits the next calls would make, given up (false) when `by` passes first: until the next
+  // send to `dest` finds its slot free, the next message from `source` is there, and the last
+  // in-place send has been read (true also where the wait would end at once with an error).
+  bool SlotFree(int dest, const Deadline& by) const;
+  bool MessageReady(int source, const Deadline& by) const;
+  bool SentRead(const Deadline& by) const;
 
   // Empties every mailbox (after an error, when no device is inside a jaxring call).
   static void ResetAll();
