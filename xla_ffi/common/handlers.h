@@ -9,8 +9,8 @@
 //                       ffi::AnyBuffer group, const ffi::AnyBuffer* x, ffi::AnyBuffer* y);
 //   };
 //
-// where Result (HandlerResult) is what the handlers return: ffi::Error, or a type of the platform's own that
-// XLA's ResultEncoding knows (the CPU handlers may return a future).
+// where Result (HandlerResult below) is what the handlers return: ffi::Error, or a type of the
+// platform's own that XLA's ResultEncoding knows (the CPU handlers may return a future).
 #pragma once
 
 #include <cstdint>
@@ -36,10 +36,10 @@ using HandlerResult =
 
 template <typename Runner>
 HandlerResult<Runner> RunCall(typename Runner::CtxValue ctx, Collective kind, JaxringHostRole role,
-                   ffi::AnyBuffer rank, ffi::AnyBuffer group, const ffi::AnyBuffer* x,
-                   ffi::AnyBuffer* y, int64_t comm, std::string_view comm_name, int64_t size,
-                   int64_t op_id, int64_t op = 0, int64_t root = 0,
-                   ffi::Span<const int64_t> perm = {}) {
+                              ffi::AnyBuffer rank, ffi::AnyBuffer group, const ffi::AnyBuffer* x,
+                              ffi::AnyBuffer* y, int64_t comm, std::string_view comm_name,
+                              int64_t size, int64_t op_id, int64_t op = 0, int64_t root = 0,
+                              ffi::Span<const int64_t> perm = {}) {
   JaxringHostCall call{};
   call.comm = static_cast<uint64_t>(comm);
   call.comm_name = comm_name.data();
@@ -67,62 +67,62 @@ HandlerResult<Runner> RunCall(typename Runner::CtxValue ctx, Collective kind, Ja
 // all_reduce and reduce_scatter: the same binding, told apart by their kind.
 template <typename R, Collective kKind>
 HandlerResult<R> Reduction(typename R::CtxValue ctx, ffi::Token, ffi::AnyBuffer rank,
-                     ffi::AnyBuffer group, ffi::AnyBuffer x, ffi::Result<ffi::Token>,
-                     ffi::Result<ffi::AnyBuffer> y, int64_t comm, std::string_view comm_name,
-                     int64_t size, int64_t op_id, int64_t op) {
+                           ffi::AnyBuffer group, ffi::AnyBuffer x, ffi::Result<ffi::Token>,
+                           ffi::Result<ffi::AnyBuffer> y, int64_t comm, std::string_view comm_name,
+                           int64_t size, int64_t op_id, int64_t op) {
   return RunCall<R>(ctx, kKind, kJaxringHostCollective, rank, group, &x, &*y, comm, comm_name,
                     size, op_id, op);
 }
 
 template <typename R>
 HandlerResult<R> AllGather(typename R::CtxValue ctx, ffi::Token, ffi::AnyBuffer rank,
-                     ffi::AnyBuffer group, ffi::AnyBuffer x, ffi::Result<ffi::Token>,
-                     ffi::Result<ffi::AnyBuffer> y, int64_t comm, std::string_view comm_name,
-                     int64_t size, int64_t op_id) {
+                           ffi::AnyBuffer group, ffi::AnyBuffer x, ffi::Result<ffi::Token>,
+                           ffi::Result<ffi::AnyBuffer> y, int64_t comm, std::string_view comm_name,
+                           int64_t size, int64_t op_id) {
   return RunCall<R>(ctx, Collective::kAllGather, kJaxringHostCollective, rank, group, &x, &*y,
                     comm, comm_name, size, op_id);
 }
 
 template <typename R>
 HandlerResult<R> Broadcast(typename R::CtxValue ctx, ffi::Token, ffi::AnyBuffer rank,
-                     ffi::AnyBuffer group, ffi::AnyBuffer x, ffi::Result<ffi::Token>,
-                     ffi::Result<ffi::AnyBuffer> y, int64_t comm, std::string_view comm_name,
-                     int64_t size, int64_t op_id, int64_t root) {
+                           ffi::AnyBuffer group, ffi::AnyBuffer x, ffi::Result<ffi::Token>,
+                           ffi::Result<ffi::AnyBuffer> y, int64_t comm, std::string_view comm_name,
+                           int64_t size, int64_t op_id, int64_t root) {
   return RunCall<R>(ctx, Collective::kBroadcast, kJaxringHostCollective, rank, group, &x, &*y,
                     comm, comm_name, size, op_id, 0, root);
 }
 
 template <typename R>
 HandlerResult<R> Barrier(typename R::CtxValue ctx, ffi::Token, ffi::AnyBuffer rank,
-                   ffi::AnyBuffer group, ffi::Result<ffi::Token>, int64_t comm,
-                   std::string_view comm_name, int64_t size, int64_t op_id) {
+                         ffi::AnyBuffer group, ffi::Result<ffi::Token>, int64_t comm,
+                         std::string_view comm_name, int64_t size, int64_t op_id) {
   return RunCall<R>(ctx, Collective::kBarrier, kJaxringHostCollective, rank, group, nullptr,
                     nullptr, comm, comm_name, size, op_id);
 }
 
 template <typename R>
 HandlerResult<R> Permute(typename R::CtxValue ctx, ffi::Token, ffi::AnyBuffer rank,
-                   ffi::AnyBuffer group, ffi::AnyBuffer x, ffi::Result<ffi::Token>,
-                   ffi::Result<ffi::AnyBuffer> y, int64_t comm, std::string_view comm_name,
-                   int64_t size, int64_t op_id, ffi::Span<const int64_t> perm) {
+                         ffi::AnyBuffer group, ffi::AnyBuffer x, ffi::Result<ffi::Token>,
+                         ffi::Result<ffi::AnyBuffer> y, int64_t comm, std::string_view comm_name,
+                         int64_t size, int64_t op_id, ffi::Span<const int64_t> perm) {
   return RunCall<R>(ctx, Collective::kPermute, kJaxringHostPermute, rank, group, &x, &*y, comm,
                     comm_name, size, op_id, 0, 0, perm);
 }
 
 template <typename R>
-HandlerResult<R> Send(typename R::CtxValue ctx, ffi::Token, ffi::AnyBuffer rank, ffi::AnyBuffer group,
-                ffi::AnyBuffer x, ffi::Result<ffi::Token>, int64_t comm,
-                std::string_view comm_name, int64_t size, int64_t op_id,
-                ffi::Span<const int64_t> perm) {
+HandlerResult<R> Send(typename R::CtxValue ctx, ffi::Token, ffi::AnyBuffer rank,
+                      ffi::AnyBuffer group, ffi::AnyBuffer x, ffi::Result<ffi::Token>, int64_t comm,
+                      std::string_view comm_name, int64_t size, int64_t op_id,
+                      ffi::Span<const int64_t> perm) {
   return RunCall<R>(ctx, Collective::kSendRecv, kJaxringHostSend, rank, group, &x, nullptr, comm,
                     comm_name, size, op_id, 0, 0, perm);
 }
 
 template <typename R>
-HandlerResult<R> Recv(typename R::CtxValue ctx, ffi::Token, ffi::AnyBuffer rank, ffi::AnyBuffer group,
-                ffi::Result<ffi::Token>, ffi::Result<ffi::AnyBuffer> y, int64_t comm,
-                std::string_view comm_name, int64_t size, int64_t op_id,
-                ffi::Span<const int64_t> perm) {
+HandlerResult<R> Recv(typename R::CtxValue ctx, ffi::Token, ffi::AnyBuffer rank,
+                      ffi::AnyBuffer group, ffi::Result<ffi::Token>, ffi::Result<ffi::AnyBuffer> y,
+                      int64_t comm, std::string_view comm_name, int64_t size, int64_t op_id,
+                      ffi::Span<const int64_t> perm) {
   return RunCall<R>(ctx, Collective::kSendRecv, kJaxringHostRecv, rank, group, nullptr, &*y,
                     comm, comm_name, size, op_id, 0, 0, perm);
 }
