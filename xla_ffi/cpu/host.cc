@@ -67,7 +67,9 @@ Status CheckProcess(const Transport& processes, const Header& header, int rank, 
                        " of " + std::to_string(size));
 }
 
-HostResult HandedOff() {
+// Hands `rest` of a call to a jaxring thread, which reports its status to `complete`.
+HostResult GoOnElsewhere(HostCompletion* complete, std::function<Status()> rest) {
+  HandOff([rest, complete = std::move(*complete)] { complete(HostResult{rest()}); });
   HostResult result;
   result.handed_off = true;
   return result;
@@ -105,8 +107,7 @@ HostResult RunCollectiveCall(const JaxringHostCall& c, const Header& header,
     return {rest()};
   // A peer is late, and its call may be queued behind this thread (cpu/handoff.h).
   auto lease = std::make_shared<ScratchLease>(std::move(scratch));
-  HandOff([rest, lease, complete = std::move(*complete)] { complete(HostResult{rest()}); });
-  return HandedOff();
+  return GoOnElsewhere(complete, [rest, lease] { return rest(); });
 }
 
 // The header exchange alone, on a process communicator (kJaxringHostAgree).
@@ -176,17 +177,13 @@ HostResult RunPointToPointCall(const JaxringHostCall& c, const Header& header,
   // message, for the receiver to read a message lent in place) must end its wait in time, or it
   // and the steps after it go on on a jaxring thread.
   const Deadline hand_off(kHandOffAfterSeconds);
-  auto go_on_elsewhere = [&](std::function<Status()> rest) {
-    HandOff([rest, complete = std::move(*complete)] { complete(HostResult{rest()}); });
-    return HandedOff();
-  };
   auto whole_call = [transport, run] { return run(*transport); };
   const bool copy = dest == c.rank && source == c.rank;  // PostPermute only copies
   if (!copy && dest >= 0 && !transport->SlotFree(dest, hand_off))
-    return go_on_elsewhere(whole_call);
+    return GoOnElsewhere(complete, whole_call);
   if (role != kJaxringHostPermute) {
     if (source >= 0 && !transport->MessageReady(source, hand_off))
-      return go_on_elsewhere(whole_call);
+      return GoOnElsewhere(complete, whole_call);
     return {run(*transport)};
   }
   bool in_place = false;
@@ -195,14 +192,14 @@ HostResult RunPointToPointCall(const JaxringHostCall& c, const Header& header,
   if (!status.ok()) return {status};
   auto wait_read = [transport, dest] { return transport->WaitSent(dest); };
   if (!copy && source >= 0 && !transport->MessageReady(source, hand_off)) {
-    return go_on_elsewhere([=] {
+    return GoOnElsewhere(complete, [=] {
       Status received = ReceivePermute(*transport, header, dest, source, output, bytes);
       return received.ok() && in_place ? wait_read() : received;
     });
   }
   status = ReceivePermute(*transport, header, dest, source, output, bytes);
   if (!status.ok() || !in_place) return {status};
-  if (!transport->SentRead(hand_off)) return go_on_elsewhere(wait_read);
+  if (!transport->SentRead(hand_off)) return GoOnElsewhere(complete, wait_read);
   return {wait_read()};
 }
 
