@@ -11,10 +11,11 @@ lax.psum, jaxring.reduce_scatter against lax.psum_scatter, jaxring.all_gather ag
 lax.all_gather, each as a lone jitted call, beside each collective's effect floor (what any lone
 call carrying jaxring's ordered effect costs at least), for all_reduce and reduce_scatter a local
 floor (jaxring's own call with no communication), for reduce_scatter and all_gather a native
-floor (the collective's local part in a native call with the effect) and, from 16 MiB, a copy
+floor (the collective's local part in a native call with the effect), for reduce_scatter a read
+floor (every input byte read, nothing written) and, from 16 MiB, a copy
 floor (what the memory takes to move the bytes); and each collective against its twin inside
 one compiled loop that donates its input, which leaves out the program launch (jaxring's
-all-reduce in place and with a fresh output). It reports time, algbw and busbw (nccl-tests definitions) against the copy
+all-reduce in place and with a fresh output; reduce_scatter's read floor in the same loop). It reports time, algbw and busbw (nccl-tests definitions) against the copy
 bandwidth of this machine measured in the same run, and writes
 benchmarks/results/allreduce-cpu.{json,md,png}.
 """
@@ -92,6 +93,15 @@ LOCAL_INPUT = {  # the local floor's float32 elements per device, from _elements
 # and with non-temporal stores; the floor is the faster.
 NATIVE = "native floor"
 NATIVE_OF = ("reduce_scatter", "all_gather")
+# The read floor of reduce_scatter on n devices, lone and in the loop: a native call with the
+# effect that reads every byte of this device's input once and writes only its output's first two
+# elements (common.native_floor's reads_only), on every device at once. Every reduce-scatter reads
+# all n inputs whole (each input element is a term of one output element) and writes its outputs
+# besides, so none takes less; from 16 MiB, where the n inputs no longer fit the last-level cache,
+# it is the memory's read bandwidth. In the loop it replaces the collective in the same loop as
+# the two sides' (its output goes back into this device's block of the carry).
+READ = "read floor"
+READ_OF = ("reduce_scatter",)
 FLOOR_BODIES = {
     "all_reduce": lambda v, n: v + 1,
     # The sum of its n blocks: every input byte read once, as every reduce-scatter must.
@@ -181,18 +191,23 @@ def measure(n: int, nbytes: int) -> list[dict]:
         per_device, _ = _elements(collective, n, nbytes)
         runs[name] = program(lambda v, c=collective, s=streamed: native_floor(v, c, n, s),
                              per_device)
+    reads = [(f"{READ}[{collective}]", collective) for collective in READ_OF]
+    for name, collective in reads:
+        per_device, sizes[name] = _elements(collective, n, nbytes)
+        runs[name] = program(lambda v, c=collective: native_floor(v, c, n, reads_only=True),
+                             per_device)
     copies = ({f"{COPY}[{way}]": copy for way, copy in COPY_WAYS.items()}
               if nbytes >= COPY_FLOOR_BYTES else {})
     for name, copy in copies.items():
         runs[name] = copy_floor(n * nbytes, copy)
     algorithms = {name: algorithm or "auto" for name, _, algorithm, _ in CASES + floors}
-    algorithms.update(dict.fromkeys([*copies, *natives.values(), *(name for name, _ in locals_)],
-                                    "auto"))
+    algorithms.update(dict.fromkeys([*copies, *natives.values(),
+                                     *(name for name, _ in locals_ + reads)], "auto"))
     medians = medians_in_turns(runs, budget_seconds=0.6, min_rounds=_min_rounds(nbytes),
                                context=lambda name: jaxring.config.override(
                                    algorithm=algorithms[name]))
     rows = []
-    for name, collective in [(c[0], c[1]) for c in CASES + floors] + locals_:
+    for name, collective in [(c[0], c[1]) for c in CASES + floors] + locals_ + reads:
         algbw = sizes[name] / medians[name] / 1e9
         rows.append({"devices": n, "bytes": sizes[name], "case": name, "collective": collective,
                      "seconds": medians[name], "algbw_GBps": algbw,
@@ -241,6 +256,8 @@ LOOP_CASES = {
     "jaxring.all_gather": ("all_gather", lambda v, n: _own_block(jaxring.all_gather(v, "i"), n)),
     "lax.all_gather": ("all_gather",
                        lambda v, n: _own_block(lax.all_gather(v, "i", tiled=True), n)),
+    f"{READ}[reduce_scatter]": ("reduce_scatter", lambda v, n: _into_own_block(
+        v, native_floor(v, "reduce_scatter", n, reads_only=True))),
 }
 
 
@@ -312,12 +329,16 @@ def loop_markdown(rows: list[dict]) -> str:
              " back into this device's block of the carry (updated in place) and all_gather's is"
              " cut down to this device's block before the next call, on both sides. (Tiling"
              " reduce_scatter's result back to the input's size, as earlier runs did, cost more"
-             " from 16 MiB than the twin's whole pass: those rows timed `jnp.tile`.)", ""]
+             " from 16 MiB than the twin's whole pass: those rows timed `jnp.tile`.)"
+             f" `{READ}[reduce_scatter]`: the same loop with a native call that reads all of this"
+             " device's input and writes nothing but two elements in place of the collective;"
+             " every reduce-scatter reads at least that (the lone tables' read floor).", ""]
     for collective, twin in TWIN.items():
         ours = [c for c, (kind, _) in LOOP_CASES.items() if kind == collective and c != twin]
         lines += [f"### {collective}", "",
                   "| n | size | " + " | ".join(f"{c} (us)" for c in ours) + f" | {twin} (us) | "
-                  + " | ".join(f"ratio {c.split('.')[1]}" for c in ours) + " |",
+                  + " | ".join(f"ratio {c.split('.')[1]}" if c.startswith("jaxring.")
+                               else f"{c.split()[0]} / twin" for c in ours) + " |",
                   "|" + "---|" * (3 + 2 * len(ours))]
         for n, size in sorted({(r["devices"], r["bytes"]) for r in rows
                                if r.get("collective", "all_reduce") == collective}):
@@ -377,6 +398,13 @@ def markdown(env: dict, ceiling: float, rows: list[dict], huge_pages: int) -> st
         " memory than the collective reads; the faster of plain and non-temporal stores."
         " `native / twin` above 1: no collective with the effect matches the twin there.",
         "",
+        f"`{READ}` (reduce_scatter): a native call with the effect that reads every byte of the"
+        " device's input once and writes nothing but two elements of its output"
+        " (`common.native_floor`'s reads_only), on every device at once. Every reduce-scatter"
+        " reads all n inputs whole and writes its outputs besides, so none takes less;"
+        " `read / twin` above a target ratio: no reduce-scatter with the effect reaches that"
+        " target at that size on this machine.",
+        "",
         f"`{COPY}` (all_reduce and all_gather, from {human_bytes(COPY_FLOOR_BYTES)}): every core"
         " copying n x the size between preallocated numpy buffers, the faster of glibc's memcpy"
         " and a copy with non-temporal stores (which skip reading the destination first; this"
@@ -392,7 +420,7 @@ def markdown(env: dict, ceiling: float, rows: list[dict], huge_pages: int) -> st
         ours = [c[0] for c in CASES if c[1] == collective and c[0] != twin]
         floor = f"{FLOOR}[{collective}]"
         extra = [kind for kind, of in ((LOCAL, LOCAL_INPUT), (NATIVE, NATIVE_OF),
-                                       (COPY, COPY_FLOOR_OF)) if collective in of]
+                                       (READ, READ_OF), (COPY, COPY_FLOOR_OF)) if collective in of]
         lines += [f"## {collective}", "",
                   "| n | size | " + " | ".join(f"{c} (us)" for c in ours) + f" | {twin} (us) | "
                   + f"{FLOOR} (us) | " + "".join(f"{kind} (us) | " for kind in extra)

@@ -262,6 +262,31 @@ def test_the_benchmarks_native_floor_computes_what_it_claims(streamed):
         np.testing.assert_allclose(out, expected, rtol=1e-5, atol=1e-5, err_msg=collective)
 
 
+def test_the_benchmarks_read_floor_reads_every_input_byte():
+    """The read floor (native_floor's reads_only) must read each device's whole input: its first
+    two output elements hold the bits of the sum (mod 2^64) of the input's bytes as 64-bit words,
+    a last half word byte by byte. Per-device sizes cover whole 64-byte blocks, whole words after them, and a
+    half word."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from common import native_floor
+
+    n = 4
+    m = mesh(n)
+    f = shmap(lambda v: native_floor(v, "reduce_scatter", n, reads_only=True), m)
+    for block in (16, 1001, 4099):
+        x = np.random.default_rng(block).standard_normal(n * n * block).astype(np.float32)
+        out = np.asarray(f(shard(x, m))).reshape(n, block)
+        for device, data in enumerate(x.reshape(n, n * block)):
+            raw = data.tobytes()
+            whole = len(raw) // 8 * 8
+            total = (int(np.frombuffer(raw[:whole], np.uint64).sum(dtype=np.uint64))
+                     + sum(raw[whole:])) % 2**64
+            assert out[device, :2].view(np.uint64)[0] == total, (block, device)
+
+
 def _huge_page_kib(start, size):
     """AnonHugePages of the mappings that overlap [start, start + size), from /proc/self/smaps
     (madvise splits a mapping where the advice begins and ends)."""
