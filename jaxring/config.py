@@ -3,8 +3,9 @@
 Environment variables (JAXRING_TIMEOUT_SECONDS, JAXRING_RING_THRESHOLD_BYTES, JAXRING_ALGORITHM,
 JAXRING_PIPELINE_SLICE_BYTES, JAXRING_SPIN_ITERATIONS, JAXRING_P2P_EAGER_BYTES,
 JAXRING_MPI_RING_THRESHOLD_BYTES, JAXRING_MPI_DIRECT_HEADER_RANKS, JAXRING_HUGE_PAGE_BYTES,
-JAXRING_SHM_STORES, JAXRING_COPY_INPUT_BYTES, JAXRING_CPU_KERNELS) override the defaults at import
-time; ``update`` and ``override`` change them at run time. Values are read when a collective runs.
+JAXRING_SHM_STORES, JAXRING_COPY_INPUT_BYTES, JAXRING_HAND_OFF_AFTER_SECONDS,
+JAXRING_CPU_KERNELS) override the defaults at import time; ``update`` and ``override`` change them
+at run time. Values are read when a collective runs.
 """
 
 from __future__ import annotations
@@ -53,6 +54,12 @@ class Config:
     # output from the copies and leaves without waiting for its peers to finish reading (one
     # hand-off instead of two); 0 turns it off.
     copy_input_bytes: int = 16 * 1024
+    # Devices of one process: how long a call waits for its peers on XLA's thread before it hands
+    # the wait and the rest of the call to a jaxring thread, so that XLA's few threads stay free
+    # for work a late peer may be queued behind (README, "Failure behaviour"). Peers in step
+    # arrive well within it; 0 hands off every call whose peers are not all there after the short
+    # spin and yield that every wait begins with.
+    hand_off_after_seconds: float = 1e-3
     # The instruction set of the CPU reduction kernels: "auto" (the widest this CPU supports,
     # except SSE2 for dtypes other than float16/bfloat16 where the outputs are large enough to be
     # written with streaming stores), "baseline" (SSE2 on x86-64), "avx2" or "avx512". All write
@@ -73,6 +80,7 @@ _ENV = {
     "huge_page_bytes": ("JAXRING_HUGE_PAGE_BYTES", int),
     "shm_stores": ("JAXRING_SHM_STORES", str),
     "copy_input_bytes": ("JAXRING_COPY_INPUT_BYTES", int),
+    "hand_off_after_seconds": ("JAXRING_HAND_OFF_AFTER_SECONDS", float),
     "cpu_kernels": ("JAXRING_CPU_KERNELS", str),
 }
 
@@ -94,9 +102,10 @@ def _validate(config: Config) -> Config:
         raise ValueError(f"jaxring.config: timeout_seconds must be > 0, got {config.timeout_seconds}")
     if (config.pipeline_slice_bytes <= 0 or config.spin_iterations < 0
             or config.p2p_eager_bytes < 0 or config.huge_page_bytes < 0
-            or config.copy_input_bytes < 0):
+            or config.copy_input_bytes < 0 or not config.hand_off_after_seconds >= 0):
         raise ValueError("jaxring.config: pipeline_slice_bytes must be > 0, spin_iterations, "
-                         "p2p_eager_bytes, huge_page_bytes and copy_input_bytes >= 0")
+                         "p2p_eager_bytes, huge_page_bytes, copy_input_bytes and "
+                         "hand_off_after_seconds >= 0")
     return config
 
 

@@ -445,6 +445,10 @@ def test_config_override_restores_and_reaches_native():
             assert native.extension.get_config()["shm_stores"] == stores
     with pytest.raises(ValueError, match="shm_stores must be 'auto', 'plain' or 'streaming'"):
         jaxring.config.update(shm_stores="fast")
+    with jaxring.config.override(hand_off_after_seconds=0.25):
+        assert native.extension.get_config()["hand_off_after_seconds"] == 0.25
+    with pytest.raises(ValueError, match="hand_off_after_seconds >= 0"):
+        jaxring.config.update(hand_off_after_seconds=-1.0)
     assert jaxring.config.get() == before
 
 
@@ -471,6 +475,62 @@ def test_cpu_kernels_config_chooses_the_build_and_refuses_what_this_cpu_lacks():
             jaxring.config.update(cpu_kernels=bad)
     assert jaxring.config.get() == before
     assert native.extension.get_config()["cpu_kernels"] == before.cpu_kernels
+
+
+@pytest.mark.parametrize("n", [3, 8])
+def test_calls_handed_off_to_jaxring_threads_give_the_same_results(n):
+    """With hand_off_after_seconds=0 every call whose peers are not all there after its first
+    spin and yield goes on on a jaxring thread and returns a future to XLA (cpu/handoff.h); with
+    a limit no wait reaches, none does. Every collective and point-to-point call, 20 times, must give the same bits
+    either way and agree with its lax twin in every element."""
+    m = mesh(n)
+    ring = [(j, (j + 1) % n) for j in range(n)]
+
+    def every_call(v):
+        out = {op: jaxring.all_reduce(v, "i", op) for op in ("sum", "max", "min")}
+        if jnp.issubdtype(v.dtype, jnp.floating):
+            out["mean"] = jaxring.all_reduce(v, "i", "mean")
+        out["reduce_scatter"] = jaxring.reduce_scatter(v, "i")
+        out["all_gather"] = jaxring.all_gather(v, "i")
+        out["broadcast"] = jaxring.broadcast(v, "i", root=n - 1)
+        jaxring.barrier("i")
+        out["ppermute"] = jaxring.ppermute(v, "i", ring)
+        jaxring.send(v * 2, "i", ring)
+        out["recv"] = jaxring.recv(v, "i", ring)
+        return out
+
+    def twins(v):
+        out = {"sum": lax.psum(v, "i"), "max": lax.pmax(v, "i"), "min": lax.pmin(v, "i")}
+        if jnp.issubdtype(v.dtype, jnp.floating):
+            out["mean"] = lax.pmean(v, "i")
+        out["reduce_scatter"] = lax.psum_scatter(v, "i", tiled=True)
+        out["all_gather"] = lax.all_gather(v, "i", tiled=True)
+        out["broadcast"] = lax.all_gather(v, "i")[n - 1]
+        out["ppermute"] = lax.ppermute(v, "i", ring)
+        out["recv"] = lax.ppermute(v * 2, "i", ring)
+        return out
+
+    rng = np.random.default_rng(n)
+    for dtype in (np.float32, np.int32):
+        x = shard(random_array(rng, (n * n * 257,), dtype), m)
+        expected = jax.tree.map(np.asarray, shmap(twins, m)(x))
+        f = shmap(every_call, m)
+        results = {}
+        for limit in (0.0, 1e9):
+            with jaxring.config.override(hand_off_after_seconds=limit):
+                before = native.extension.hand_off_count()
+                runs = [jax.tree.map(np.asarray, f(x)) for _ in range(20)]
+                results[limit] = native.extension.hand_off_count() - before
+            for out in runs:
+                for name, value in out.items():
+                    np.testing.assert_array_equal(value, runs[0][name], err_msg=name)
+                    assert_close(value, expected[name], dtype, count=n)
+            if limit == 0.0:
+                handed_off = runs[0]
+            else:
+                for name, value in runs[0].items():
+                    np.testing.assert_array_equal(value, handed_off[name], err_msg=name)
+        assert results[0.0] > 0 and results[1e9] == 0, results
 
 
 def test_config_from_environment():

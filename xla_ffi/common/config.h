@@ -57,6 +57,14 @@ struct Config {
   // input into the rendezvous as they arrive; each device then writes only its own output from
   // the copies and leaves without waiting for its peers (LocalTransport::Join's copy_input).
   int64_t copy_input_bytes = 16 * 1024;
+  // Devices of one process (CPU): how long a call waits for its peers on XLA's thread (spinning,
+  // yielding, then asleep, as every wait does) before it hands the wait, and the rest of the
+  // call, to a jaxring thread (cpu/handoff.h). Peers that run are there well within the default
+  // (a ring pass hop takes 5 us on 2 devices here and 10-15 us on 8), so calls in step never hand
+  // off; a hand-off costs a thread wake-up or two, and a call whose peer is queued behind it on
+  // XLA's threads loses this much once. 0 hands off every call whose peers are not all there
+  // after the spin and yield phases every wait begins with (SpinThenYield).
+  double hand_off_after_seconds = 1e-3;
   // The CPU reduction kernels' instruction set. Python's jaxring.config passes it on to the
   // kernels (UseCpuKernels) in every extension module that carries a copy of them.
   CpuKernels cpu_kernels = CpuKernels::kAuto;

@@ -1,5 +1,6 @@
 #include "cpu/handoff.h"
 
+#include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <deque>
@@ -64,8 +65,15 @@ class Threads {
   int idle_ = 0;
 };
 
+std::atomic<int64_t> hand_offs{0};
+
 }  // namespace
 
-void HandOff(std::function<void()> task) { Threads::Get().Run(std::move(task)); }
+void HandOff(std::function<void()> task) {
+  hand_offs.fetch_add(1, std::memory_order_relaxed);
+  Threads::Get().Run(std::move(task));
+}
+
+int64_t HandOffCount() { return hand_offs.load(std::memory_order_relaxed); }
 
 }  // namespace jaxring

@@ -103,7 +103,7 @@ HostResult RunCollectiveCall(const JaxringHostCall& c, const Header& header,
     Status status = transport->WaitForPeers();
     return status.ok() ? RunCollective(*transport, algorithm, config, buffers) : status;
   };
-  if (complete == nullptr || transport->PeersArrived(Deadline(kHandOffAfterSeconds)))
+  if (complete == nullptr || transport->PeersArrived(Deadline(config.hand_off_after_seconds)))
     return {rest()};
   // A peer is late, and its call may be queued behind this thread (cpu/handoff.h).
   auto lease = std::make_shared<ScratchLease>(std::move(scratch));
@@ -176,7 +176,7 @@ HostResult RunPointToPointCall(const JaxringHostCall& c, const Header& header,
   // As for collectives (cpu/handoff.h): each step that waits (for a free mailbox slot, for the
   // message, for the receiver to read a message lent in place) must end its wait in time, or it
   // and the steps after it go on on a jaxring thread.
-  const Deadline hand_off(kHandOffAfterSeconds);
+  const Deadline hand_off(config.hand_off_after_seconds);
   auto whole_call = [transport, run] { return run(*transport); };
   const bool copy = dest == c.rank && source == c.rank;  // PostPermute only copies
   if (!copy && dest >= 0 && !transport->SlotFree(dest, hand_off))

@@ -13,6 +13,7 @@
 #include "common/config.h"
 #include "common/host_call.h"
 #include "common/types.h"
+#include "cpu/handoff.h"
 #include "cpu/host.h"
 #include "gpu/host_memory.h"
 #include "gpu/ipc_steps.h"
@@ -232,7 +233,7 @@ NB_MODULE(_jaxring, m) {
          int64_t pipeline_slice_bytes, int64_t spin_iterations, int64_t p2p_eager_bytes,
          int64_t mpi_ring_threshold_bytes, int64_t mpi_direct_header_ranks,
          int64_t huge_page_bytes, const std::string& shm_stores, int64_t copy_input_bytes,
-         const std::string& cpu_kernels) {
+         double hand_off_after_seconds, const std::string& cpu_kernels) {
         jaxring::Config config;
         config.timeout_seconds = timeout_seconds;
         config.ring_threshold_bytes = ring_threshold_bytes;
@@ -245,6 +246,7 @@ NB_MODULE(_jaxring, m) {
         config.huge_page_bytes = huge_page_bytes;
         config.shm_stores = ParseShmStores(shm_stores);
         config.copy_input_bytes = copy_input_bytes;
+        config.hand_off_after_seconds = hand_off_after_seconds;
         config.cpu_kernels = ParseCpuKernels(cpu_kernels);
         jaxring::UseCpuKernels(config.cpu_kernels);
         jaxring::SetConfig(config);
@@ -253,7 +255,9 @@ NB_MODULE(_jaxring, m) {
       nb::arg("pipeline_slice_bytes"), nb::arg("spin_iterations"), nb::arg("p2p_eager_bytes"),
       nb::arg("mpi_ring_threshold_bytes"), nb::arg("mpi_direct_header_ranks"),
       nb::arg("huge_page_bytes"), nb::arg("shm_stores"), nb::arg("copy_input_bytes"),
-      nb::arg("cpu_kernels"));
+      nb::arg("hand_off_after_seconds"), nb::arg("cpu_kernels"));
+
+  m.def("hand_off_count", []() { return jaxring::HandOffCount(); });
 
   m.def("get_config", []() {
     const jaxring::Config config = jaxring::CurrentConfig();
@@ -269,6 +273,7 @@ NB_MODULE(_jaxring, m) {
     d["huge_page_bytes"] = config.huge_page_bytes;
     d["shm_stores"] = std::string(jaxring::ShmStoresName(config.shm_stores));
     d["copy_input_bytes"] = config.copy_input_bytes;
+    d["hand_off_after_seconds"] = config.hand_off_after_seconds;
     d["cpu_kernels"] = std::string(jaxring::CpuKernelsName(config.cpu_kernels));
     return d;
   });
