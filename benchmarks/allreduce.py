@@ -12,11 +12,12 @@ lax.all_gather, each as a lone jitted call, beside each collective's effect floo
 call carrying jaxring's ordered effect costs at least), for all_reduce and reduce_scatter a local
 floor (jaxring's own call with no communication), for reduce_scatter and all_gather a native
 floor (the collective's local part in a native call with the effect), for reduce_scatter a read
-floor (every input byte read, nothing written) and, from 16 MiB, a copy
-floor (what the memory takes to move the bytes); and each collective against its twin inside
-one compiled loop that donates its input, which leaves out the program launch (jaxring's
-all-reduce in place and with a fresh output; reduce_scatter's read floor in the same loop). It reports time, algbw and busbw (nccl-tests definitions) against the copy
-bandwidth of this machine measured in the same run, and writes
+floor (every input byte read, nothing written) and, from 16 MiB, a copy floor (what the memory
+takes to move the bytes); and each collective against its twin inside one compiled loop that
+donates its input, which leaves out the program launch (jaxring's all-reduce in place and with a
+fresh output; reduce_scatter's read floor in the same loop). It reports time, algbw and busbw
+(nccl-tests definitions) against the copy bandwidth of this machine measured in the same run,
+and writes
 benchmarks/results/allreduce-cpu.{json,md,png}.
 """
 

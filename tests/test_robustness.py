@@ -481,8 +481,8 @@ def test_cpu_kernels_config_chooses_the_build_and_refuses_what_this_cpu_lacks():
 def test_calls_handed_off_to_jaxring_threads_give_the_same_results(n):
     """With hand_off_after_seconds=0 every call whose peers are not all there after its first
     spin and yield goes on on a jaxring thread and returns a future to XLA (cpu/handoff.h); with
-    a limit no wait reaches, none does. Every collective and point-to-point call, 20 times, must give the same bits
-    either way and agree with its lax twin in every element."""
+    a limit no wait reaches, none does. Every collective and point-to-point call, 20 times, must
+    give the same bits either way and agree with its lax twin in every element."""
     m = mesh(n)
     ring = [(j, (j + 1) % n) for j in range(n)]
 

@@ -26,8 +26,9 @@ using HostCompletion = std::function<void(const HostResult&)>;
 // Runs `call` on this thread. With `complete`, a call on the local transports whose peers (or
 // messages) are not there within Config::hand_off_after_seconds (cpu/handoff.h) is not waited
 // for here: the rest of it goes to a jaxring thread, which calls `complete` with its result, and
-// the returned result says handed_off. CPU handlers pass one; the CUDA library's calls (which have their own
-// thread and stream) and process transports (one device per process) always run here.
+// the returned result says handed_off. CPU handlers pass one; the CUDA library's calls (which
+// have their own thread and stream) and process transports (one device per process) always run
+// here.
 HostResult RunHostCall(const JaxringHostCall& call, HostCompletion* complete = nullptr);
 
 // Large outputs from XLA's CPU allocator are usually fresh anonymous mappings (glibc maps every

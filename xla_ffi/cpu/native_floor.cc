@@ -55,6 +55,7 @@ ffi::Error NativeFloor(ffi::Token, ffi::AnyBuffer x, ffi::Result<ffi::Token>,
                       int64_t streamed, int64_t reads_only) {
   if (x.element_type() != ffi::DataType::F32 || size < 1)
     return ffi::Error::InvalidArgument("jaxring_benchmark_native_floor: float32 input, size >= 1");
+  if (!reads_only) AdviseHugePages(y->untyped_data(), y->size_bytes());
   const auto* in = static_cast<const float*>(x.untyped_data());
   auto* out = static_cast<float*>(y->untyped_data());
   const int64_t count = static_cast<int64_t>(x.element_count());
@@ -66,7 +67,6 @@ ffi::Error NativeFloor(ffi::Token, ffi::AnyBuffer x, ffi::Result<ffi::Token>,
       std::memcpy(out, &sum, std::min(sizeof(sum), y->size_bytes()));
       return ffi::Error::Success();
     }
-    AdviseHugePages(y->untyped_data(), y->size_bytes());
     const int64_t block = count / size;
     std::vector<Operand> blocks(static_cast<size_t>(size));
     for (int64_t i = 0; i < size; ++i) blocks[static_cast<size_t>(i)] = Operand{in + i * block};
@@ -78,7 +78,6 @@ ffi::Error NativeFloor(ffi::Token, ffi::AnyBuffer x, ffi::Result<ffi::Token>,
   if (collective == static_cast<int64_t>(Collective::kAllGather)) {
     if (static_cast<int64_t>(y->element_count()) != count * size)
       return ffi::Error::InvalidArgument("jaxring_benchmark_native_floor: all_gather shapes");
-    AdviseHugePages(y->untyped_data(), y->size_bytes());
     const size_t bytes = static_cast<size_t>(count) * sizeof(float);
     for (int64_t i = 0; i < size; ++i) {
       if (streamed)
