@@ -515,22 +515,18 @@ def test_calls_handed_off_to_jaxring_threads_give_the_same_results(n):
         x = shard(random_array(rng, (n * n * 257,), dtype), m)
         expected = jax.tree.map(np.asarray, shmap(twins, m)(x))
         f = shmap(every_call, m)
-        results = {}
+        runs, hand_offs = {}, {}
         for limit in (0.0, 1e9):
             with jaxring.config.override(hand_off_after_seconds=limit):
                 before = native.extension.hand_off_count()
-                runs = [jax.tree.map(np.asarray, f(x)) for _ in range(20)]
-                results[limit] = native.extension.hand_off_count() - before
-            for out in runs:
-                for name, value in out.items():
-                    np.testing.assert_array_equal(value, runs[0][name], err_msg=name)
-                    assert_close(value, expected[name], dtype, count=n)
-            if limit == 0.0:
-                handed_off = runs[0]
-            else:
-                for name, value in runs[0].items():
-                    np.testing.assert_array_equal(value, handed_off[name], err_msg=name)
-        assert results[0.0] > 0 and results[1e9] == 0, results
+                runs[limit] = [jax.tree.map(np.asarray, f(x)) for _ in range(20)]
+                hand_offs[limit] = native.extension.hand_off_count() - before
+        first = runs[0.0][0]
+        for out in runs[0.0] + runs[1e9]:
+            for name, value in out.items():
+                np.testing.assert_array_equal(value, first[name], err_msg=name)
+                assert_close(value, expected[name], dtype, count=n)
+        assert hand_offs[0.0] > 0 and hand_offs[1e9] == 0, hand_offs
 
 
 def test_config_from_environment():
