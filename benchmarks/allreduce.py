@@ -103,6 +103,10 @@ NATIVE_OF = ("reduce_scatter", "all_gather")
 # the two sides' (its output goes back into this device's block of the carry).
 READ = "read floor"
 READ_OF = ("reduce_scatter",)
+# How many runs of lines the read floor reads side by side (kReadStreams, cpu/native_floor.cc),
+# recorded in the results: the first runs that timed the read floor read one, which overstated
+# what reading the bytes takes, and targets.py does not count their read floor.
+READ_STREAMS = 4
 FLOOR_BODIES = {
     "all_reduce": lambda v, n: v + 1,
     # The sum of its n blocks: every input byte read once, as every reduce-scatter must.
@@ -260,6 +264,25 @@ LOOP_CASES = {
     f"{READ}[reduce_scatter]": ("reduce_scatter", lambda v, n: _into_own_block(
         v, native_floor(v, "reduce_scatter", n, reads_only=True))),
 }
+# From LOOP_NATIVE_BYTES, where the target is 0.8x the twin, the loop also times the native floors
+# in place of the collective, with plain and with non-temporal stores (a row each way, and
+# `native floor[collective]`, the faster): reduce_scatter's sums the n blocks of this device's
+# input, all_gather's writes n copies of it, and the loop then treats their results as the
+# collectives' (into this device's block of the carry; cut down to this device's block). Every
+# reduce-scatter reads all n inputs and writes its output, every all-gather reads n inputs and
+# writes n blocks, and the loop's own work is the same on every side, so no collective in that
+# loop takes less. Below 16 MiB every loop row meets its target in most runs.
+LOOP_NATIVE_BYTES = 16 << 20
+LOOP_NATIVE_CASES = {
+    (collective, way): (f"{NATIVE}[{collective}, {way}]", collective, streamed)
+    for collective in NATIVE_OF for way, streamed in (("plain", False), ("streamed", True))}
+
+
+def _native_pass(collective: str, streamed: bool):
+    """One loop pass of `collective`'s native floor, its result treated as the collective's."""
+    if collective == "reduce_scatter":
+        return lambda v, n: _into_own_block(v, native_floor(v, collective, n, streamed))
+    return lambda v, n: _own_block(native_floor(v, collective, n, streamed), n)
 
 
 def loop_repeats(nbytes: int) -> int:
@@ -292,7 +315,10 @@ def measure_in_loop(n: int, nbytes: int) -> list[dict]:
     sharding = NamedSharding(mesh, P("i"))
     repeats = loop_repeats(nbytes)
     runs, sizes, inputs = {}, {}, {}
-    for name, (collective, one_pass) in LOOP_CASES.items():
+    natives = ({name: (collective, _native_pass(collective, streamed))
+                for name, collective, streamed in LOOP_NATIVE_CASES.values()}
+               if nbytes >= LOOP_NATIVE_BYTES else {})
+    for name, (collective, one_pass) in {**LOOP_CASES, **natives}.items():
         per_device, sizes[name] = _elements(collective, n, nbytes)
         start = np.random.default_rng(0).standard_normal(n * per_device, np.float32) * 2.0 ** -100
         inputs[name] = [start, None]  # the start values, and the array the next call donates
@@ -312,8 +338,15 @@ def measure_in_loop(n: int, nbytes: int) -> list[dict]:
 
     medians = medians_in_turns(runs, budget_seconds=0.6, min_rounds=_min_rounds(nbytes),
                                context=fresh_input)
-    return [{"devices": n, "bytes": sizes[name], "case": name, "collective": LOOP_CASES[name][0],
-             "seconds": seconds / repeats} for name, seconds in medians.items()]
+    rows = [{"devices": n, "bytes": sizes[name], "case": name, "collective": LOOP_CASES[name][0],
+             "seconds": medians[name] / repeats} for name in LOOP_CASES]
+    for collective in NATIVE_OF if natives else ():
+        ways = {name: medians[name] / repeats for name, c, _ in LOOP_NATIVE_CASES.values()
+                if c == collective}
+        rows.append({"devices": n, "bytes": _elements(collective, n, nbytes)[1],
+                     "case": f"{NATIVE}[{collective}]", "collective": collective,
+                     "seconds": min(ways.values()), "ways_seconds": ways})
+    return rows
 
 
 def loop_markdown(rows: list[dict]) -> str:
@@ -333,9 +366,15 @@ def loop_markdown(rows: list[dict]) -> str:
              " from 16 MiB than the twin's whole pass: those rows timed `jnp.tile`.)"
              f" `{READ}[reduce_scatter]`: the same loop with a native call that reads all of this"
              " device's input and writes nothing but two elements in place of the collective;"
-             " every reduce-scatter reads at least that (the lone tables' read floor).", ""]
+             " every reduce-scatter reads at least that (the lone tables' read floor)."
+             f" `{NATIVE}` (reduce_scatter and all_gather, from"
+             f" {human_bytes(LOOP_NATIVE_BYTES)}): the same loop with the collective's local part"
+             " in a native call in its place (the n blocks of this device's input summed; n copies"
+             " of it), the faster of plain and non-temporal stores; no collective in that loop"
+             " takes less (`-`: not timed at that size).", ""]
     for collective, twin in TWIN.items():
         ours = [c for c, (kind, _) in LOOP_CASES.items() if kind == collective and c != twin]
+        ours += [f"{NATIVE}[{collective}]"] if collective in NATIVE_OF else []
         lines += [f"### {collective}", "",
                   "| n | size | " + " | ".join(f"{c} (us)" for c in ours) + f" | {twin} (us) | "
                   + " | ".join(f"ratio {c.split('.')[1]}" if c.startswith("jaxring.")
@@ -344,11 +383,12 @@ def loop_markdown(rows: list[dict]) -> str:
         for n, size in sorted({(r["devices"], r["bytes"]) for r in rows
                                if r.get("collective", "all_reduce") == collective}):
             theirs = by_key[(n, size, twin)]
-            times = [by_key[(n, size, c)] for c in ours]
+            times = [by_key.get((n, size, c)) for c in ours]
             lines.append(f"| {n} | {human_bytes(size)} | "
-                         + " | ".join(f"{t * 1e6:.1f}" for t in times)
+                         + " | ".join("-" if t is None else f"{t * 1e6:.1f}" for t in times)
                          + f" | {theirs * 1e6:.1f} | "
-                         + " | ".join(f"{t / theirs:.2f}" for t in times) + " |")
+                         + " | ".join("-" if t is None else f"{t / theirs:.2f}" for t in times)
+                         + " |")
         lines.append("")
     return "\n".join(lines)
 
@@ -514,7 +554,8 @@ def main(argv=None) -> None:
             + loop_markdown(loop_rows))
     path = write_results(args.name, {"environment": env, "memory_copy_GBps": ceiling,
                                      "config": jaxring.config.get().__dict__, "rows": rows,
-                                     "in_loop_rows": loop_rows}, text)
+                                     "in_loop_rows": loop_rows,
+                                     "read_floor_streams": READ_STREAMS}, text)
     plot(rows, ceiling, path.with_suffix(".png"))
     print(f"wrote {path.with_suffix('.*')}")
 

@@ -21,7 +21,10 @@ copying the output's size, the same effect, FFI call and output without communic
 `native` (reduce_scatter and all_gather): the collective's local part (the sum of the input's n
 blocks; n copies of the input) in a native call with the effect, onto an output like jaxring's;
 `read` (reduce_scatter in one process, lone and in the loop): a native call with the effect that
-reads every input byte once and writes nothing, as every reduce-scatter reads at least;
+reads every input byte once and writes nothing, as every reduce-scatter reads at least (counted
+only from the runs that record `read_floor_streams`: the earlier runs' read floor read its input
+as one run of lines, up to 17% slower than reading it as several side by side, and so did not
+bound what reading takes);
 `copy` and `traffic`: every byte the collective must read and write, copied; `exchange` (across
 processes): every rank staging its input in shared memory and reading 2(n - 1)/n of its size
 from there into its output, the least any all-reduce between processes moves from core to core
@@ -75,9 +78,12 @@ def in_process_rows(run: dict) -> dict:
     size: its output is jaxring's; not all_gather's, which two runs also timed, since it reads
     n x the memory the collective reads: allreduce.py's LOCAL), the `native` floor of
     reduce_scatter and all_gather (their local part in a native call with the effect, at every
-    size), the `read` floor of reduce_scatter (every input byte read, nothing written) and the
-    `copy` floor; a loop row's only floor is reduce_scatter's `read` floor in the same loop."""
+    size), the `read` floor of reduce_scatter (every input byte read, nothing written; only from
+    runs that record `read_floor_streams`, see the module docstring) and the `copy` floor; a loop
+    row's floors are reduce_scatter's `read` floor and, from 16 MiB, the `native` floors, each in
+    the same loop."""
     huge = run.get("config", {}).get("huge_page_bytes", HUGE_PAGE_BYTES)
+    reads = "read_floor_streams" in run
     out = {}
     for table, key in (("lone", "rows"), ("loop", "in_loop_rows")):
         by = {(r["devices"], r["bytes"], r["case"]): r["seconds"] for r in run.get(key, [])}
@@ -94,7 +100,7 @@ def in_process_rows(run: dict) -> dict:
                       "local": (by.get((n, nbytes, f"local floor[{collective}]"))
                                 if collective != "all_gather" else None),
                       "native": by.get((n, nbytes, f"native floor[{collective}]")),
-                      "read": by.get((n, nbytes, f"read floor[{collective}]")),
+                      "read": by.get((n, nbytes, f"read floor[{collective}]")) if reads else None,
                       "copy": by.get((n, nbytes, f"copy floor[{collective}]"))}
             out[(table, collective, n, nbytes)] = (
                 seconds / allowed, {k: f / allowed for k, f in floors.items() if f is not None})
@@ -236,8 +242,11 @@ def markdown(issue2: list[dict], n_in_process: int, issue3: dict, n_mpi: dict) -
         "jaxring's own call on an axis of one device, copying the output's size without "
         "communicating; `native` (reduce_scatter and all_gather), the collective's local part "
         "(the sum of the input's n blocks; n copies of the input) in a native call with the "
-        "effect; `read` (reduce_scatter, lone and in the loop), a native call with the effect "
-        "that reads every input byte once and writes nothing; `copy` and `traffic`, copies of "
+        "effect (in the loop from 16 MiB, in the same loop); `read` (reduce_scatter, lone and in "
+        "the loop), a native call with the effect that reads every input byte once and writes "
+        "nothing (from the runs that read it as several runs of lines side by side: the earlier "
+        "runs' single run was up to 17% slower, and bounded nothing); `copy` and `traffic`, "
+        "copies of "
         "the bytes the collective must move; "
         "`exchange`, every rank staging its input in shared memory and reading from there as much"
         " as any all-reduce must, 2(n - 1)/n of the size (the least any all-reduce between "

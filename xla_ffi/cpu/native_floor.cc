@@ -23,24 +23,36 @@ namespace {
 
 namespace ffi = xla::ffi;
 
-// The sum (mod 2^64) of `count` floats' bytes read as 64-bit words, a last half word byte by byte:
-// 64 bytes a step into four independent vector sums (the compiler's vector extension: SSE2 on
-// x86-64), so the loop runs at the memory's speed.
+// The sum (mod 2^64) of `count` floats' bytes read as 64-bit words, a last half word byte by byte.
+// The whole 64-byte lines are cut into kReadStreams equal runs read side by side, a line of each in
+// turn, into four independent vector sums (the compiler's vector extension: SSE2 on x86-64).
+// Several runs keep more of the memory's reads in flight than one: in a C++ microbenchmark on this
+// VM (threads each summing their own buffer, medians of 40), 8 threads of 16 MiB on 2 cores took
+// 4.09 ms with one run, 3.42 ms with 2, 3.39 ms with 4, 3.54 ms with 8 and 4.04 ms with 16;
+// 2 threads of 64 MiB 2.70-2.80, 2.50, 2.37-2.46, 2.67-2.97 and 2.92-3.12 ms. (The first version
+// of the read floor read one run, and so overstated what reading the bytes takes by up to 17%.)
+constexpr size_t kReadStreams = 4;
+
 uint64_t SumOfWords(const float* in, int64_t count) {
   using Words = uint64_t __attribute__((vector_size(16), aligned(1), may_alias));
+  constexpr size_t kLine = 4 * sizeof(Words);
   const auto* bytes = reinterpret_cast<const unsigned char*>(in);
   const size_t size = static_cast<size_t>(count) * sizeof(float);
-  const auto* vectors = reinterpret_cast<const Words*>(bytes);
+  const size_t lines = size / kLine;
+  const size_t per_run = (lines + kReadStreams - 1) / kReadStreams;
   Words s0{}, s1{}, s2{}, s3{};
-  size_t at = 0;
-  for (; at + 4 * sizeof(Words) <= size; at += 4 * sizeof(Words), vectors += 4) {
-    s0 += vectors[0];
-    s1 += vectors[1];
-    s2 += vectors[2];
-    s3 += vectors[3];
+  for (size_t i = 0; i < per_run; ++i) {
+    for (size_t line = i; line < lines; line += per_run) {  // line i of each run
+      const auto* v = reinterpret_cast<const Words*>(bytes + line * kLine);
+      s0 += v[0];
+      s1 += v[1];
+      s2 += v[2];
+      s3 += v[3];
+    }
   }
   const Words sums = s0 + s1 + s2 + s3;
   uint64_t total = sums[0] + sums[1];
+  size_t at = lines * kLine;
   for (; at + sizeof(uint64_t) <= size; at += sizeof(uint64_t)) {
     uint64_t word;
     std::memcpy(&word, bytes + at, sizeof(word));
