@@ -282,3 +282,17 @@ def test_the_staged_pipeline_against_float64(dtype, chunk_bytes):
         for root in sorted({0, n - 1}):
             y = staged(COMM, BROADCAST, "sum", x, size, chunk_bytes, root=root)
             np.testing.assert_array_equal(y, MPI_COMM.bcast(x, root=root))
+
+
+@pytest.mark.skipif(COMM.size < 2, reason="needs two ranks")
+def test_the_staged_pipeline_reports_a_later_chunks_mismatch_on_every_rank_and_ends_the_call():
+    """Chunks 0 and 1 match, and their results are queued back, before chunk 2's headers differ:
+    every rank reports the mismatch, and the pipeline still ends the call (on a GPU, End() makes
+    XLA's stream wait for the result copies already queued into y; staged_steps_on_host raises
+    "returned without End()" if it was skipped)."""
+    x = np.ones(3000 if COMM.rank == 0 else 2500, np.float32)  # chunks of 1024 elements
+    with pytest.raises(RuntimeError, match=r"^(?!the staged pipeline returned without End)"
+                                           r".*mismatched collectives: rank 0 called "
+                                           r"all_reduce\(sum\) op 3 float32\[952\] but rank 1 "
+                                           r"called all_reduce\(sum\) op 3 float32\[452\]"):
+        staged(COMM, ALL_REDUCE, "sum", x, len(x), 4096)

@@ -84,6 +84,23 @@ Status UseDevice(int device, const std::string& where) {
   return Status();
 }
 
+Status GpuCommunicator::CheckStreamDevice(cudaStream_t stream, const std::string& where) const {
+#if CUDART_VERSION >= 12080
+  int device = -1;
+  JAXRING_CUDA_RETURN(where + ": querying the stream's device", cudaStreamGetDevice(stream, &device));
+  if (device != device_)
+    return Status::Error(where + ": this call runs on CUDA device " + std::to_string(device) +
+                         ", but its communicator's workspace and events are on device " +
+                         std::to_string(device_) + " (the process's first GPU). jaxring runs one "
+                         "process per GPU: launch one per device, or make it the only one "
+                         "visible (CUDA_VISIBLE_DEVICES).");
+#else
+  (void)stream;
+  (void)where;
+#endif
+  return Status();
+}
+
 Status CheckCall(const JaxringHostCall& call, int size, const std::string& where) {
   const Collective kind = static_cast<Collective>(call.kind);
   if (call.size != size)
@@ -117,6 +134,8 @@ Status GpuCommunicator::Run(cudaStream_t stream, const JaxringHostCall& call, co
     return Status::Error(where + ": this communicator failed earlier and can no longer be used; "
                          "the first error was: " + broken_);
   Status status = CheckCall(call, size_, where);
+  if (!status.ok()) return status;
+  status = CheckStreamDevice(stream, where);
   if (!status.ok()) return status;
   status = UseDevice(device_, where);
   if (!status.ok()) return status;

@@ -80,10 +80,12 @@ class GpuCommunicator {
                             const void* x, void* y, const std::string& where) = 0;
   const int rank_;
   const int size_;
-  const int device_;
+  const int device_;  // jax.local_devices("cuda")[0] of this process (jaxring/_src/gpu.py)
   const std::string name_;
 
  private:
+  // An error unless `stream` belongs to device_ (where the CUDA runtime can tell).
+  Status CheckStreamDevice(cudaStream_t stream, const std::string& where) const;
   std::mutex mutex_;
   std::string broken_;  // the first error
 };

@@ -94,6 +94,9 @@ cudaError_t LaunchTyped(const void* const* srcs, int num_srcs, void* const* dsts
     p.dsts[d] = static_cast<T*>(dsts[d]);
     aligned &= reinterpret_cast<uintptr_t>(dsts[d]) % 16 == 0;
   }
+  // cudaGetLastError() below reports what these launches did, not an error left on this thread
+  // by earlier, unrelated runtime calls.
+  (void)cudaGetLastError();
   constexpr int kThreads = 512;
   int64_t vector_count = aligned ? count / kVec * kVec : 0;
   if (vector_count > 0) {

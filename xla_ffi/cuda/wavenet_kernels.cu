@@ -24,6 +24,9 @@ cudaError_t Launch(cudaStream_t stream, const W* weights, const WaveNetLayout& l
                    const WaveNetSizes& s, int64_t steps, const int32_t* first_step,
                    const float* gate_bias, const float* local, const float* noise,
                    const int32_t* token, float* queues, int32_t* tokens_out, float* logits_out) {
+  // cudaGetLastError() below reports what these launches did, not an error left on this thread
+  // by earlier, unrelated runtime calls.
+  (void)cudaGetLastError();
   const size_t shared_bytes = sizeof(float) * SharedFloats(s);
   if (shared_bytes > 48 * 1024) {
     const cudaError_t error = cudaFuncSetAttribute(

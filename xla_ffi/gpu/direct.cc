@@ -61,8 +61,12 @@ Status RunDirect(const Header& h, const void* x, void* y, int rank, int size, vo
   };
 
   switch (h.kind) {
-    case Collective::kAllReduce:
-      for (const Step& step : PlanSteps(h.count, slot)) {
+    case Collective::kAllReduce: {
+      // A step's n shares each fit a slot: ShareOf rounds every boundary up to a vector, so a
+      // share holds at most step / n + a vector's elements.
+      const int64_t vector = std::max<int64_t>(1, kVectorBytes / static_cast<int64_t>(width));
+      const int64_t step_elements = slot > vector ? n * (slot - vector) : slot;
+      for (const Step& step : PlanSteps(h.count, step_elements)) {
         if (step.count == 0) break;
         const Partition share = ShareOf(step.count, n, width);
         const int64_t mine = step.first + share.Begin(me);
@@ -90,6 +94,7 @@ Status RunDirect(const Header& h, const void* x, void* y, int rank, int size, vo
         if (!check(messages.WaitAll())) return status;
       }
       return status;
+    }
     case Collective::kReduceScatter: {
       const int64_t block = h.count / n;
       for (const Step& step : PlanSteps(block, slot)) {
@@ -118,7 +123,7 @@ Status RunDirect(const Header& h, const void* x, void* y, int rank, int size, vo
       for (int q = 0; q < n && status.ok(); ++q)
         if (q != me) check(messages.Send(x, bytes, q));
       if (status.ok()) check(device.Copy(At(y, me * h.count, width), x, bytes));
-      if (status.ok()) check(messages.WaitAll());
+      check(messages.WaitAll());  // also after a failed post: the others write into y
       return status;
     }
     case Collective::kBroadcast: {
@@ -133,7 +138,7 @@ Status RunDirect(const Header& h, const void* x, void* y, int rank, int size, vo
       } else {
         check(messages.Receive(y, bytes, root));
       }
-      if (status.ok()) check(messages.WaitAll());
+      check(messages.WaitAll());  // also after a failed post: a receive writes into y
       return status;
     }
     default:

@@ -26,7 +26,8 @@ Status RunStagedSteps(const Header& h, const JaxringHostCall& call, const void* 
   };
 
   Status status = ops.Begin();
-  if (status.ok()) status = in(0);
+  if (!status.ok()) return status;
+  status = in(0);
   for (size_t k = 0; k < steps.size() && status.ok(); ++k) {
     const int b = static_cast<int>(k & 1);
     const Step& s = steps[k];
@@ -48,8 +49,10 @@ Status RunStagedSteps(const Header& h, const JaxringHostCall& call, const void* 
     status = ops.CopyOut(b, static_cast<char*>(y) + s.first * static_cast<int64_t>(width), pitch,
                          bytes, gather ? n : 1);
   }
-  if (status.ok()) status = ops.End();
-  return status;
+  // End() also after an error: result copies of earlier chunks may still be queued, writing into
+  // y, and XLA's stream must not go on (and free or reuse y) before they are done.
+  const Status end = ops.End();
+  return status.ok() ? end : status;
 }
 
 }  // namespace gpu

@@ -135,7 +135,10 @@ class HostStagingOps final : public jaxring::gpu::StagingOps {
   }
   char* ToHost(int b) override { return to_host_[b].data(); }
   char* FromHost(int b) override { return from_host_[b].data(); }
-  jaxring::Status Begin() override { return jaxring::Status(); }
+  jaxring::Status Begin() override {
+    began_ = true;
+    return jaxring::Status();
+  }
   jaxring::Status CopyIn(int b, const void* src, size_t src_pitch, size_t row_bytes,
                          size_t rows) override {
     if (row_bytes * rows > to_host_[b].size()) return Overflow();
@@ -150,16 +153,23 @@ class HostStagingOps final : public jaxring::gpu::StagingOps {
     return jaxring::gpu::HostCopyRows(dst, dst_pitch, from_host_[b].data(), row_bytes, row_bytes,
                                       rows);
   }
-  jaxring::Status End() override { return jaxring::Status(); }
+  jaxring::Status End() override {
+    ended_ = true;
+    return jaxring::Status();
+  }
   jaxring::Status RunOnHost(const JaxringHostCall& chunk) override {
     return ::RunOnHost(chunk);
   }
+  // Whether a call that began also ended (on a GPU, End() orders XLA's stream after the result
+  // copies, which must happen after an error too).
+  bool Ended() const { return ended_ || !began_; }
 
  private:
   static jaxring::Status Overflow() {
     return jaxring::Status::Error("a chunk overflows its host buffer");
   }
   std::vector<char> to_host_[2], from_host_[2];
+  bool began_ = false, ended_ = false;
 };
 
 template <typename Fn>
@@ -427,6 +437,9 @@ NB_MODULE(_jaxring, m) {
           status = jaxring::gpu::RunStagedSteps(t.header, t.call, input.c_str(), t.output.data(),
                                                 rank, size, chunk_bytes, ops);
         }
+        if (!ops.Ended())
+          throw std::runtime_error("the staged pipeline returned without End(): " +
+                                   (status.ok() ? std::string("no error") : status.message()));
         if (!status.ok()) throw std::runtime_error(status.message());
         return nb::bytes(t.output.data(), t.output.size());
       },
