@@ -87,7 +87,8 @@ Status UseDevice(int device, const std::string& where) {
 Status GpuCommunicator::CheckStreamDevice(cudaStream_t stream, const std::string& where) const {
 #if CUDART_VERSION >= 12080
   int device = -1;
-  JAXRING_CUDA_RETURN(where + ": querying the stream's device", cudaStreamGetDevice(stream, &device));
+  JAXRING_CUDA_RETURN(where + ": querying the stream's device",
+                      cudaStreamGetDevice(stream, &device));
   if (device != device_)
     return Status::Error(where + ": this call runs on CUDA device " + std::to_string(device) +
                          ", but its communicator's workspace and events are on device " +
