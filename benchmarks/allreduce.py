@@ -94,6 +94,22 @@ LOCAL_INPUT = {  # the local floor's float32 elements per device, from _elements
 # and with non-temporal stores; the floor is the faster.
 NATIVE = "native floor"
 NATIVE_OF = ("reduce_scatter", "all_gather")
+# (collective, non-temporal stores) -> the case timing that way; lone and in the loop.
+NATIVE_WAYS = {(collective, streamed): f"{NATIVE}[{collective}, {way}]"
+               for collective in NATIVE_OF
+               for way, streamed in (("plain", False), ("streamed", True))}
+
+
+def native_rows(n: int, nbytes: int, seconds: dict) -> list[dict]:
+    """The `native floor[collective]` rows: the faster of NATIVE_WAYS' times in `seconds` (case
+    -> seconds per call), each way's kept beside it."""
+    rows = []
+    for collective in NATIVE_OF:
+        ways = {name: seconds[name] for (c, _), name in NATIVE_WAYS.items() if c == collective}
+        rows.append({"devices": n, "bytes": _elements(collective, n, nbytes)[1],
+                     "case": f"{NATIVE}[{collective}]", "collective": collective,
+                     "seconds": min(ways.values()), "ways_seconds": ways})
+    return rows
 # The read floor of reduce_scatter on n devices, lone and in the loop: a native call with the
 # effect that reads every byte of this device's input once and writes only its output's first two
 # elements (common.native_floor's reads_only), on every device at once. Every reduce-scatter reads
@@ -189,10 +205,7 @@ def measure(n: int, nbytes: int) -> list[dict]:
         per_device, sizes[name] = _elements(collective, n, nbytes)
         runs[name] = program(lambda v: jaxring.all_gather(v, "j"),
                              LOCAL_INPUT[collective](per_device, n), alone, P(("i", "j")))
-    natives = {(collective, streamed): f"{NATIVE}[{collective}, {way}]"
-               for collective in NATIVE_OF
-               for way, streamed in (("plain", False), ("streamed", True))}
-    for (collective, streamed), name in natives.items():
+    for (collective, streamed), name in NATIVE_WAYS.items():
         per_device, _ = _elements(collective, n, nbytes)
         runs[name] = program(lambda v, c=collective, s=streamed: native_floor(v, c, n, s),
                              per_device)
@@ -206,7 +219,7 @@ def measure(n: int, nbytes: int) -> list[dict]:
     for name, copy in copies.items():
         runs[name] = copy_floor(n * nbytes, copy)
     algorithms = {name: algorithm or "auto" for name, _, algorithm, _ in CASES + floors}
-    algorithms.update(dict.fromkeys([*copies, *natives.values(),
+    algorithms.update(dict.fromkeys([*copies, *NATIVE_WAYS.values(),
                                      *(name for name, _ in locals_ + reads)], "auto"))
     medians = medians_in_turns(runs, budget_seconds=0.6, min_rounds=_min_rounds(nbytes),
                                context=lambda name: jaxring.config.override(
@@ -217,11 +230,7 @@ def measure(n: int, nbytes: int) -> list[dict]:
         rows.append({"devices": n, "bytes": sizes[name], "case": name, "collective": collective,
                      "seconds": medians[name], "algbw_GBps": algbw,
                      "busbw_GBps": algbw * bus_factor(collective, n)})
-    for collective in NATIVE_OF:
-        ways = {name: medians[name] for (c, _), name in natives.items() if c == collective}
-        rows.append({"devices": n, "bytes": _elements(collective, n, nbytes)[1],
-                     "case": f"{NATIVE}[{collective}]", "collective": collective,
-                     "seconds": min(ways.values()), "ways_seconds": ways})
+    rows += native_rows(n, nbytes, medians)
     if copies:
         rows += [{"devices": n, "bytes": nbytes, "case": f"{COPY}[{collective}]",
                   "collective": collective, "seconds": min(medians[c] for c in copies),
@@ -273,9 +282,6 @@ LOOP_CASES = {
 # writes n blocks, and the loop's own work is the same on every side, so no collective in that
 # loop takes less. Below 16 MiB every loop row meets its target in most runs.
 LOOP_NATIVE_BYTES = 16 << 20
-LOOP_NATIVE_CASES = {
-    (collective, way): (f"{NATIVE}[{collective}, {way}]", collective, streamed)
-    for collective in NATIVE_OF for way, streamed in (("plain", False), ("streamed", True))}
 
 
 def _native_pass(collective: str, streamed: bool):
@@ -316,7 +322,7 @@ def measure_in_loop(n: int, nbytes: int) -> list[dict]:
     repeats = loop_repeats(nbytes)
     runs, sizes, inputs = {}, {}, {}
     natives = ({name: (collective, _native_pass(collective, streamed))
-                for name, collective, streamed in LOOP_NATIVE_CASES.values()}
+                for (collective, streamed), name in NATIVE_WAYS.items()}
                if nbytes >= LOOP_NATIVE_BYTES else {})
     for name, (collective, one_pass) in {**LOOP_CASES, **natives}.items():
         per_device, sizes[name] = _elements(collective, n, nbytes)
@@ -340,12 +346,8 @@ def measure_in_loop(n: int, nbytes: int) -> list[dict]:
                                context=fresh_input)
     rows = [{"devices": n, "bytes": sizes[name], "case": name, "collective": LOOP_CASES[name][0],
              "seconds": medians[name] / repeats} for name in LOOP_CASES]
-    for collective in NATIVE_OF if natives else ():
-        ways = {name: medians[name] / repeats for name, c, _ in LOOP_NATIVE_CASES.values()
-                if c == collective}
-        rows.append({"devices": n, "bytes": _elements(collective, n, nbytes)[1],
-                     "case": f"{NATIVE}[{collective}]", "collective": collective,
-                     "seconds": min(ways.values()), "ways_seconds": ways})
+    if natives:
+        rows += native_rows(n, nbytes, {name: medians[name] / repeats for name in natives})
     return rows
 
 
