@@ -137,6 +137,45 @@ def test_token_hand_over_orders_programs_over_changing_device_lists():
     assert token._buf.sharding is runtime_tokens._token_layout(devices)[0]
 
 
+@pytest.mark.skipif(not runtime_tokens.install(common.CollectiveEffect),
+                    reason="JAX's token hand-over differs from what runtime_tokens expects")
+def test_programs_with_only_jaxrings_effect_take_jaxrings_dispatch_and_others_jaxs():
+    """A program whose only effect is jaxring's runs through runtime_tokens' dispatch, which hands
+    out no per-device runtime tokens, and jax.effects_barrier still waits for it; one that also
+    calls back to Python (an unordered effect) goes through JAX's dispatch, token and all."""
+    tokens = jax._src.dispatch.runtime_tokens
+    m = mesh(8)
+    rng = np.random.default_rng(5)
+    x = random_array(rng, (8 * 6,), np.float32)
+    f = shmap(lambda v: jaxring.all_reduce(v, "i"), m, out_specs=P())
+    jax.effects_barrier()
+    outs = [f(shard(x, m)) for _ in range(5)]
+    assert not tokens.output_runtime_tokens
+    token = tokens.current_tokens[common.collective_effect]
+    assert token._buf.sharding is runtime_tokens._token_layout(tuple(m.devices.flat))[0]
+    jax.effects_barrier()
+    assert not tokens.current_tokens
+    expected = x.astype(np.float64).reshape(8, 6).sum(0)
+    for out in outs:
+        assert_close(np.asarray(out), expected, np.float32, count=8)
+
+    seen = []
+
+    def with_callback(v):
+        total = jaxring.all_reduce(v, "i")
+        jax.debug.callback(lambda t: seen.append(np.asarray(t)), total)
+        return total
+
+    outs = [shmap(with_callback, m, out_specs=P())(shard(x, m)) for _ in range(2)]
+    assert tokens.output_runtime_tokens  # JAX's dispatch ran these
+    outs.append(f(shard(x, m)))
+    jax.effects_barrier()
+    assert len(seen) == 16
+    np.testing.assert_allclose(seen, np.broadcast_to(expected, (16, 6)), rtol=1e-5)
+    for out in outs:
+        assert_close(np.asarray(out), expected, np.float32, count=8)
+
+
 _PIPELINED = textwrap.dedent("""
     import faulthandler, os, sys
     os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
