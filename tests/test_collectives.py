@@ -287,20 +287,23 @@ def test_the_benchmarks_read_floor_reads_every_input_byte():
             assert out[device, :2].view(np.uint64)[0] == total, (block, device)
 
 
-def _huge_page_kib(start, size):
-    """AnonHugePages of the mappings that overlap [start, start + size), from /proc/self/smaps
-    (madvise splits a mapping where the advice begins and ends)."""
+def _huge_pages(start, size):
+    """For the mappings that overlap [start, start + size), from /proc/self/smaps (madvise splits
+    a mapping where the advice begins and ends): their AnonHugePages in KiB, and whether any is
+    advised onto huge pages (VmFlags `hg`)."""
     with open("/proc/self/smaps") as f:
         lines = f.read().splitlines()
-    total, inside = 0, False
+    kib, advised, inside = 0, False, False
     for line in lines:
         head = line.split(maxsplit=1)[0]
         if "-" in head and not head.endswith(":"):
             low, high = (int(v, 16) for v in head.split("-"))
             inside = low < start + size and start < high
         elif inside and head == "AnonHugePages:":
-            total += int(line.split()[1])
-    return total
+            kib += int(line.split()[1])
+        elif inside and head == "VmFlags:":
+            advised = advised or "hg" in line.split()[1:]
+    return kib, advised
 
 
 def _transparent_huge_pages():
@@ -317,8 +320,9 @@ def _transparent_huge_pages():
 def test_large_outputs_are_written_to_huge_pages(collective):
     """Outputs of huge_page_bytes and more are advised onto transparent huge pages before their
     first write (cpu/handlers.cc), and with the knob at 0 they are not: the mapping that holds
-    each device's output has huge pages in the one case and none in the other. 40 MiB outputs are
-    fresh mappings under glibc. The data is exact either way."""
+    each device's output is advised (and then holds huge pages, where the kernel found free ones
+    in one of three tries) in the one case, and neither in the other. 40 MiB outputs are fresh
+    mappings under glibc. The data is exact either way."""
     n = 2
     count = (40 << 20) // 4
     rng = np.random.default_rng(3)
@@ -332,13 +336,20 @@ def test_large_outputs_are_written_to_huge_pages(collective):
         f = shmap(lambda v: jaxring.all_gather(v, "i")[None], m)
         expected = x
     for threshold in (0, 8 << 20):
-        with jaxring.config.override(huge_page_bytes=threshold):
-            out = f(shard(x, m))
-            out.block_until_ready()
-        for piece in out.addressable_shards:
-            huge = _huge_page_kib(piece.data.unsafe_buffer_pointer(), piece.data.nbytes)
-            assert (huge > 0) == (threshold > 0), (threshold, huge)
-            np.testing.assert_array_equal(np.asarray(piece.data)[0], expected)
+        got_huge = False
+        for _ in range(3):  # huge pages need 2 MiB of free contiguous memory, not always there
+            with jaxring.config.override(huge_page_bytes=threshold):
+                out = f(shard(x, m))
+                out.block_until_ready()
+            pieces = [(_huge_pages(p.data.unsafe_buffer_pointer(), p.data.nbytes), p.data)
+                      for p in out.addressable_shards]
+            for (kib, advised), data in pieces:
+                assert advised == (threshold > 0) and (kib == 0 or threshold > 0), (threshold, kib)
+                np.testing.assert_array_equal(np.asarray(data)[0], expected)
+            got_huge = all(kib > 0 for (kib, _), _ in pieces)
+            if got_huge or threshold == 0:
+                break
+        assert got_huge == (threshold > 0), threshold
 
 
 @pytest.mark.parametrize("n", DEVICE_COUNTS)

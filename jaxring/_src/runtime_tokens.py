@@ -74,7 +74,10 @@ def _token_handler(devices: tuple):
     """A C++ result handler that makes a program's per-device output tokens one array on
     `_token_layout(devices)`, as JAX's handlers make its other outputs."""
     sharding, aval = _token_layout(devices)
-    return xc.array_result_handler(aval, sharding, committed=True, _skip_checks=True)
+    try:
+        return xc.array_result_handler(aval, sharding, committed=True, _skip_checks=True)
+    except TypeError:  # jaxlib 0.11 has no _skip_checks (and no checks to skip)
+        return xc.array_result_handler(aval, sharding, committed=True)
 
 
 # What _fast_call reads of an ExecuteReplicated (the same in jax 0.10 and 0.11).
@@ -159,7 +162,7 @@ def _fast_call(jax_call, effect_type: type):
             return jax_call(self, *args)
         try:
             token_handler = _token_handler(tuple(self._local_devices))
-        except TypeError:  # this JAX's array_result_handler takes other arguments
+        except TypeError:  # neither of the array_result_handler signatures tried
             usable = False
             return jax_call(self, *args)
         input_bufs = self.in_handler([x for i, x in enumerate(args) if i in self.kept_var_idx])
