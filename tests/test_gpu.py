@@ -238,6 +238,9 @@ def test_the_gpu_benchmark_says_so_when_no_gpu_is_visible():
 
 # ---- on a GPU ----------------------------------------------------------------------------------
 
+# Processes that share the GPU allocate on demand, so that suites may also run side by side
+# (pytest -n): a fixed fraction each would add up past the card's memory.
+GPU_SHARING = {"JAX_PLATFORMS": "cuda", "XLA_PYTHON_CLIENT_PREALLOCATE": "false"}
 GPU_CONFIGS = {
     # transport, extra environment: default slots (one step; two-shot above 256 KiB with 4
     # ranks), slots small enough to cut the suite's larger sizes into many steps, and staging.
@@ -264,8 +267,8 @@ def test_the_multiprocess_suite_on_gpu_processes_sharing_one_gpu(n, config):
     expected = transport
     if transport == "auto":
         expected = "staged" if 0 < ranks_per_node < n else "ipc"
-    env = {"JAX_PLATFORMS": "cuda", "XLA_CLIENT_MEM_FRACTION": str(round(0.6 / n, 2)),
-           "JAXRING_GPU_TRANSPORT": transport, "JAXRING_EXPECT_GPU_TRANSPORT": expected, **extra}
+    env = {**GPU_SHARING, "JAXRING_GPU_TRANSPORT": transport,
+           "JAXRING_EXPECT_GPU_TRANSPORT": expected, **extra}
     mpi_transport = env.pop("JAXRING_MPI_TRANSPORT", "auto")
     result = mpiexec(n, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", str(HERE / "mpi"),
                      timeout=540, transport=mpi_transport, ranks_per_node=ranks_per_node,
@@ -284,8 +287,7 @@ def mpi_is_cuda_aware() -> bool:
                     "take device pointers (e.g. Open MPI built with CUDA/UCX does)")
 @pytest.mark.parametrize("n", [2, 4], ids=["n2", "n4"])
 def test_the_multiprocess_suite_on_the_cuda_aware_path(n):
-    env = {"JAX_PLATFORMS": "cuda", "XLA_CLIENT_MEM_FRACTION": str(round(0.6 / n, 2)),
-           "JAXRING_GPU_TRANSPORT": "staged", "JAXRING_EXPECT_GPU_TRANSPORT": "staged",
+    env = {**GPU_SHARING, "JAXRING_GPU_TRANSPORT": "staged", "JAXRING_EXPECT_GPU_TRANSPORT": "staged",
            "JAXRING_CUDA_AWARE_MPI": "1", "JAXRING_GPU_STAGING_BYTES": str(64 << 10)}
     result = mpiexec(n, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", str(HERE / "mpi"),
                      timeout=540, env=env)
