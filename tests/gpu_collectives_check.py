@@ -13,6 +13,8 @@ import numpy as np
 import jaxring
 import jaxring.mpi
 
+jax.config.update("jax_enable_x64", True)  # int64 and float64 buffers stay 64-bit
+
 
 def main() -> int:
     comm = jaxring.mpi.world()

@@ -128,7 +128,8 @@ def test_all_reduce_in_place_gives_the_bits_of_a_fresh_output(algorithm, comm):
     with jaxring.config.override(algorithm=algorithm):
         for size in (1, 7, 4_099, 300_001):
             x = random_array(rng, (size,), np.float32)
-            if n > 1:  # one rank: no call at all
+            if n > 1 and jax.devices()[0].platform == "cpu":  # one rank: no call at all
+                # (GPU processes keep a fresh output: common.bind_collective aliases on CPU only)
                 assert "output_operand_aliases" in program(None).lower(x).as_text()
             fresh = np.asarray(program(False)(x))
             in_place = np.asarray(program(None)(x))

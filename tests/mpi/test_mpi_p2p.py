@@ -89,7 +89,16 @@ def test_grad_through_ppermute_is_the_inverse_permutation():
     np.testing.assert_allclose(np.asarray(grad), gathered(w)[dest], rtol=1e-6)
 
 
+@pytest.fixture
+def full_float32_products():
+    """Full float32 matrix products (not TF32, a GPU's default) in the layers and the reference
+    alike, so that the tolerance checks the data movement, not the rounding of the products."""
+    with jax.default_matmul_precision("highest"):
+        yield
+
+
 @pytest.mark.skipif(N < 2, reason="needs two ranks")
+@pytest.mark.usefixtures("full_float32_products")
 def test_pipeline_over_processes_equals_the_unsharded_layers():
     """jaxring.parallel.pipeline with a process communicator for the axis: each rank holds one
     stage (two tanh layers) and the activations travel over MPI; GPipe's schedule and the ring of
