@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import importlib.metadata
 import os
 import re
 import sys
@@ -218,6 +219,7 @@ def main() -> None:
         env = environment()
         env["device"] = GPU.device_kind
         env["mpi"] = MPI.Get_library_version().splitlines()[0]
+        env["mpi4jax"] = importlib.metadata.version("mpi4jax")
         env["cuda_aware_mpi"] = [COMMS["jaxring[staged]"].cuda_aware_mpi,
                                  COMMS["jaxring[staged]"].cuda_aware_mpi_source]
         slug = re.sub(r"[^a-z0-9]+", "-", GPU.device_kind.lower()).strip("-")
@@ -231,7 +233,8 @@ def main() -> None:
 
 def markdown(kernels, rows, env, n) -> str:
     lines = [f"# All-reduce between {n} GPU processes on one {env['device']}", "",
-             f"python {env['python']}, jax {env['jax']}; {env['mpi']}; CUDA-aware MPI: "
+             f"python {env['python']}, jax {env['jax']}, mpi4jax {env['mpi4jax']}; {env['mpi']}; "
+             "CUDA-aware MPI: "
              f"{env['cuda_aware_mpi'][0]} ({env['cuda_aware_mpi'][1]}); {env['date']}.", ""]
     if kernels:
         copy = {r["bytes"]: r for r in kernels if r["impl"] == "device-to-device copy"}

@@ -31,6 +31,7 @@ benchmarks/results/allreduce_mpi-cpu-n{N}.{json,md,png}.
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import os
 import sys
 
@@ -282,6 +283,7 @@ def main() -> None:
     if COMM.rank == 0:
         env = environment()
         env["mpi"] = MPI.Get_library_version().splitlines()[0]
+        env["mpi4jax"] = importlib.metadata.version("mpi4jax")
         bound, env["binding"] = binding
         name = args.name or f"allreduce_mpi-cpu-n{n}" + ("-bound" if bound else "")
         write_results(name, {"environment": env, "ranks": n, "copy_bandwidth_gbps": ceiling,
@@ -313,7 +315,8 @@ def markdown(rows, env, n, ceiling) -> str:
         f"# All-reduce across {n} processes (one CPU device each): jaxring vs mpi4jax vs mpi4py",
         "",
         f"{env['cpu']}, {env['cores']} cores; python {env['python']}, jax {env['jax']}; "
-        f"{env['mpi']}; {env['date']}; {env['binding']}. Copy bandwidth: {ceiling:.1f} GB/s."
+        f"{env['mpi']}, mpi4jax {env.get('mpi4jax', '?')}; {env['date']}; {env['binding']}. "
+        f"Copy bandwidth: {ceiling:.1f} GB/s."
         f"{steal_sentence(env)} "
         "Median time from the first rank's start to the last rank's end (after a barrier), the "
         "implementations taking turns call by call; glibc malloc keeps freed "
