@@ -67,12 +67,18 @@ def main() -> int:
     rng = np.random.default_rng(0)
     counts = [0, 1, 7, 9, 1000, 65_537] if args.quick else [0, 1, 7, 8, 9, 1000, 65_537,
                                                              (1 << 20) + 3]
-    operand_counts = [1, 2, 3, 16] if args.quick else list(range(1, 17))
+    few_operands = [1, 2, 3, 16]
+    operand_counts = few_operands if args.quick else list(range(1, 17))
+    # The full check ran past 150 s on an H100. Most of its data was the largest count under
+    # every operand count, so that count now runs with a few operand counts, the others with all.
+    large = 1 << 20
     checked = 0
     for dtype, code in DTYPES.items():
         for op, op_code in OPS.items():
             for n in operand_counts:
                 for count in counts:
+                    if count > large and n not in few_operands:
+                        continue
                     for offset in (0, 1):  # 1: every pointer one element off 16-byte alignment
                         for targets in (1, 3):
                             # One element more than the kernel may touch: it must stay 0.
