@@ -183,10 +183,19 @@ def check_results(xj, n, checked: int = 1 << 18):
         np.testing.assert_allclose(y, everyone, rtol=1e-5 * n, atol=1e-5 * n, err_msg=name)
 
 
+def mps_is_running() -> bool:
+    """Whether a CUDA MPS server takes this node's GPU work (its control pipe exists), so that
+    the processes' kernels share the GPU at once instead of in time slices."""
+    pipes = os.environ.get("CUDA_MPS_PIPE_DIRECTORY", "/tmp/nvidia-mps")
+    return os.path.exists(os.path.join(pipes, "control"))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--sizes", type=int, nargs="*", help="bytes per rank (default 4 KiB..256 MiB)")
+    parser.add_argument("--name", default=None,
+                        help="results file (default allreduce_gpu-<gpu>-n{N}[-mps])")
     args = parser.parse_args()
     n, rank = WORLD.size, WORLD.rank
     sizes = args.sizes or ([4 << 10, 1 << 20, 16 << 20] if args.quick else
@@ -222,8 +231,9 @@ def main() -> None:
         env["mpi4jax"] = importlib.metadata.version("mpi4jax")
         env["cuda_aware_mpi"] = [COMMS["jaxring[staged]"].cuda_aware_mpi,
                                  COMMS["jaxring[staged]"].cuda_aware_mpi_source]
+        env["mps"] = mps_is_running()
         slug = re.sub(r"[^a-z0-9]+", "-", GPU.device_kind.lower()).strip("-")
-        name = f"allreduce_gpu-{slug}-n{n}"
+        name = args.name or f"allreduce_gpu-{slug}-n{n}" + ("-mps" if env["mps"] else "")
         write_results(name, {"environment": env, "ranks": n, "kernels": kernels, "rows": rows},
                       markdown(kernels, rows, env, n))
         plot_time_per_size(rows, f"all-reduce, {n} processes on one {env['device']}",
@@ -232,9 +242,10 @@ def main() -> None:
 
 
 def markdown(kernels, rows, env, n) -> str:
-    lines = [f"# All-reduce between {n} GPU processes on one {env['device']}", "",
-             f"python {env['python']}, jax {env['jax']}, mpi4jax {env['mpi4jax']}; {env['mpi']}; "
-             "CUDA-aware MPI: "
+    sharing = "under MPS" if env.get("mps") else "in time slices (no MPS)"
+    lines = [f"# All-reduce between {n} GPU processes on one {env['device']}, {sharing}", "",
+             f"python {env['python']}, jax {env['jax']}, mpi4jax {env.get('mpi4jax', '?')}; "
+             f"{env['mpi']}; CUDA-aware MPI: "
              f"{env['cuda_aware_mpi'][0]} ({env['cuda_aware_mpi'][1]}); {env['date']}.", ""]
     if kernels:
         copy = {r["bytes"]: r for r in kernels if r["impl"] == "device-to-device copy"}

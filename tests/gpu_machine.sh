@@ -10,6 +10,7 @@
 #     bash tests/gpu_machine.sh run tests        # kernels, WaveNet kernel, suites side by side
 #     bash tests/gpu_machine.sh run sanitizers   # compute-sanitizer: kernels and two processes
 #     bash tests/gpu_machine.sh run bench        # allreduce_gpu.py on 2 and 4 processes
+#     bash tests/gpu_machine.sh run bench-mps    # the same under CUDA MPS, if it starts there
 #     bash tests/gpu_machine.sh run sampling     # benchmarks/sampling.py on the GPU
 # Several stages in one call: `run tests bench`. Measured on an H100 (2026-11-26): setup 5 s,
 # tests about 130 s, bench about 100 s.
@@ -100,14 +101,22 @@ sanitizers() {
   wait
 }
 
-bench() {  # alone on the GPU: timings
-  local n
+bench() {  # alone on the GPU: timings; $1: a suffix for the logs
+  local n tag=${1:-}
   for n in 2 4; do
-    stamp "allreduce_gpu.py, $n processes"
-    timeout 150 mpiexec -n $n python3 benchmarks/allreduce_gpu.py > $LOGS/bench-n$n.log 2>&1
-    echo "rc=$?"; grep "^n=" $LOGS/bench-n$n.log
+    stamp "allreduce_gpu.py, $n processes $tag"
+    timeout 150 mpiexec -n $n python3 benchmarks/allreduce_gpu.py > $LOGS/bench-n$n$tag.log 2>&1
+    echo "rc=$?"; grep "^n=\|^wrote" $LOGS/bench-n$n$tag.log
   done
   cp benchmarks/results/allreduce_gpu-* $LOGS/ 2>/dev/null
+}
+
+bench-mps() {  # the same under CUDA MPS (the processes' kernels share the GPU at once), if it
+  # starts here: results as allreduce_gpu-<gpu>-n{N}-mps, beside the time-sliced ones
+  command -v nvidia-cuda-mps-control >/dev/null && nvidia-cuda-mps-control -d \
+    || { echo "no MPS here"; return; }
+  bench -mps
+  echo quit | nvidia-cuda-mps-control
 }
 
 sampling() {
@@ -123,7 +132,7 @@ case "${1:-}" in
     shift
     setup
     for stage in "$@"; do
-      case $stage in tests|sanitizers|bench|sampling) $stage ;; *) echo "unknown stage $stage" ;; esac
+      case $stage in tests|sanitizers|bench|bench-mps|sampling) $stage ;; *) echo "unknown stage $stage" ;; esac
     done
     tar czf "${OUT:-/tmp}/logs.tgz" -C $LOGS .
     stamp "done: logs in ${OUT:-/tmp}/logs.tgz" ;;
