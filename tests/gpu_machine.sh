@@ -12,8 +12,8 @@
 #     bash tests/gpu_machine.sh run bench        # allreduce_gpu.py on 2 and 4 processes
 #     bash tests/gpu_machine.sh run bench-mps    # the same under CUDA MPS, if it starts there
 #     bash tests/gpu_machine.sh run sampling     # benchmarks/sampling.py on the GPU
-# Several stages in one call: `run tests bench`. Measured on an H100 (2026-11-26): setup 5 s,
-# tests about 130 s, bench about 100 s.
+# Several stages in one call: `run tests bench`. On an H100 (2026-11-26): setup 5 s; six of the
+# suites side by side 130 s; bench 100 s; a machine's start about 30 s.
 set -u -o pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 cd "$ROOT"
