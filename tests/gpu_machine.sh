@@ -119,11 +119,17 @@ bench-mps() {  # the same under CUDA MPS (the processes' kernels share the GPU a
   echo quit | nvidia-cuda-mps-control
 }
 
-sampling() {
-  stamp "sampling.py"
-  timeout 300 python3 benchmarks/sampling.py > $LOGS/sampling.log 2>&1; echo "rc=$?"
-  tail -30 $LOGS/sampling.log
-  cp benchmarks/results/sampling-gpu.* $LOGS/ 2>/dev/null
+sampling() {  # each config in its own results file, so that one that runs out of time loses
+  # only itself (its log keeps the rows printed so far); GPU timings are unknown so far
+  local config
+  for config in 64/256/20 32/128/20 128/256/20; do
+    stamp "sampling.py --configs $config"
+    timeout 180 python3 benchmarks/sampling.py --configs $config \
+      --name "sampling-gpu-${config//\//-}" > "$LOGS/sampling-${config//\//-}.log" 2>&1
+    echo "rc=$?"
+  done
+  grep -h "real time" $LOGS/sampling-*.log
+  cp benchmarks/results/sampling-gpu* $LOGS/ 2>/dev/null
 }
 
 case "${1:-}" in
