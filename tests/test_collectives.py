@@ -224,6 +224,73 @@ def test_reduce_scatter_in_many_pieces(n, dtype):
     assert_close(out, expected, dtype, count=n)
 
 
+def _evict_caches():
+    """Reads 128 MiB, four times the last-level cache of the machines measured on, so that what
+    was cached before is no longer."""
+    global _EVICTION
+    if "_EVICTION" not in globals():
+        _EVICTION = np.ones(32 << 20, np.float32)
+    return float(_EVICTION.sum())
+
+
+def test_the_cache_probe_tells_cached_from_evicted_lines():
+    """LooksUncached (kernels/reduce_cpu.cc) times loads from a few lines of an array: lines just
+    written are cached, lines evicted since are not. A VM's scheduler can stall one probe, so
+    each side must hold in most of 9 tries."""
+    data = np.zeros(1 << 20, np.float32)
+    cached = evicted = 0
+    for _ in range(9):
+        data += 1
+        cached += not native.extension.looks_uncached(data)
+        _evict_caches()
+        evicted += native.extension.looks_uncached(data)
+    assert cached >= 6 and evicted >= 6, (cached, evicted)
+
+
+@pytest.mark.parametrize("n", [2, 3])
+@pytest.mark.parametrize("dtype", [np.float32, jnp.bfloat16, np.int64], ids=str)
+def test_a_programs_first_collective_streams_into_an_uncached_output(n, dtype):
+    """A program's first collective writes an output that the cache does not hold with streaming
+    stores (OutputLooksUncached, cpu/host.cc), from 256 KiB per device up to 8 MiB, below
+    StreamingPays' 16 MiB in all; the second collective of the same program, and an output that
+    is cached, take plain stores. Odd counts leave every piece boundary unaligned. Each
+    collective runs after the caches are emptied until the probe has said yes for it (on a
+    quiet machine, the first time), and every element of every result is checked."""
+    rng = np.random.default_rng(n)
+    block = (1 << 20) // np.dtype(dtype).itemsize + 13
+    x = random_array(rng, (n * n * block,), dtype)
+    m = mesh(n)
+    programs = {
+        "all_reduce": shmap(lambda v: (jaxring.all_reduce(v, "i")[None],
+                                       jaxring.all_reduce(v * 2, "i")[None]), m),
+        "reduce_scatter": shmap(lambda v: (jaxring.reduce_scatter(v, "i"),
+                                           jaxring.reduce_scatter(v * 2, "i")), m),
+        "all_gather": shmap(lambda v: (jaxring.all_gather(v[:block], "i")[None],
+                                       jaxring.all_gather(v[:block] * 2, "i")[None]), m),
+    }
+    ref = x.astype(np.float64).reshape(n, n * block)
+    gathered = x.reshape(n, n * block)[:, :block].reshape(-1)
+    expected = {"all_reduce": np.broadcast_to(ref.sum(0), (n, n * block)),
+                "reduce_scatter": ref.sum(0),
+                "all_gather": np.broadcast_to(gathered, (n, n * block))}
+    sharded = shard(x, m)
+    for name, f in programs.items():
+        f(sharded)  # compiled before the caches are emptied
+        for attempt in range(5):
+            before = native.extension.uncached_output_count()
+            _evict_caches()
+            first, second = jax.tree.map(np.asarray, f(sharded))
+            if native.extension.uncached_output_count() > before:
+                break
+        else:
+            pytest.fail(f"{name}: no output looked uncached in 5 tries")
+        for out, factor in [(first, 1), (second, 2)]:
+            if name == "all_gather":
+                np.testing.assert_array_equal(out, expected[name] * factor, err_msg=name)
+            else:
+                assert_close(out, expected[name] * factor, dtype, count=n)
+
+
 def test_copy_streamed_copies_every_byte():
     """The benchmarks' streamed copy (the extension's copy_streamed, CopyStreamed) with unaligned
     starts and tails on both sides, and its size check."""

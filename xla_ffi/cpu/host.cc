@@ -12,6 +12,7 @@
 #include "common/types.h"
 #include "common/wait.h"
 #include "cpu/handoff.h"
+#include "kernels/reduce_cpu.h"
 #include "p2p/protocol.h"
 #include "ring/algorithms.h"
 #include "ring/staged.h"
@@ -96,9 +97,18 @@ HostResult RunCollectiveCall(const JaxringHostCall& c, const Header& header,
   const bool copy_input =
       algorithm == Algorithm::kDirect &&
       header.count * static_cast<int64_t>(ByteWidth(header.dtype)) <= config.copy_input_bytes;
+  // Streaming stores into an output the cache does not hold (OutputLooksUncached) pay for a
+  // program's first collective, whose buffers most often come from outside the program; later
+  // ones work on what the program has just written, or run in a loop, where streaming would
+  // keep evicting the output that the next pass reads. In place, the reads bring every output
+  // line into the cache before it is written.
+  const auto output_uncached = [&] {
+    return algorithm == Algorithm::kDirect && c.output != c.input &&
+           OutputLooksUncached(c.output, c.output_count * static_cast<int64_t>(ByteWidth(header.dtype)));
+  };
   std::shared_ptr<LocalTransport> transport = LocalTransport::Join(
       comm, c.run_id, c.rank, header, c.input, c.output, scratch.data(), copy_input,
-      config.timeout_seconds, config.spin_iterations);
+      output_uncached, config.timeout_seconds, config.spin_iterations);
   auto rest = [transport, algorithm, config, buffers] {
     Status status = transport->WaitForPeers();
     return status.ok() ? RunCollective(*transport, algorithm, config, buffers) : status;

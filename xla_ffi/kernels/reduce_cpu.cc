@@ -4,6 +4,7 @@
 #include "kernels/reduce_cpu_impl.inc"
 
 #include <atomic>
+#include <chrono>
 
 namespace jaxring {
 
@@ -118,6 +119,50 @@ bool StreamingPays(int64_t total_output_bytes) {
   constexpr int64_t kStreamingBytes = int64_t{16} << 20;
   return total_output_bytes >= kStreamingBytes;
 }
+
+bool LooksUncached(const void* data, size_t bytes) {
+  // Eight pages spread over the bytes. A first load from each (untimed) brings its TLB entry in:
+  // a page walk under the VM's nested paging costs about as much as a load from memory, and a
+  // device thread that has just moved megabytes elsewhere has lost most entries, cached lines or
+  // not. Then one load from another line of each page, timed, each address depending on the
+  // last load's value (through a zero the compiler cannot see), so that they do not overlap.
+  constexpr int kPages = 8;
+  constexpr size_t kPage = 4096;
+  constexpr size_t kWarmLine = 7 * 64, kTimedLine = 40 * 64;  // far from each other's prefetch
+  constexpr double kUncachedNanoseconds = 8 * 70.0;
+  static std::atomic<uintptr_t> opaque_zero{0};
+  const uintptr_t first = (reinterpret_cast<uintptr_t>(data) + kPage - 1) & ~(kPage - 1);
+  const uintptr_t end = reinterpret_cast<uintptr_t>(data) + bytes;
+  if (end < first + kPages * kPage) return false;
+  const uintptr_t stride = (end - first) / kPages & ~(kPage - 1);
+  const uintptr_t zero = opaque_zero.load(std::memory_order_relaxed);
+  uintptr_t chain = 0;
+  for (int i = 0; i < kPages; ++i)
+    chain += *reinterpret_cast<const volatile unsigned char*>(first + i * stride + kWarmLine);
+  const auto start = std::chrono::steady_clock::now();
+  for (int i = 0; i < kPages; ++i) {
+    chain += *reinterpret_cast<const volatile unsigned char*>(first + i * stride + kTimedLine +
+                                                              (chain & zero));
+  }
+  const std::chrono::duration<double, std::nano> took = std::chrono::steady_clock::now() - start;
+  return took.count() > kUncachedNanoseconds;
+}
+
+namespace {
+std::atomic<int64_t> uncached_outputs{0};
+}
+
+bool OutputLooksUncached(const void* output, int64_t bytes) {
+  constexpr int64_t kProbeOutputBytes = int64_t{256} << 10;
+  constexpr int64_t kLargestProbed = int64_t{8} << 20;  // huge-page advice from there (host.cc)
+  if (bytes < kProbeOutputBytes || bytes >= kLargestProbed ||
+      !LooksUncached(output, static_cast<size_t>(bytes)))
+    return false;
+  uncached_outputs.fetch_add(1, std::memory_order_relaxed);
+  return true;
+}
+
+int64_t UncachedOutputCount() { return uncached_outputs.load(std::memory_order_relaxed); }
 
 size_t AccumulatorWidth(DType dtype) {
   return dtype == DType::kF16 || dtype == DType::kBF16 ? sizeof(float) : ByteWidth(dtype);

@@ -31,6 +31,21 @@ struct Target {
 // stores: when they exceed the last-level cache, so that nothing written would still be cached.
 bool StreamingPays(int64_t total_output_bytes);
 
+// Whether one rank's output of `bytes` at `output` should take streaming stores although
+// StreamingPays does not hold for the whole collective: an output from kProbeOutputBytes up to
+// 8 MiB whose lines are not in the cache (LooksUncached). Such an output is typically a lone
+// call's, recycled by the allocator from memory last written long ago: plain stores would first
+// read every line back from memory. One inside a compiled loop, the same buffer every pass or the
+// carry itself, is still cached and takes plain stores, so that the next pass reads it from there.
+bool OutputLooksUncached(const void* output, int64_t bytes);
+// How often OutputLooksUncached has said yes in this process (for tests).
+int64_t UncachedOutputCount();
+
+// Whether dependent loads of a few lines spread over the `bytes` at `data` take about what loads
+// from memory take (~100-250 ns a line on the machines measured, with the TLB miss) rather than
+// what cached lines take (~10-25 ns, ~20 from another core's cache).
+bool LooksUncached(const void* data, size_t bytes);
+
 // Copies with non-temporal (streaming) stores, then fences, so that the data is visible before
 // any flag set afterwards. For memory another core reads next (see ShmCommunicator::CopyIn).
 void CopyStreamed(void* dst, const void* src, size_t bytes);

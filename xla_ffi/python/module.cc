@@ -483,6 +483,16 @@ NB_MODULE(_jaxring, m) {
       nb::arg("dst"), nb::arg("src"),
       "Copies src into dst (C-contiguous host arrays of equal size) with non-temporal stores.");
 
+  // For tests of the probe that lets a program's first collective stream into an uncached
+  // output (OutputLooksUncached).
+  m.def(
+      "looks_uncached",
+      [](HostArray data) {
+        return jaxring::LooksUncached(data.data(), data.size() * data.itemsize());
+      },
+      nb::arg("data"), "Whether the lines of a C-contiguous host array look out of the cache.");
+  m.def("uncached_output_count", &jaxring::UncachedOutputCount);
+
   // For allreduce_mpi.py's exchange floor (jaxring::RunExchange).
   m.def(
       "shm_exchange",

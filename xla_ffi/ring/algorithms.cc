@@ -66,7 +66,8 @@ Status DirectAllReduce(LocalTransport& t, const CollectiveBuffers& b) {
     const int64_t begin = pieces.Begin(piece);
     for (int peer = 0; peer < n; ++peer) {
       srcs[peer] = Operand{Offset(t.PeerInput(peer), begin, width)};
-      dsts[peer] = Target{Offset(t.PeerOutput(peer), begin, width), false, streaming};
+      dsts[peer] = Target{Offset(t.PeerOutput(peer), begin, width), false,
+                          streaming || t.PeerOutputUncached(peer)};
     }
     Reduce(h.dtype, h.op, srcs.data(), n, dsts.data(), n, pieces.Size(piece), n);
   });
@@ -89,7 +90,8 @@ Status DirectReduceScatter(LocalTransport& t, const CollectiveBuffers& b) {
     const int64_t begin = pieces.Begin(part);
     for (int peer = 0; peer < n; ++peer)
       srcs[peer] = Operand{Offset(t.PeerInput(peer), owner * b.output_count + begin, width)};
-    const Target dst{Offset(t.PeerOutput(owner), begin, width), false, streaming};
+    const Target dst{Offset(t.PeerOutput(owner), begin, width), false,
+                     streaming || t.PeerOutputUncached(owner)};
     Reduce(h.dtype, h.op, srcs.data(), n, &dst, 1, pieces.Size(part), n);
   });
 }
@@ -120,7 +122,7 @@ Status DirectAllGather(LocalTransport& t, const CollectiveBuffers& b) {
     char* dst = Offset(t.PeerOutput(owner), peer * h.count + begin, width);
     const char* src = Offset(t.PeerInput(peer), begin, width);
     if (!size) return;
-    if (streaming) CopyStreamed(dst, src, size);
+    if (streaming || t.PeerOutputUncached(owner)) CopyStreamed(dst, src, size);
     else std::memcpy(dst, src, size);
   });
 }

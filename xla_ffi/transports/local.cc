@@ -18,6 +18,7 @@ struct PeerSlot {
   std::unique_ptr<unsigned char[]> input_copy;  // Join's copy_input
   bool copied = false;                           // `input` points into this meeting
   void* output = nullptr;
+  bool output_uncached = false;
   void* scratch = nullptr;
   Flag progress;
   std::atomic<bool> arrived{false};
@@ -91,6 +92,7 @@ std::unique_ptr<LocalTransport> LocalTransport::Join(const CommunicatorId& comm,
                                                      int rank, const Header& header,
                                                      const void* input, void* output,
                                                      void* scratch, bool copy_input,
+                                                     const std::function<bool()>& output_uncached,
                                                      double timeout_seconds,
                                                      int64_t spin_iterations) {
   uint64_t sequence = 0;
@@ -106,6 +108,7 @@ std::unique_ptr<LocalTransport> LocalTransport::Join(const CommunicatorId& comm,
   me.copied = copy_input;
   me.input = input;
   me.output = output;
+  me.output_uncached = sequence == 0 && output_uncached();
   me.scratch = scratch;
   me.arrived.store(true, std::memory_order_release);
   if (meeting->arrivals.Add(1) == static_cast<uint32_t>(comm.size) ||
@@ -215,6 +218,9 @@ Status LocalTransport::WaitCount(Flag& count, uint32_t target, const char* what,
 
 const void* LocalTransport::PeerInput(int peer) const { return meeting_->peers[peer].input; }
 void* LocalTransport::PeerOutput(int peer) const { return meeting_->peers[peer].output; }
+bool LocalTransport::PeerOutputUncached(int peer) const {
+  return meeting_->peers[peer].output_uncached;
+}
 void* LocalTransport::PeerScratch(int peer) const { return meeting_->peers[peer].scratch; }
 
 void LocalTransport::PublishProgress(uint32_t units) {

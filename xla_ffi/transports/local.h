@@ -36,10 +36,13 @@ class LocalTransport {
   // With `copy_input`, the rank first copies its input (header.count elements) into the
   // meeting, which lives until the last rank lets go of it: peers then read the copy, never this
   // rank's buffer, and once every rank did so nobody has to wait for the others to finish
-  // reading (inputs_copied()).
+  // reading (inputs_copied()). For the first call of an XLA run on this communicator only,
+  // `output_uncached` is asked whether this rank's output is out of the cache, and its answer is
+  // published with the pointers (PeerOutputUncached); later calls of the run answer false.
   static std::unique_ptr<LocalTransport> Join(const CommunicatorId& comm, int64_t run_id, int rank,
                                               const Header& header, const void* input,
                                               void* output, void* scratch, bool copy_input,
+                                              const std::function<bool()>& output_uncached,
                                               double timeout_seconds, int64_t spin_iterations);
   ~LocalTransport();
 
@@ -75,6 +78,8 @@ class LocalTransport {
   const void* PeerInput(int peer) const;
   void* PeerOutput(int peer) const;
   void* PeerScratch(int peer) const;
+  // Whether `peer` found its output out of the cache when it joined (Join's output_uncached).
+  bool PeerOutputUncached(int peer) const;
 
   // Pairwise hand-off: this rank has completed `units` units of work (monotone).
   void PublishProgress(uint32_t units);
