@@ -103,8 +103,9 @@ HostResult RunCollectiveCall(const JaxringHostCall& c, const Header& header,
   // keep evicting the output that the next pass reads. In place, the reads bring every output
   // line into the cache before it is written.
   const auto output_uncached = [&] {
+    const int64_t output_bytes = c.output_count * static_cast<int64_t>(ByteWidth(header.dtype));
     return algorithm == Algorithm::kDirect && c.output != c.input &&
-           OutputLooksUncached(c.output, c.output_count * static_cast<int64_t>(ByteWidth(header.dtype)));
+           OutputLooksUncached(c.output, output_bytes);
   };
   std::shared_ptr<LocalTransport> transport = LocalTransport::Join(
       comm, c.run_id, c.rank, header, c.input, c.output, scratch.data(), copy_input,

@@ -41,9 +41,9 @@ bool OutputLooksUncached(const void* output, int64_t bytes);
 // How often OutputLooksUncached has said yes in this process (for tests).
 int64_t UncachedOutputCount();
 
-// Whether dependent loads of a few lines spread over the `bytes` at `data` take about what loads
-// from memory take (~100-250 ns a line on the machines measured, with the TLB miss) rather than
-// what cached lines take (~10-25 ns, ~20 from another core's cache).
+// Whether dependent loads from a few lines spread over the `bytes` at `data` take more than 70 ns
+// a line, as loads from memory do, where cached lines take 10-25 ns on the machines measured
+// (also from the other core's cache). Needs 8 pages at least; false for less.
 bool LooksUncached(const void* data, size_t bytes);
 
 // Copies with non-temporal (streaming) stores, then fences, so that the data is visible before
