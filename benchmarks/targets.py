@@ -41,6 +41,8 @@ largest that stands. The verdict takes the medians over the runs:
 - `impossible`: not met, and the floor over the target above 1, so no implementation meets it
   here;
 - `unmet`: neither: the floors that stand leave room that jaxring does not reach.
+Issue 2's rows are also judged over the runs of the current code alone (CURRENT_IN_PROCESS_SINCE
+on): a summary line each, and the rows whose verdict differs from the one over every run.
 """
 
 from __future__ import annotations
@@ -62,11 +64,25 @@ MPI_CONFIGS = ("n2", "n2-bound", "n4", "n4-bound")
 HUGE_PAGE_BYTES = 8 << 20  # jaxring.config's huge_page_bytes when a result file has no config
 
 
-def runs(name: str) -> list[dict]:
-    """The committed result `name` and its extra runs under results/runs/, oldest first."""
+# The first run of allreduce.py (the number in its --name) made with jaxring's in-process
+# collectives as they are now: 32, the first after a program's first collective began to stream
+# into outputs the cache does not hold (README, "Cold outputs"). Whoever changes how those
+# collectives perform raises it, so that the summary also judges the current code on its own.
+CURRENT_IN_PROCESS_SINCE = 32
+
+
+def run_number(path: Path) -> int:
+    """A stored run's number: k for results/runs/<name>-k.json, 0 for the committed result."""
+    tail = path.stem.rsplit("-", 1)[-1]
+    return int(tail) if path.parent.name == "runs" and tail.isdigit() else 0
+
+
+def runs(name: str, since: int = 0) -> list[dict]:
+    """The committed result `name` and its extra runs under results/runs/, oldest first; only
+    those numbered `since` or later where `since` > 0."""
     paths = [RESULTS / f"{name}.json"] + sorted(
-        (RESULTS / "runs").glob(f"{name}-[0-9]*.json"), key=lambda p: int(p.stem.rsplit("-", 1)[1]))
-    return [json.loads(p.read_text()) for p in paths if p.exists()]
+        (RESULTS / "runs").glob(f"{name}-[0-9]*.json"), key=run_number)
+    return [json.loads(p.read_text()) for p in paths if p.exists() and run_number(p) >= since]
 
 
 def in_process_rows(run: dict) -> dict:
@@ -224,7 +240,28 @@ def verdict_tables(title: str, columns: tuple, rows: list) -> list[str]:
     return lines
 
 
-def markdown(issue2: list[dict], n_in_process: int, issue3: dict, n_mpi: dict) -> str:
+def current_code_lines(issue2: list[dict], current: list[dict], n_current: int) -> list[str]:
+    """Markdown lines: the rows whose verdict over the current code's runs alone differs from
+    their verdict over every run."""
+    every = {tuple(v["key"]): v for v in issue2}
+    lines = ["", f"## Issue 2, the current code: verdicts over runs {CURRENT_IN_PROCESS_SINCE} "
+             f"and later ({n_current}) that differ from those over every run", "",
+             "| table | collective | n | size | every run: median, verdict | current code: "
+             "jaxring / target, per run | median | floor / target | verdict |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for v in current:
+        old = every.get(tuple(v["key"]))
+        if old is None or old["verdict"] == v["verdict"]:
+            continue
+        table, collective, n, nbytes = v["key"]
+        lines.append(f"| {table} | {collective} | {n} | {human_bytes(nbytes)} | "
+                     f"{old['ratio']:.2f}, {old['verdict']} | {cell(v['ratios'])} | "
+                     f"{v['ratio']:.2f} | {floor_cell(v)} | {v['verdict']} |")
+    return lines
+
+
+def markdown(issue2: list[dict], n_in_process: int, issue3: dict, n_mpi: dict,
+             current: list[dict], n_current: int) -> str:
     lines = [
         "# Performance targets of issues 2 and 3, over every stored run",
         "",
@@ -272,6 +309,10 @@ def markdown(issue2: list[dict], n_in_process: int, issue3: dict, n_mpi: dict) -
     for table in ("lone", "loop"):
         rows = [r for r in issue2 if r["key"][0] == table]
         lines.append(f"| issue 2, {table} calls | {n_in_process} | {counts_line(rows)} |")
+    for table in ("lone", "loop") if current else ():
+        rows = [r for r in current if r["key"][0] == table]
+        lines.append(f"| issue 2, {table} calls, the current code (runs "
+                     f"{CURRENT_IN_PROCESS_SINCE} and later) | {n_current} | {counts_line(rows)} |")
     for config, verdicts in issue3.items():
         for table in ("lone", "loop"):
             rows = [r for r in verdicts if r["key"][0] == table]
@@ -282,6 +323,8 @@ def markdown(issue2: list[dict], n_in_process: int, issue3: dict, n_mpi: dict) -
     issue3_rows = [(v, [config, v["key"][0], human_bytes(v["key"][1])])
                    for config, verdicts in issue3.items() for v in verdicts]
     lines += verdict_tables("Issue 2", issue2_keys, issue2_rows)
+    if current:
+        lines += current_code_lines(issue2, current, n_current)
     lines += verdict_tables("Issue 3", ("config", "table", "size"), issue3_rows)
     return "\n".join(lines) + "\n"
 
@@ -289,16 +332,19 @@ def markdown(issue2: list[dict], n_in_process: int, issue3: dict, n_mpi: dict) -
 def main() -> None:
     in_process = runs("allreduce-cpu")
     issue2 = judge([in_process_rows(run) for run in in_process]) if in_process else []
+    recent = runs("allreduce-cpu", since=CURRENT_IN_PROCESS_SINCE)
+    current = judge([in_process_rows(run) for run in recent]) if recent else []
     issue3, n_mpi = {}, {}
     for config in MPI_CONFIGS:
         stored = runs(f"allreduce_mpi-cpu-{config}")
         if stored:
             issue3[config] = judge([mpi_rows(run) for run in stored])
             n_mpi[config] = len(stored)
-    text = markdown(issue2, len(in_process), issue3, n_mpi)
+    text = markdown(issue2, len(in_process), issue3, n_mpi, current, len(recent))
     (RESULTS / "targets-cpu.md").write_text(text)
     (RESULTS / "targets-cpu.json").write_text(json.dumps(
         {"issue2": issue2, "issue3": issue3,
+         "issue2_current": {"since_run": CURRENT_IN_PROCESS_SINCE, "verdicts": current},
          "runs": {"allreduce-cpu": len(in_process), **{f"allreduce_mpi-cpu-{c}": k
                                                         for c, k in n_mpi.items()}}}, indent=1))
     print(text)
