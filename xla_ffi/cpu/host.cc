@@ -101,11 +101,13 @@ HostResult RunCollectiveCall(const JaxringHostCall& c, const Header& header,
   // program's first collective, whose buffers most often come from outside the program; later
   // ones work on what the program has just written, or run in a loop, where streaming would
   // keep evicting the output that the next pass reads. In place, the reads bring every output
-  // line into the cache before it is written.
-  const auto output_uncached = [&] {
-    const int64_t output_bytes = c.output_count * static_cast<int64_t>(ByteWidth(header.dtype));
-    return algorithm == Algorithm::kDirect && c.output != c.input &&
-           OutputLooksUncached(c.output, output_bytes);
+  // line into the cache before it is written, so those are probed as 0 bytes (never uncached).
+  // Two words of capture, which std::function holds without allocating on every call.
+  const int64_t probed_bytes = algorithm == Algorithm::kDirect && c.output != c.input
+                                   ? c.output_count * static_cast<int64_t>(ByteWidth(header.dtype))
+                                   : 0;
+  const auto output_uncached = [output = c.output, probed_bytes] {
+    return OutputLooksUncached(output, probed_bytes);
   };
   std::shared_ptr<LocalTransport> transport = LocalTransport::Join(
       comm, c.run_id, c.rank, header, c.input, c.output, scratch.data(), copy_input,

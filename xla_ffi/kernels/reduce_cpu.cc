@@ -154,7 +154,9 @@ std::atomic<int64_t> uncached_outputs{0};
 
 bool OutputLooksUncached(const void* output, int64_t bytes) {
   constexpr int64_t kProbeOutputBytes = int64_t{256} << 10;
-  constexpr int64_t kLargestProbed = int64_t{8} << 20;  // huge-page advice from there (host.cc)
+  // Config's default huge_page_bytes: host.cc advises larger outputs onto huge pages, and a
+  // read before their first write would fault them in as the shared zero page.
+  constexpr int64_t kLargestProbed = int64_t{8} << 20;
   if (bytes < kProbeOutputBytes || bytes >= kLargestProbed ||
       !LooksUncached(output, static_cast<size_t>(bytes)))
     return false;
