@@ -15,7 +15,8 @@ floor (the collective's local part in a native call with the effect), for reduce
 floor (every input byte read, nothing written) and, from 16 MiB, a copy floor (what the memory
 takes to move the bytes); and each collective against its twin inside one compiled loop that
 donates its input, which leaves out the program launch (jaxring's all-reduce in place and with a
-fresh output; reduce_scatter's read floor in the same loop). It reports time, algbw and busbw
+fresh output; reduce_scatter's read floor in the same loop; from 16 MiB the native floors, and
+the read and native floors synchronised by a barrier each pass). It reports time, algbw and busbw
 (nccl-tests definitions) against the copy bandwidth of this machine measured in the same run,
 and writes
 benchmarks/results/allreduce-cpu.{json,md,png}.
@@ -100,14 +101,16 @@ NATIVE_WAYS = {(collective, streamed): f"{NATIVE}[{collective}, {way}]"
                for way, streamed in (("plain", False), ("streamed", True))}
 
 
-def native_rows(n: int, nbytes: int, seconds: dict) -> list[dict]:
-    """The `native floor[collective]` rows: the faster of NATIVE_WAYS' times in `seconds` (case
-    -> seconds per call), each way's kept beside it."""
+def native_rows(n: int, nbytes: int, seconds: dict, prefix: str = "") -> list[dict]:
+    """The `{prefix}native floor[collective]` rows: the faster of NATIVE_WAYS' times in `seconds`
+    (case -> seconds per call, each way's case named with the same prefix), each way's kept
+    beside it."""
     rows = []
     for collective in NATIVE_OF:
-        ways = {name: seconds[name] for (c, _), name in NATIVE_WAYS.items() if c == collective}
+        ways = {prefix + name: seconds[prefix + name]
+                for (c, _), name in NATIVE_WAYS.items() if c == collective}
         rows.append({"devices": n, "bytes": _elements(collective, n, nbytes)[1],
-                     "case": f"{NATIVE}[{collective}]", "collective": collective,
+                     "case": f"{prefix}{NATIVE}[{collective}]", "collective": collective,
                      "seconds": min(ways.values()), "ways_seconds": ways})
     return rows
 # The read floor of reduce_scatter on n devices, lone and in the loop: a native call with the
@@ -282,6 +285,19 @@ LOOP_CASES = {
 # writes n blocks, and the loop's own work is the same on every side, so no collective in that
 # loop takes less. Below 16 MiB every loop row meets its target in most runs.
 LOOP_NATIVE_BYTES = 16 << 20
+# From LOOP_NATIVE_BYTES the loop also times the synchronised floors, `synced read floor` and
+# `synced native floor`: each pass of those floors followed by jaxring.barrier on the axis. The
+# floors above never wait for a peer, so with more devices than cores a device thread runs
+# several passes in one time slice and rereads its own input from the last-level cache. No
+# collective's loop can: each pass reads every device's input, which exists only once that
+# device has arrived, so a device waits for all of its peers once a pass at least, and between
+# two of its passes the others read theirs (n x 16 MiB, several times the 32 MiB cache). Timed
+# in turns in one process (40 rounds, 16 MiB), the barrier after each pass cost 0.4-1.1 ms a
+# pass on 4 and 8 devices, against 18-34 us at 256 KiB-1 MiB, where everything fits the cache:
+# the cost is the lost reuse, not the barrier's own hand-off. A 4-byte lax.psum in its place
+# (XLA's rendezvous) cost as much or more in each of 9 pairs (3 floors on 2, 4 and 8 devices;
+# up to 13% more), so jaxring's barrier does not inflate the floor.
+SYNCED = "synced "
 
 
 def _native_pass(collective: str, streamed: bool):
@@ -289,6 +305,15 @@ def _native_pass(collective: str, streamed: bool):
     if collective == "reduce_scatter":
         return lambda v, n: _into_own_block(v, native_floor(v, collective, n, streamed))
     return lambda v, n: _own_block(native_floor(v, collective, n, streamed), n)
+
+
+def _synced(one_pass):
+    """`one_pass`, then a jaxring.barrier over axis "i" (the synchronised floors' pass)."""
+    def synced_pass(v, n):
+        result = one_pass(v, n)
+        jaxring.barrier("i")
+        return result
+    return synced_pass
 
 
 def loop_repeats(nbytes: int) -> int:
@@ -321,9 +346,14 @@ def measure_in_loop(n: int, nbytes: int) -> list[dict]:
     sharding = NamedSharding(mesh, P("i"))
     repeats = loop_repeats(nbytes)
     runs, sizes, inputs = {}, {}, {}
-    natives = ({name: (collective, _native_pass(collective, streamed))
-                for (collective, streamed), name in NATIVE_WAYS.items()}
-               if nbytes >= LOOP_NATIVE_BYTES else {})
+    natives = {}
+    if nbytes >= LOOP_NATIVE_BYTES:
+        for (collective, streamed), name in NATIVE_WAYS.items():
+            natives[name] = (collective, _native_pass(collective, streamed))
+            natives[SYNCED + name] = (collective, _synced(_native_pass(collective, streamed)))
+        for collective in READ_OF:
+            read = f"{READ}[{collective}]"
+            natives[SYNCED + read] = (collective, _synced(LOOP_CASES[read][1]))
     for name, (collective, one_pass) in {**LOOP_CASES, **natives}.items():
         per_device, sizes[name] = _elements(collective, n, nbytes)
         start = np.random.default_rng(0).standard_normal(n * per_device, np.float32) * 2.0 ** -100
@@ -347,7 +377,12 @@ def measure_in_loop(n: int, nbytes: int) -> list[dict]:
     rows = [{"devices": n, "bytes": sizes[name], "case": name, "collective": LOOP_CASES[name][0],
              "seconds": medians[name] / repeats} for name in LOOP_CASES]
     if natives:
-        rows += native_rows(n, nbytes, {name: medians[name] / repeats for name in natives})
+        seconds = {name: medians[name] / repeats for name in natives}
+        rows += native_rows(n, nbytes, seconds) + native_rows(n, nbytes, seconds, SYNCED)
+        for collective in READ_OF:
+            name = f"{SYNCED}{READ}[{collective}]"
+            rows.append({"devices": n, "bytes": sizes[name], "case": name,
+                         "collective": collective, "seconds": seconds[name]})
     return rows
 
 
@@ -373,14 +408,21 @@ def loop_markdown(rows: list[dict]) -> str:
              f" {human_bytes(LOOP_NATIVE_BYTES)}): the same loop with the collective's local part"
              " in a native call in its place (the n blocks of this device's input summed; n copies"
              " of it), the faster of plain and non-temporal stores; no collective in that loop"
-             " takes less (`-`: not timed at that size).", ""]
+             f" takes less. `{SYNCED}...` (from {human_bytes(LOOP_NATIVE_BYTES)}): the read and"
+             " native floors with a jaxring.barrier after each pass. Every collective's device"
+             " waits for all of its peers once a pass (their inputs exist only once they have"
+             " arrived), so, unlike the unsynchronised floors, it cannot run several passes in a"
+             " row over its own input while that input is still cached. `-`: not timed at that"
+             " size.", ""]
     for collective, twin in TWIN.items():
         ours = [c for c, (kind, _) in LOOP_CASES.items() if kind == collective and c != twin]
-        ours += [f"{NATIVE}[{collective}]"] if collective in NATIVE_OF else []
+        ours += ([f"{NATIVE}[{collective}]", f"{SYNCED}{NATIVE}[{collective}]"]
+                 if collective in NATIVE_OF else [])
+        ours += [f"{SYNCED}{READ}[{collective}]"] if collective in READ_OF else []
         lines += [f"### {collective}", "",
                   "| n | size | " + " | ".join(f"{c} (us)" for c in ours) + f" | {twin} (us) | "
                   + " | ".join(f"ratio {c.split('.')[1]}" if c.startswith("jaxring.")
-                               else f"{c.split()[0]} / twin" for c in ours) + " |",
+                               else f"{c.split(' floor')[0]} / twin" for c in ours) + " |",
                   "|" + "---|" * (3 + 2 * len(ours))]
         for n, size in sorted({(r["devices"], r["bytes"]) for r in rows
                                if r.get("collective", "all_reduce") == collective}):

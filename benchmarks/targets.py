@@ -25,6 +25,9 @@ reads every input byte once and writes nothing, as every reduce-scatter reads at
 only from the runs that record `read_floor_streams`: the earlier runs' read floor read its input
 as one run of lines, up to 17% slower than reading it as several side by side, and so did not
 bound what reading takes);
+`synced read` and `synced native` (in the loop from 16 MiB): those floors' passes each followed
+by a barrier of the devices, as every collective's device waits for all of its peers once a
+pass (allreduce.py's SYNCED says why that counts with more devices than cores);
 `copy` and `traffic`: every byte the collective must read and write, copied; `exchange` (across
 processes): every rank staging its input in shared memory and reading 2(n - 1)/n of its size
 from there into its output, the least any all-reduce between processes moves from core to core
@@ -96,8 +99,9 @@ def in_process_rows(run: dict) -> dict:
     reduce_scatter and all_gather (their local part in a native call with the effect, at every
     size), the `read` floor of reduce_scatter (every input byte read, nothing written; only from
     runs that record `read_floor_streams`, see the module docstring) and the `copy` floor; a loop
-    row's floors are reduce_scatter's `read` floor and, from 16 MiB, the `native` floors, each in
-    the same loop."""
+    row's floors are reduce_scatter's `read` floor and, from 16 MiB, the `native` floors and the
+    `synced` ones (the read and native floors with a barrier after each pass), each in the same
+    loop."""
     huge = run.get("config", {}).get("huge_page_bytes", HUGE_PAGE_BYTES)
     reads = "read_floor_streams" in run
     out = {}
@@ -117,7 +121,9 @@ def in_process_rows(run: dict) -> dict:
                                 if collective != "all_gather" else None),
                       "native": by.get((n, nbytes, f"native floor[{collective}]")),
                       "read": by.get((n, nbytes, f"read floor[{collective}]")) if reads else None,
-                      "copy": by.get((n, nbytes, f"copy floor[{collective}]"))}
+                      "copy": by.get((n, nbytes, f"copy floor[{collective}]")),
+                      "synced native": by.get((n, nbytes, f"synced native floor[{collective}]")),
+                      "synced read": by.get((n, nbytes, f"synced read floor[{collective}]"))}
             out[(table, collective, n, nbytes)] = (
                 seconds / allowed, {k: f / allowed for k, f in floors.items() if f is not None})
     return out
@@ -282,7 +288,10 @@ def markdown(issue2: list[dict], n_in_process: int, issue3: dict, n_mpi: dict,
         "effect (in the loop from 16 MiB, in the same loop); `read` (reduce_scatter, lone and in "
         "the loop), a native call with the effect that reads every input byte once and writes "
         "nothing (from the runs that read it as several runs of lines side by side: the earlier "
-        "runs' single run was up to 17% slower, and bounded nothing); `copy` and `traffic`, "
+        "runs' single run was up to 17% slower, and bounded nothing); `synced read` and "
+        "`synced native` (in the loop from 16 MiB), those floors with a barrier of the devices "
+        "after each pass, since every collective's device waits for all of its peers once a "
+        "pass; `copy` and `traffic`, "
         "copies of the bytes the collective must move; "
         "`exchange`, every rank staging its input in shared memory and reading from there as much"
         " as any all-reduce must, 2(n - 1)/n of the size (the least any all-reduce between "
