@@ -292,11 +292,11 @@ LOOP_NATIVE_BYTES = 16 << 20
 # collective's loop can: each pass reads every device's input, which exists only once that
 # device has arrived, so a device waits for all of its peers once a pass at least, and between
 # two of its passes the others read theirs (n x 16 MiB, several times the 32 MiB cache). Timed
-# in turns in one process (40 rounds, 16 MiB), the barrier after each pass cost 0.4-1.1 ms a
-# pass on 4 and 8 devices, against 18-34 us at 256 KiB-1 MiB, where everything fits the cache:
-# the cost is the lost reuse, not the barrier's own hand-off. A 4-byte lax.psum in its place
-# (XLA's rendezvous) cost as much or more in each of 9 pairs (3 floors on 2, 4 and 8 devices;
-# up to 13% more), so jaxring's barrier does not inflate the floor.
+# in turns in one process (12 rounds, 16 MiB), the barrier after each pass cost 0.4-1.1 ms a
+# pass on 4 and 8 devices, against 18-34 us at 256 KiB-1 MiB (README), where everything fits
+# the cache: the cost is the lost reuse, not the barrier's own hand-off. In 40 rounds, a 4-byte
+# lax.psum in its place (XLA's rendezvous) cost as much or more in each of 9 pairs (3 floors on
+# 2, 4 and 8 devices; up to 13% more), so jaxring's barrier does not inflate the floor.
 SYNCED = "synced "
 
 
