@@ -349,8 +349,9 @@ def measure_in_loop(n: int, nbytes: int) -> list[dict]:
     natives = {}
     if nbytes >= LOOP_NATIVE_BYTES:
         for (collective, streamed), name in NATIVE_WAYS.items():
-            natives[name] = (collective, _native_pass(collective, streamed))
-            natives[SYNCED + name] = (collective, _synced(_native_pass(collective, streamed)))
+            one_pass = _native_pass(collective, streamed)
+            natives[name] = (collective, one_pass)
+            natives[SYNCED + name] = (collective, _synced(one_pass))
         for collective in READ_OF:
             read = f"{READ}[{collective}]"
             natives[SYNCED + read] = (collective, _synced(LOOP_CASES[read][1]))
