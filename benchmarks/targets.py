@@ -80,12 +80,12 @@ def run_number(path: Path) -> int:
     return int(tail) if path.parent.name == "runs" and tail.isdigit() else 0
 
 
-def runs(name: str, since: int = 0) -> list[dict]:
-    """The committed result `name` and its extra runs under results/runs/, oldest first; only
-    those numbered `since` or later where `since` > 0."""
+def runs(name: str) -> list[tuple[int, dict]]:
+    """The committed result `name` and its extra runs under results/runs/, oldest first, each
+    with its run_number."""
     paths = [RESULTS / f"{name}.json"] + sorted(
         (RESULTS / "runs").glob(f"{name}-[0-9]*.json"), key=run_number)
-    return [json.loads(p.read_text()) for p in paths if p.exists() and run_number(p) >= since]
+    return [(run_number(p), json.loads(p.read_text())) for p in paths if p.exists()]
 
 
 def in_process_rows(run: dict) -> dict:
@@ -340,14 +340,14 @@ def markdown(issue2: list[dict], n_in_process: int, issue3: dict, n_mpi: dict,
 
 def main() -> None:
     in_process = runs("allreduce-cpu")
-    issue2 = judge([in_process_rows(run) for run in in_process]) if in_process else []
-    recent = runs("allreduce-cpu", since=CURRENT_IN_PROCESS_SINCE)
+    issue2 = judge([in_process_rows(run) for _, run in in_process]) if in_process else []
+    recent = [run for number, run in in_process if number >= CURRENT_IN_PROCESS_SINCE]
     current = judge([in_process_rows(run) for run in recent]) if recent else []
     issue3, n_mpi = {}, {}
     for config in MPI_CONFIGS:
         stored = runs(f"allreduce_mpi-cpu-{config}")
         if stored:
-            issue3[config] = judge([mpi_rows(run) for run in stored])
+            issue3[config] = judge([mpi_rows(run) for _, run in stored])
             n_mpi[config] = len(stored)
     text = markdown(issue2, len(in_process), issue3, n_mpi, current, len(recent))
     (RESULTS / "targets-cpu.md").write_text(text)

@@ -1,0 +1,88 @@
+"""benchmarks/targets.py, which turns stored benchmark runs into the verdicts the README reports:
+each row's ratio to its target, its floors, and met / impossible / unmet."""
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+import targets  # noqa: E402
+
+
+def _run(rows, in_loop_rows=(), **extra):
+    return {"rows": [dict(zip(("devices", "bytes", "case", "seconds"), r)) for r in rows],
+            "in_loop_rows": [dict(zip(("devices", "bytes", "case", "seconds"), r))
+                             for r in in_loop_rows], **extra}
+
+
+def test_in_process_rows_ratios_against_the_target_and_floors():
+    mib = 1 << 20
+    run = _run(
+        [(4, mib, "jaxring.reduce_scatter", 1.1e-3), (4, mib, "lax.psum_scatter", 1.0e-3),
+         (4, mib, "effect floor[reduce_scatter]", 0.9e-3),
+         (4, 4, "effect floor[reduce_scatter]", 0.3e-3),
+         (4, mib, "native floor[reduce_scatter]", 1.05e-3),
+         (4, mib, "read floor[reduce_scatter]", 0.7e-3),
+         (4, 16 * mib, "jaxring.all_gather", 4.0e-3), (4, 16 * mib, "lax.all_gather", 5.0e-3),
+         (4, 16 * mib, "copy floor[all_gather]", 3.0e-3),
+         (4, 16 * mib, "effect floor[all_gather]", 2.0e-3),
+         (4, 4, "effect floor[all_gather]", 0.2e-3)],
+        [(4, 16 * mib, "jaxring.all_gather", 3.6e-3), (4, 16 * mib, "lax.all_gather", 4.0e-3),
+         (4, 16 * mib, "synced native floor[all_gather]", 3.4e-3)])
+    rows = targets.in_process_rows(run)
+    ratio, floors = rows[("lone", "reduce_scatter", 4, mib)]
+    assert ratio == pytest.approx(1.1)
+    # No read floor: this run does not record read_floor_streams (the early single-run reads).
+    assert floors == pytest.approx({"effect": 0.9, "launch": 0.3, "native": 1.05})
+    ratio, floors = rows[("lone", "all_gather", 4, 16 * mib)]
+    assert ratio == pytest.approx(4.0 / (5.0 * 0.8))  # 0.8x the twin from 16 MiB
+    # From huge_page_bytes (8 MiB) outputs the effect floor does not count; the launch (the
+    # least effect floor up to this size) does.
+    assert floors == pytest.approx({"copy": 3.0 / 4.0, "launch": 0.2 / 4.0})
+    ratio, floors = rows[("loop", "all_gather", 4, 16 * mib)]
+    assert ratio == pytest.approx(3.6 / 3.2)
+    assert floors == pytest.approx({"synced native": 3.4 / 3.2})
+    run["read_floor_streams"] = 4
+    assert targets.in_process_rows(run)[("lone", "reduce_scatter", 4, mib)][1]["read"] == \
+        pytest.approx(0.7)
+
+
+def _verdict(per_run_ratios, per_run_floors):
+    key = ("lone", "all_reduce", 2, 4)
+    return targets.judge([{key: (r, f)} for r, f in zip(per_run_ratios, per_run_floors)])[0]
+
+
+def test_judge_takes_medians_and_the_largest_floor_that_stands():
+    met = _verdict([0.9, 1.2, 0.95], [{"effect": 0.5}] * 3)
+    assert (met["verdict"], met["ratio"], met["met_runs"]) == ("met", 0.95, 2)
+
+    # The floor's median (1.1) exceeds the target but not jaxring's median (1.2): impossible.
+    impossible = _verdict([1.2, 1.3, 1.1], [{"effect": 1.0, "native": 1.1},
+                                            {"effect": 1.05, "native": 1.15},
+                                            {"effect": 0.95, "native": 1.05}])
+    assert impossible["verdict"] == "impossible"
+    assert (impossible["floor_kind"], impossible["floor"]) == ("native", 1.1)
+
+    # A floor slower than jaxring is refuted and bounds nothing; the one left is below 1.
+    unmet = _verdict([1.1, 1.1, 1.1], [{"effect": 1.3, "native": 0.9}] * 3)
+    assert unmet["verdict"] == "unmet"
+    assert unmet["refuted"] == {"effect": 1.3}
+    assert (unmet["floor_kind"], unmet["floor"]) == ("native", 0.9)
+
+
+def test_judge_takes_a_floor_at_its_median_over_the_runs_that_measured_it():
+    verdict = _verdict([1.2, 1.2, 1.2, 1.2], [{}, {}, {"synced read": 1.05},
+                                              {"synced read": 1.15}])
+    assert verdict["floor"] == pytest.approx(1.1)
+    assert verdict["floors"] == {"synced read": [1.05, 1.15]}
+    assert verdict["verdict"] == "impossible"
+    no_floor = _verdict([1.2, 1.3], [{}, {}])
+    assert (no_floor["floor"], no_floor["verdict"]) == (None, "unmet")
+
+
+def test_judge_keeps_only_rows_present_in_every_run():
+    a, b = ("lone", "all_reduce", 2, 4), ("lone", "all_reduce", 2, 16)
+    verdicts = targets.judge([{a: (0.9, {}), b: (0.9, {})}, {a: (1.1, {})}])
+    assert [v["key"] for v in verdicts] == [list(a)]
+    assert verdicts[0]["ratio"] == pytest.approx(1.0)
