@@ -3,6 +3,7 @@ twins, with both algorithms and with the direct one reading small inputs from co
 (the configuration is read when the collective runs, so one compiled program serves all)."""
 
 import functools
+import time
 
 import jax
 import jax.numpy as jnp
@@ -240,15 +241,25 @@ def _evict_caches():
 def test_the_cache_probe_tells_cached_from_evicted_lines():
     """LooksUncached (kernels/reduce_cpu.cc) times loads from a few lines of an array: lines just
     written are cached, lines evicted since are not. A VM's scheduler can stall one probe, so
-    each side must hold in most of 9 tries."""
+    each side must hold in most of 9 tries. The VM's state can also blur the difference for a
+    while: a suite run under load saw 3 of 9 evicted, and a neighbour process that woke every
+    half millisecond cut the evicted side to 4-27 of 60 for some seconds while a C copy of the
+    probe still told them apart. So up to five batches run, a second apart; a probe that cannot
+    tell the two apart fails all five."""
     data = np.zeros(1 << 20, np.float32)
-    cached = evicted = 0
-    for _ in range(9):
-        data += 1
-        cached += not native.extension.looks_uncached(data)
-        _evict_caches()
-        evicted += native.extension.looks_uncached(data)
-    assert cached >= 6 and evicted >= 6, (cached, evicted)
+    batches = []
+    for _ in range(5):
+        cached = evicted = 0
+        for _ in range(9):
+            data += 1
+            cached += not native.extension.looks_uncached(data)
+            _evict_caches()
+            evicted += native.extension.looks_uncached(data)
+        if cached >= 6 and evicted >= 6:
+            return
+        batches.append((cached, evicted))
+        time.sleep(1)
+    pytest.fail(f"no batch told cached from evicted lines, (cached, evicted) of 9 each: {batches}")
 
 
 @pytest.mark.parametrize("n", [2, 3])
@@ -281,7 +292,7 @@ def test_a_programs_first_collective_streams_into_an_uncached_output(n, dtype):
     sharded = shard(x, m)
     for name, f in programs.items():
         jax.block_until_ready(f(sharded))  # compiled (and done) before the caches are emptied
-        for attempt in range(5):
+        for attempt in range(20):  # the probe can miss for seconds on a busy VM (see above)
             before = native.extension.uncached_output_count()
             _evict_caches()
             first, second = jax.tree.map(np.asarray, f(sharded))
@@ -289,8 +300,9 @@ def test_a_programs_first_collective_streams_into_an_uncached_output(n, dtype):
             assert probed_uncached <= n, f"{name}: more than the first collective was probed"
             if probed_uncached:
                 break
+            time.sleep(0.1)
         else:
-            pytest.fail(f"{name}: no output looked uncached in 5 tries")
+            pytest.fail(f"{name}: no output looked uncached in 20 tries")
         for out, factor in [(first, 1), (second, 2)]:
             if name == "all_gather":
                 np.testing.assert_array_equal(out, expected[name] * factor, err_msg=name)
