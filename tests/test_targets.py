@@ -10,10 +10,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import targets  # noqa: E402
 
 
-def _run(rows, in_loop_rows=(), **extra):
-    return {"rows": [dict(zip(("devices", "bytes", "case", "seconds"), r)) for r in rows],
-            "in_loop_rows": [dict(zip(("devices", "bytes", "case", "seconds"), r))
-                             for r in in_loop_rows], **extra}
+def _rows(rows):
+    return [dict(zip(("devices", "bytes", "case", "seconds"), row)) for row in rows]
+
+
+def _run(rows, in_loop_rows):
+    """A stored run of allreduce.py with these (devices, bytes, case, seconds) rows."""
+    return {"rows": _rows(rows), "in_loop_rows": _rows(in_loop_rows)}
 
 
 def test_in_process_rows_ratios_against_the_target_and_floors():
