@@ -294,9 +294,10 @@ LOOP_NATIVE_BYTES = 16 << 20
 # two of its passes the others read theirs (n x 16 MiB, several times the 32 MiB cache). Timed
 # in turns in one process (12 rounds, 16 MiB), the barrier after each pass cost 0.4-1.1 ms a
 # pass on 4 and 8 devices, against 18-34 us at 256 KiB-1 MiB (benchmarks/TARGETS.md), where
-# everything fits the cache: the cost is the lost reuse, not the barrier's own hand-off. In 40 rounds, a 4-byte
-# lax.psum in its place (XLA's rendezvous) cost as much or more in each of 9 pairs (3 floors on
-# 2, 4 and 8 devices; up to 13% more), so jaxring's barrier does not inflate the floor.
+# everything fits the cache: the cost is the lost reuse, not the barrier's own hand-off. In 40
+# rounds, a 4-byte lax.psum in its place (XLA's rendezvous) cost as much or more in each of 9
+# pairs (3 floors on 2, 4 and 8 devices; up to 13% more), so jaxring's barrier does not inflate
+# the floor.
 SYNCED = "synced "
 
 
