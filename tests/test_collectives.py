@@ -193,10 +193,11 @@ def test_every_build_of_the_kernels_writes_the_same_bits(n, dtype, op):
                                           err_msg=f"{kernels} against baseline, {size} elements")
 
 
-@pytest.mark.parametrize("n", [2, 3])
+@pytest.mark.parametrize("n", [2, 3, 8])
 @pytest.mark.parametrize("dtype", [np.float32, jnp.bfloat16, np.int64], ids=str)
 def test_all_gather_large_enough_to_stream_its_stores(n, dtype):
-    """All-gather outputs of 16 MiB and more per device are copied with streaming stores; an odd
+    """All-gather outputs of 16 MiB and more per device are copied with streaming stores, each
+    piece of an input read once and written into every device's output (DirectAllGather); an odd
     count leaves every block's start and tail unaligned. Every element is checked."""
     rng = np.random.default_rng(n)
     count = (16 << 20) // (n * np.dtype(dtype).itemsize) + 13
