@@ -393,6 +393,11 @@ def _mappings():
     return found
 
 
+def _overlapping(mappings, start, end):
+    """The mappings that overlap [start, end)."""
+    return [m for m in mappings if m[0] < end and start < m[1]]
+
+
 def _advised_bytes(mappings, start, end):
     """How many bytes of [start, end) lie in advised mappings (mappings never overlap)."""
     return sum(max(0, min(end, high) - max(start, low))
@@ -449,12 +454,11 @@ def test_large_outputs_are_written_to_huge_pages(collective):
                     # glibc may hand out memory that an earlier output advised (a large free
                     # chunk at the top of its heap), so with the knob at 0 no advice may be new,
                     # and no page outside advised mappings may be huge.
-                    new = [(max(low, start), min(high, end)) for low, high, _, adv in after
-                           if adv and low < end and start < high]
+                    mine = _overlapping(after, start, end)
+                    new = [(max(low, start), min(high, end)) for low, high, _, adv in mine if adv]
                     assert all(_advised_bytes(before, a, b) == b - a for a, b in new), new
-                    assert all(kib == 0 for low, high, kib, adv in after
-                               if low < end and start < high and not adv)
-                got_huge &= any(kib > 0 for low, high, kib, _ in after if low < end and start < high)
+                    assert all(kib == 0 for _, _, kib, adv in mine if not adv)
+                got_huge &= any(kib > 0 for _, _, kib, _ in _overlapping(after, start, end))
             if got_huge or threshold == 0:
                 break
         if threshold:

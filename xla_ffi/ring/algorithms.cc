@@ -1,7 +1,6 @@
 #include "ring/algorithms.h"
 
 #include <algorithm>
-#include <cstdlib>
 #include <cstring>
 #include <vector>
 
