@@ -3,6 +3,7 @@ twins, with both algorithms and with the direct one reading small inputs from co
 (the configuration is read when the collective runs, so one compiled program serves all)."""
 
 import functools
+import mmap
 import time
 
 import jax
@@ -241,20 +242,24 @@ def _evict_caches():
 
 def test_the_cache_probe_tells_cached_from_evicted_lines():
     """LooksUncached (kernels/reduce_cpu.cc) times loads from a few lines of an array: lines just
-    written are cached, lines evicted since are not. A VM's scheduler can stall one probe, so
-    each side must hold in most of 9 tries. The VM's state can also blur the difference for a
-    while: a suite run under load saw 3 of 9 evicted, and a neighbour process that woke every
-    half millisecond cut the evicted side to 4-27 of 60 for some seconds while a C copy of the
-    probe still told them apart. So up to five batches run, a second apart; a probe that cannot
-    tell the two apart fails all five."""
-    data = np.zeros(1 << 20, np.float32)
+    written are cached, lines evicted since are not. The lines are evicted with clflush
+    (EvictFromCaches), which drops them from every cache in the machine: reading 128 MiB instead
+    left them cached in a few CI runs (2-5 of 9 probes said evicted, five batches running),
+    likely where the VM had moved the reading thread to a core under another last-level cache.
+    Only where there is no clflush (not x86) is the array evicted by reading. The array lives in
+    a fresh mapping, so that no earlier test can have advised it onto huge pages. A VM's
+    scheduler can stall one probe of cached lines (1 in 5-20 here), so each side must hold in
+    most of 9 tries, in one of up to five batches a second apart; a probe that cannot tell the
+    two apart fails all five."""
+    data = np.frombuffer(mmap.mmap(-1, 4 << 20), np.float32)
     batches = []
     for _ in range(5):
         cached = evicted = 0
         for _ in range(9):
             data += 1
             cached += not native.extension.looks_uncached(data)
-            _evict_caches()
+            if not native.extension.evict_from_caches(data):
+                _evict_caches()
             evicted += native.extension.looks_uncached(data)
         if cached >= 6 and evicted >= 6:
             return
@@ -309,6 +314,19 @@ def test_a_programs_first_collective_streams_into_an_uncached_output(n, dtype):
                 np.testing.assert_array_equal(out, expected[name] * factor, err_msg=name)
             else:
                 assert_close(out, expected[name] * factor, dtype, count=n)
+
+
+def test_evicting_from_the_caches_keeps_every_byte():
+    """EvictFromCaches writes dirty lines back before it drops them: random bytes, flushed from
+    unaligned starts to unaligned ends, read back the same."""
+    rng = np.random.default_rng(3)
+    data = rng.integers(0, 256, (1 << 20) + 77, np.uint8)
+    expected = data.copy()
+    for start, stop in [(0, data.size), (5, 4096 + 3), (63, 64 * 1000 + 1), (1000, 1001)]:
+        data[start:stop] ^= 0x5A
+        expected[start:stop] ^= 0x5A
+        native.extension.evict_from_caches(data[start:stop])
+        np.testing.assert_array_equal(data, expected)
 
 
 def test_copy_streamed_copies_every_byte():

@@ -6,6 +6,10 @@
 #include <atomic>
 #include <chrono>
 
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#endif
+
 namespace jaxring {
 
 // The wider builds, where the compiler could make them (CMakeLists.txt).
@@ -146,6 +150,22 @@ bool LooksUncached(const void* data, size_t bytes) {
   }
   const std::chrono::duration<double, std::nano> took = std::chrono::steady_clock::now() - start;
   return took.count() > kUncachedNanoseconds;
+}
+
+bool EvictFromCaches(const void* data, size_t bytes) {
+#if defined(__x86_64__) || defined(__i386__)
+  constexpr uintptr_t kLine = 64;
+  const uintptr_t begin = reinterpret_cast<uintptr_t>(data) & ~(kLine - 1);
+  const uintptr_t end = reinterpret_cast<uintptr_t>(data) + bytes;
+  for (uintptr_t line = begin; line < end; line += kLine)
+    _mm_clflush(reinterpret_cast<const void*>(line));
+  _mm_mfence();
+  return true;
+#else
+  (void)data;
+  (void)bytes;
+  return false;
+#endif
 }
 
 namespace {

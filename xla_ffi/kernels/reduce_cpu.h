@@ -46,6 +46,12 @@ int64_t UncachedOutputCount();
 // (also from the other core's cache). Needs 8 pages at least; false for less.
 bool LooksUncached(const void* data, size_t bytes);
 
+// Writes the lines of the `bytes` at `data` back to memory and drops them from every cache in the
+// machine (clflush), for tests of LooksUncached: unlike reading something larger than the cache,
+// this does not depend on the cache's size or on which core's cache holds the lines. False where
+// the instruction set has no such instruction (only x86 has one here).
+bool EvictFromCaches(const void* data, size_t bytes);
+
 // Copies with non-temporal (streaming) stores, then fences, so that the data is visible before
 // any flag set afterwards. For memory another core reads next (see ShmCommunicator::CopyIn).
 void CopyStreamed(void* dst, const void* src, size_t bytes);

@@ -491,6 +491,14 @@ NB_MODULE(_jaxring, m) {
         return jaxring::LooksUncached(data.data(), data.size() * data.itemsize());
       },
       nb::arg("data"), "Whether the lines of a C-contiguous host array look out of the cache.");
+  m.def(
+      "evict_from_caches",
+      [](HostArray data) {
+        return jaxring::EvictFromCaches(data.data(), data.size() * data.itemsize());
+      },
+      nb::arg("data"),
+      "Drops the lines of a C-contiguous host array from every cache (clflush); False where the "
+      "machine has no such instruction.");
   m.def("uncached_output_count", &jaxring::UncachedOutputCount);
 
   // For allreduce_mpi.py's exchange floor (jaxring::RunExchange).
