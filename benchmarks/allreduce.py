@@ -91,8 +91,10 @@ LOCAL_INPUT = {  # the local floor's float32 elements per device, from _elements
 # communication taken out, in a native call that carries the ordered effect and writes an output
 # allocated and advised as jaxring's with jaxring's kernels and copies (common.native_floor,
 # xla_ffi/cpu/native_floor.cc): reduce_scatter's sums the input's n blocks, reading every input
-# byte once as every reduce-scatter must; all_gather's writes n copies of the input. With plain
-# and with non-temporal stores; the floor is the faster.
+# byte once as every reduce-scatter must; all_gather's writes n copies of the input, reading each
+# piece of it once (GATHER_FLOOR_PIECE_BYTES): on n devices, each input read once and n blocks
+# written to each output, as every all-gather must. With plain and with non-temporal stores; the
+# floor is the faster.
 NATIVE = "native floor"
 NATIVE_OF = ("reduce_scatter", "all_gather")
 # (collective, non-temporal stores) -> the case timing that way; lone and in the loop.
@@ -126,6 +128,11 @@ READ_OF = ("reduce_scatter",)
 # recorded in the results: the first runs that timed the read floor read one, which overstated
 # what reading the bytes takes, and targets.py does not count their read floor.
 READ_STREAMS = 4
+# all_gather's native floor reads each piece of this many bytes of its input once and writes it
+# n times (kPieceBytes, cpu/native_floor.cc), recorded in the results: the runs before the 51st
+# copied the whole input n times, reading it n times, which the read-once all-gather (run 49 on)
+# beat at 16 MiB; targets.py does not count their all_gather native floors.
+GATHER_FLOOR_PIECE_BYTES = 256 << 10
 FLOOR_BODIES = {
     "all_reduce": lambda v, n: v + 1,
     # The sum of its n blocks: every input byte read once, as every reduce-scatter must.
@@ -601,7 +608,8 @@ def main(argv=None) -> None:
     path = write_results(args.name, {"environment": env, "memory_copy_GBps": ceiling,
                                      "config": jaxring.config.get().__dict__, "rows": rows,
                                      "in_loop_rows": loop_rows,
-                                     "read_floor_streams": READ_STREAMS}, text)
+                                     "read_floor_streams": READ_STREAMS,
+                                     "gather_floor_piece_bytes": GATHER_FLOOR_PIECE_BYTES}, text)
     plot(rows, ceiling, path.with_suffix(".png"))
     print(f"wrote {path.with_suffix('.*')}")
 

@@ -24,7 +24,9 @@ blocks; n copies of the input) in a native call with the effect, onto an output 
 reads every input byte once and writes nothing, as every reduce-scatter reads at least (counted
 only from the runs that record `read_floor_streams`: the earlier runs' read floor read its input
 as one run of lines, up to 17% slower than reading it as several side by side, and so did not
-bound what reading takes);
+bound what reading takes); all_gather's `native` floors likewise only from the runs that record
+`gather_floor_piece_bytes`, whose floor reads each piece of the input once and writes it n times:
+the earlier ones read the whole input n times, and the read-once all-gather (run 49 on) beat them;
 `synced read` and `synced native` (in the loop from 16 MiB): those floors' passes each followed
 by a barrier of the devices, as every collective's device waits for all of its peers once a
 pass (allreduce.py's SYNCED says why that counts with more devices than cores);
@@ -99,13 +101,15 @@ def in_process_rows(run: dict) -> dict:
     size: its output is jaxring's; not all_gather's, which two runs also timed, since it reads
     n x the memory the collective reads: allreduce.py's LOCAL), the `native` floor of
     reduce_scatter and all_gather (their local part in a native call with the effect, at every
-    size), the `read` floor of reduce_scatter (every input byte read, nothing written; only from
-    runs that record `read_floor_streams`, see the module docstring) and the `copy` floor; a loop
+    size; all_gather's only from runs that record `gather_floor_piece_bytes`), the `read` floor of
+    reduce_scatter (every input byte read, nothing written; only from runs that record
+    `read_floor_streams`, see the module docstring) and the `copy` floor; a loop
     row's floors are reduce_scatter's `read` floor and, from 16 MiB, the `native` floors and the
     `synced` ones (the read and native floors with a barrier after each pass), each in the same
     loop."""
     huge = run.get("config", {}).get("huge_page_bytes", HUGE_PAGE_BYTES)
     reads = "read_floor_streams" in run
+    gathers_once = "gather_floor_piece_bytes" in run
     out = {}
     for table, key in (("lone", "rows"), ("loop", "in_loop_rows")):
         by = {(r["devices"], r["bytes"], r["case"]): r["seconds"] for r in run.get(key, [])}
@@ -121,10 +125,13 @@ def in_process_rows(run: dict) -> dict:
                                      if m == n and c == effect and s <= nbytes), default=None),
                       "local": (by.get((n, nbytes, f"local floor[{collective}]"))
                                 if collective != "all_gather" else None),
-                      "native": by.get((n, nbytes, f"native floor[{collective}]")),
+                      "native": (by.get((n, nbytes, f"native floor[{collective}]"))
+                                 if collective != "all_gather" or gathers_once else None),
                       "read": by.get((n, nbytes, f"read floor[{collective}]")) if reads else None,
                       "copy": by.get((n, nbytes, f"copy floor[{collective}]")),
-                      "synced native": by.get((n, nbytes, f"synced native floor[{collective}]")),
+                      "synced native": (
+                          by.get((n, nbytes, f"synced native floor[{collective}]"))
+                          if collective != "all_gather" or gathers_once else None),
                       "synced read": by.get((n, nbytes, f"synced read floor[{collective}]"))}
             out[(table, collective, n, nbytes)] = (
                 seconds / allowed, {k: f / allowed for k, f in floors.items() if f is not None})

@@ -348,14 +348,15 @@ def test_copy_streamed_copies_every_byte():
 @pytest.mark.parametrize("streamed", [False, True], ids=["plain", "streamed"])
 def test_the_benchmarks_native_floor_computes_what_it_claims(streamed):
     """benchmarks/allreduce.py's native floor must do the local work it claims: reduce_scatter's
-    sums each device's n blocks, all_gather's writes n copies of each device's input."""
+    sums each device's n blocks, all_gather's writes n copies of each device's input, in 256 KiB
+    pieces (the last one short: 4 x 70001 floats per device)."""
     import sys
     from pathlib import Path
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
     from common import native_floor
 
-    n, block = 4, 1001
+    n, block = 4, 70001
     m = mesh(n)
     x = np.random.default_rng(3).standard_normal(n * n * block).astype(np.float32)
     per_device = x.reshape(n, n, block)

@@ -4,8 +4,10 @@
 // with jaxring's reduction kernels or copies), from this device's input alone:
 //   reduce_scatter: the sum of the input's n blocks, reading every input byte once and writing
 //                   one block, as every reduce-scatter must at least;
-//   all_gather:     n copies of the input, reading n x its bytes and writing as many, as every
-//                   all-gather must at least, over no more memory than the collective reads;
+//   all_gather:     n copies of the input, each kPieceBytes piece of it read once and written n
+//                   times, as the in-process all-gather does where it streams (DirectAllGather):
+//                   every all-gather reads its n inputs and writes n blocks to each of n outputs
+//                   at least, and n devices of this floor do just that;
 //   reads_only:     (with reduce_scatter's shapes) every input byte read once and nothing written
 //                   but the first two elements of the output: less than any reduce-scatter does.
 #include <algorithm>
@@ -32,6 +34,10 @@ namespace ffi = xla::ffi;
 // 2 threads of 64 MiB 2.70-2.80, 2.50, 2.37-2.46, 2.67-2.97 and 2.92-3.12 ms. (The first version
 // of the read floor read one run, and so overstated what reading the bytes takes by up to 17%.)
 constexpr size_t kReadStreams = 4;
+
+// The all_gather floor's pieces: DirectAllGather's size (kPieceBytes, ring/algorithms.cc), small
+// enough that a piece read once stays in the core's cache for its n - 1 further copies.
+constexpr size_t kPieceBytes = 256 * 1024;
 
 uint64_t SumOfWords(const float* in, int64_t count) {
   using Words = uint64_t __attribute__((vector_size(16), aligned(1), may_alias));
@@ -90,12 +96,15 @@ ffi::Error NativeFloor(ffi::Token, ffi::AnyBuffer x, ffi::Result<ffi::Token>,
   if (collective == static_cast<int64_t>(Collective::kAllGather)) {
     if (static_cast<int64_t>(y->element_count()) != count * size)
       return ffi::Error::InvalidArgument("jaxring_benchmark_native_floor: all_gather shapes");
-    const size_t bytes = static_cast<size_t>(count) * sizeof(float);
-    for (int64_t i = 0; i < size; ++i) {
-      if (streamed)
-        CopyStreamed(out + i * count, in, bytes);
-      else
-        std::memcpy(out + i * count, in, bytes);
+    constexpr int64_t kPiece = kPieceBytes / sizeof(float);
+    for (int64_t begin = 0; begin < count; begin += kPiece) {
+      const size_t bytes = static_cast<size_t>(std::min(kPiece, count - begin)) * sizeof(float);
+      for (int64_t i = 0; i < size; ++i) {
+        if (streamed)
+          CopyStreamed(out + i * count + begin, in + begin, bytes);
+        else
+          std::memcpy(out + i * count + begin, in + begin, bytes);
+      }
     }
     return ffi::Error::Success();
   }
