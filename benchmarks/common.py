@@ -112,11 +112,12 @@ def native_floor(x, collective: str, n: int, streamed: bool = False,
     its communication taken out, carrying jaxring's ordered effect (a measurement-only primitive
     lowered to the FFI target jaxring_benchmark_native_floor, xla_ffi/cpu/native_floor.cc):
     reduce_scatter sums x's n blocks, reading every input byte once; all_gather writes n copies
-    of x. Its output is allocated and advised as jaxring's, and written with jaxring's reduction
-    kernels or copies, with plain or non-temporal (`streamed`) stores. `reads_only` (with
-    reduce_scatter): read every input byte once and write nothing but the output's first two
-    elements (the bits of the sum mod 2^64 of the input's bytes as 64-bit words, a last half word
-    byte by byte), less than any reduce-scatter does. float32 only."""
+    of x, reading each 256 KiB piece of it once. Its output is allocated and advised as
+    jaxring's, and written with jaxring's reduction kernels or copies, with plain or
+    non-temporal (`streamed`) stores. `reads_only` (with reduce_scatter): read every input byte
+    once and write nothing but the output's first two elements (the bits of the sum mod 2^64 of
+    the input's bytes as 64-bit words, a last half word byte by byte), less than any
+    reduce-scatter does. float32 only."""
     global _NATIVE_FLOOR
     import jax
     from jax._src import core

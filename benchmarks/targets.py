@@ -19,7 +19,7 @@ processes also a program that carries the effect and returns its input); `local`
 and reduce_scatter in one process): jaxring's own call on an axis of one device, each device
 copying the output's size, the same effect, FFI call and output without communicating;
 `native` (reduce_scatter and all_gather): the collective's local part (the sum of the input's n
-blocks; n copies of the input) in a native call with the effect, onto an output like jaxring's;
+blocks; n copies of the input, each piece of it read once) in a native call with the effect, onto an output like jaxring's;
 `read` (reduce_scatter in one process, lone and in the loop): a native call with the effect that
 reads every input byte once and writes nothing, as every reduce-scatter reads at least (counted
 only from the runs that record `read_floor_streams`: the earlier runs' read floor read its input
@@ -293,7 +293,8 @@ def markdown(issue2: list[dict], n_in_process: int, issue3: dict, n_mpi: dict,
         " carries the effect and returns its input); `local` (all_reduce and reduce_scatter), "
         "jaxring's own call on an axis of one device, copying the output's size without "
         "communicating; `native` (reduce_scatter and all_gather), the collective's local part "
-        "(the sum of the input's n blocks; n copies of the input) in a native call with the "
+        "(the sum of the input's n blocks; n copies of the input, each piece read once, counted "
+        "from the runs that record `gather_floor_piece_bytes`) in a native call with the "
         "effect (in the loop from 16 MiB, in the same loop); `read` (reduce_scatter, lone and in "
         "the loop), a native call with the effect that reads every input byte once and writes "
         "nothing (from the runs that read it as several runs of lines side by side: the earlier "
