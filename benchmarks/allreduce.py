@@ -129,7 +129,7 @@ READ_OF = ("reduce_scatter",)
 # what reading the bytes takes, and targets.py does not count their read floor.
 READ_STREAMS = 4
 # all_gather's native floor reads each piece of this many bytes of its input once and writes it
-# n times (kPieceBytes, cpu/native_floor.cc), recorded in the results: the runs before the 51st
+# n times (kDirectPieceBytes, ring/algorithms.h), recorded in the results: the runs before the 51st
 # copied the whole input n times, reading it n times, which the read-once all-gather (run 49 on)
 # beat at 16 MiB; targets.py does not count their all_gather native floors.
 GATHER_FLOOR_PIECE_BYTES = 256 << 10

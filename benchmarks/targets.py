@@ -19,7 +19,8 @@ processes also a program that carries the effect and returns its input); `local`
 and reduce_scatter in one process): jaxring's own call on an axis of one device, each device
 copying the output's size, the same effect, FFI call and output without communicating;
 `native` (reduce_scatter and all_gather): the collective's local part (the sum of the input's n
-blocks; n copies of the input, each piece of it read once) in a native call with the effect, onto an output like jaxring's;
+blocks; n copies of the input, each piece of it read once) in a native call with the effect,
+onto an output like jaxring's;
 `read` (reduce_scatter in one process, lone and in the loop): a native call with the effect that
 reads every input byte once and writes nothing, as every reduce-scatter reads at least (counted
 only from the runs that record `read_floor_streams`: the earlier runs' read floor read its input
@@ -119,6 +120,7 @@ def in_process_rows(run: dict) -> dict:
             collective, twin = TWINS[case]
             allowed = by[(n, nbytes, twin)] * issue2_target(nbytes)
             effect = f"effect floor[{collective}]"
+            natives = collective != "all_gather" or gathers_once
             floors = {"effect": (by.get((n, nbytes, effect))
                                  if output_bytes(collective, n, nbytes) < huge else None),
                       "launch": min((t for (m, s, c), t in by.items()
@@ -126,12 +128,11 @@ def in_process_rows(run: dict) -> dict:
                       "local": (by.get((n, nbytes, f"local floor[{collective}]"))
                                 if collective != "all_gather" else None),
                       "native": (by.get((n, nbytes, f"native floor[{collective}]"))
-                                 if collective != "all_gather" or gathers_once else None),
+                                 if natives else None),
                       "read": by.get((n, nbytes, f"read floor[{collective}]")) if reads else None,
                       "copy": by.get((n, nbytes, f"copy floor[{collective}]")),
-                      "synced native": (
-                          by.get((n, nbytes, f"synced native floor[{collective}]"))
-                          if collective != "all_gather" or gathers_once else None),
+                      "synced native": (by.get((n, nbytes, f"synced native floor[{collective}]"))
+                                        if natives else None),
                       "synced read": by.get((n, nbytes, f"synced read floor[{collective}]"))}
             out[(table, collective, n, nbytes)] = (
                 seconds / allowed, {k: f / allowed for k, f in floors.items() if f is not None})

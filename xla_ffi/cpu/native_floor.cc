@@ -4,10 +4,10 @@
 // with jaxring's reduction kernels or copies), from this device's input alone:
 //   reduce_scatter: the sum of the input's n blocks, reading every input byte once and writing
 //                   one block, as every reduce-scatter must at least;
-//   all_gather:     n copies of the input, each kPieceBytes piece of it read once and written n
-//                   times, as the in-process all-gather does where it streams (DirectAllGather):
-//                   every all-gather reads its n inputs and writes n blocks to each of n outputs
-//                   at least, and n devices of this floor do just that;
+//   all_gather:     n copies of the input, each kDirectPieceBytes piece of it read once and
+//                   written n times, as the in-process all-gather does where it streams
+//                   (DirectAllGather): every all-gather reads its n inputs and writes n blocks
+//                   to each of n outputs at least, and n devices of this floor do just that;
 //   reads_only:     (with reduce_scatter's shapes) every input byte read once and nothing written
 //                   but the first two elements of the output: less than any reduce-scatter does.
 #include <algorithm>
@@ -18,6 +18,7 @@
 #include "common/types.h"
 #include "cpu/host.h"
 #include "kernels/reduce_cpu.h"
+#include "ring/algorithms.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace jaxring {
@@ -34,10 +35,6 @@ namespace ffi = xla::ffi;
 // 2 threads of 64 MiB 2.70-2.80, 2.50, 2.37-2.46, 2.67-2.97 and 2.92-3.12 ms. (The first version
 // of the read floor read one run, and so overstated what reading the bytes takes by up to 17%.)
 constexpr size_t kReadStreams = 4;
-
-// The all_gather floor's pieces: DirectAllGather's size (kPieceBytes, ring/algorithms.cc), small
-// enough that a piece read once stays in the core's cache for its n - 1 further copies.
-constexpr size_t kPieceBytes = 256 * 1024;
 
 uint64_t SumOfWords(const float* in, int64_t count) {
   using Words = uint64_t __attribute__((vector_size(16), aligned(1), may_alias));
@@ -96,7 +93,9 @@ ffi::Error NativeFloor(ffi::Token, ffi::AnyBuffer x, ffi::Result<ffi::Token>,
   if (collective == static_cast<int64_t>(Collective::kAllGather)) {
     if (static_cast<int64_t>(y->element_count()) != count * size)
       return ffi::Error::InvalidArgument("jaxring_benchmark_native_floor: all_gather shapes");
-    constexpr int64_t kPiece = kPieceBytes / sizeof(float);
+    // DirectAllGather's pieces, small enough that one read once stays in the core's cache for
+    // its n - 1 further copies.
+    constexpr int64_t kPiece = kDirectPieceBytes / sizeof(float);
     for (int64_t begin = 0; begin < count; begin += kPiece) {
       const size_t bytes = static_cast<size_t>(std::min(kPiece, count - begin)) * sizeof(float);
       for (int64_t i = 0; i < size; ++i) {

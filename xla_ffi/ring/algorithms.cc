@@ -31,16 +31,14 @@ bool IsReduction(Collective kind) {
 // Every rank handles 1/n of the data, reading every peer's input once and writing every peer's
 // output once: the least memory traffic possible in shared memory, and two hand-offs in all
 // (arrival and the end of the shared work). Each rank's work is cut into pieces of about
-// kPieceBytes that other ranks take over once their own are done (LocalTransport::Share).
+// kDirectPieceBytes that other ranks take over once their own are done (LocalTransport::Share).
 // Small messages (Config::copy_input_bytes) need only the first hand-off: every rank copies its
 // input into the meeting as it arrives, then writes only its own output from the copies, so no
 // rank waits for the others to finish reading its buffers.
 
-constexpr int64_t kPieceBytes = 256 * 1024;
-
-// Pieces in a rank's share of `bytes`: whole pieces of about kPieceBytes, at least one.
+// Pieces in a rank's share of `bytes`: whole pieces of about kDirectPieceBytes, at least one.
 int PiecesPerRank(int64_t bytes) {
-  return static_cast<int>(std::clamp<int64_t>(bytes / kPieceBytes, 1, 1 << 16));
+  return static_cast<int>(std::clamp<int64_t>(bytes / kDirectPieceBytes, 1, 1 << 16));
 }
 
 Status DirectAllReduce(LocalTransport& t, const CollectiveBuffers& b) {

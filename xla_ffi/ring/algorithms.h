@@ -18,6 +18,11 @@ struct CollectiveBuffers {
   int64_t output_count;
 };
 
+// The direct algorithms cut each rank's work into pieces of about this many bytes, which other
+// ranks take over once their own are done (LocalTransport::Share); the all-gather, where it
+// streams, reads each piece of an input once and writes it into every output.
+constexpr int64_t kDirectPieceBytes = 256 * 1024;
+
 // The algorithm `config` selects for this call on `size` ranks (kDirect or kRing).
 Algorithm ChooseAlgorithm(const Header& header, int size, const Config& config);
 
