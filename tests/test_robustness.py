@@ -5,6 +5,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 
 import jax
 import jax.numpy as jnp
@@ -520,18 +521,29 @@ def test_cpu_kernels_config_chooses_the_build_and_refuses_what_this_cpu_lacks():
 def test_calls_handed_off_to_jaxring_threads_give_the_same_results(n):
     """With hand_off_after_seconds=0 every call whose peers are not all there after its first
     spin and yield goes on on a jaxring thread and returns a future to XLA (cpu/handoff.h); with
-    a limit no wait reaches, none does. Device 0 computes a while before its first call, so that
-    its peers wait for it. Every collective and point-to-point call, 20 times, must give the same
-    bits either way and agree with its lax twin in every element."""
+    a limit no wait reaches, none does. Before its first call, device 0 waits on the host until a
+    peer has handed off (or sleeps 3 ms, under the high limit), so that its peers wait for it,
+    however the machine schedules them: a fixed delay was once shorter than a peer's first
+    yield on a loaded machine. Every collective and point-to-point call, 20 times, must give the
+    same bits either way and agree with its lax twin in every element."""
     m = mesh(n)
     ring = [(j, (j + 1) % n) for j in range(n)]
 
-    def late(v):  # adds 0 after ~0.3 ms of sines (sin + 1 never exceeds 2)
-        w = lax.fori_loop(0, 100, lambda _, w: jnp.sin(w) + 1, jnp.ones((16, 16), jnp.float32))
-        return v + (w[0, 0] > 10).astype(v.dtype)
+    hand_offs_before = []  # while set, device 0 waits on the host for a peer to hand off
+
+    def first_device_late(v, index):
+        if index == 0 and hand_offs_before:
+            give_up = time.monotonic() + 10
+            while (native.extension.hand_off_count() <= hand_offs_before[0]
+                   and time.monotonic() < give_up):
+                time.sleep(1e-4)
+        elif index == 0:
+            time.sleep(0.003)
+        return v
 
     def every_call(v):
-        v = lax.cond(lax.axis_index("i") == 0, late, lambda v: v, v)
+        v = jax.pure_callback(first_device_late, jax.ShapeDtypeStruct(v.shape, v.dtype), v,
+                              lax.axis_index("i"))
         out = {op: jaxring.all_reduce(v, "i", op) for op in ("sum", "max", "min")}
         if jnp.issubdtype(v.dtype, jnp.floating):
             out["mean"] = jaxring.all_reduce(v, "i", "mean")
@@ -564,7 +576,10 @@ def test_calls_handed_off_to_jaxring_threads_give_the_same_results(n):
         for limit in (0.0, 1e9):
             with jaxring.config.override(hand_off_after_seconds=limit):
                 before = native.extension.hand_off_count()
-                runs[limit] = [jax.tree.map(np.asarray, f(x)) for _ in range(20)]
+                runs[limit] = []
+                for _ in range(20):
+                    hand_offs_before[:] = [native.extension.hand_off_count()] if limit == 0 else []
+                    runs[limit].append(jax.tree.map(np.asarray, f(x)))
                 hand_offs[limit] = native.extension.hand_off_count() - before
         first = runs[0.0][0]
         for out in runs[0.0] + runs[1e9]:
