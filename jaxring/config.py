@@ -5,21 +5,27 @@ JAXRING_PIPELINE_SLICE_BYTES, JAXRING_SPIN_ITERATIONS, JAXRING_P2P_EAGER_BYTES,
 JAXRING_MPI_RING_THRESHOLD_BYTES, JAXRING_MPI_DIRECT_HEADER_RANKS, JAXRING_HUGE_PAGE_BYTES,
 JAXRING_SHM_STORES, JAXRING_COPY_INPUT_BYTES, JAXRING_HAND_OFF_AFTER_SECONDS,
 JAXRING_CPU_KERNELS) override the defaults at import time; ``update`` and ``override`` change them
-at run time. Values are read when a collective runs.
+at run time. Values are read when a collective runs; ``update`` and ``override`` first wait for
+the programs already dispatched to finish, so each program runs under the configuration in force
+when it was dispatched.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import numbers
 import os
+
+import jax
 
 from jaxring._src import native
 
 
 @dataclasses.dataclass(frozen=True)
 class Config:
-    # Every wait gives up after this long, naming the devices that never arrived.
+    # Every wait gives up after this long, naming the devices that never arrived; float("inf")
+    # waits for ever.
     timeout_seconds: float = 300.0
     # "auto" uses the direct (one-shot) algorithm up to this many bytes per device and the
     # pipelined ring above it. Measured in benchmarks/allreduce.py: on CPU devices sharing one
@@ -85,7 +91,22 @@ _ENV = {
 }
 
 
+# Per field type, what it accepts (NumPy's scalars too) and how to name it.
+_ACCEPTS = {float: (numbers.Real, "a number"), int: (numbers.Integral, "an int"),
+            str: (str, "a str")}
+
+
 def _validate(config: Config) -> Config:
+    """`config` with every field of its Python type, or a TypeError/ValueError naming the field."""
+    typed = {}
+    for field, (_, kind) in _ENV.items():
+        value = getattr(config, field)
+        accepts, name = _ACCEPTS[kind]
+        # A bool is an int to Python but no count of bytes or seconds.
+        if isinstance(value, bool) or not isinstance(value, accepts):
+            raise TypeError(f"jaxring.config: {field} must be {name}, got {value!r}")
+        typed[field] = kind(value)
+    config = dataclasses.replace(config, **typed)
     if config.algorithm not in ("auto", "direct", "ring"):
         raise ValueError(
             f"jaxring.config: algorithm must be 'auto', 'direct' or 'ring', got {config.algorithm!r}"
@@ -100,11 +121,14 @@ def _validate(config: Config) -> Config:
                          f"got {config.cpu_kernels!r}")
     if not config.timeout_seconds > 0:
         raise ValueError(f"jaxring.config: timeout_seconds must be > 0, got {config.timeout_seconds}")
-    if (config.pipeline_slice_bytes <= 0 or config.spin_iterations < 0
-            or config.p2p_eager_bytes < 0 or config.huge_page_bytes < 0
-            or config.copy_input_bytes < 0 or not config.hand_off_after_seconds >= 0):
-        raise ValueError("jaxring.config: pipeline_slice_bytes must be > 0, spin_iterations, "
-                         "p2p_eager_bytes, huge_page_bytes, copy_input_bytes and "
+    if (config.pipeline_slice_bytes <= 0 or config.mpi_direct_header_ranks <= 0
+            or config.spin_iterations < 0 or config.p2p_eager_bytes < 0
+            or config.huge_page_bytes < 0 or config.copy_input_bytes < 0
+            or config.ring_threshold_bytes < 0 or config.mpi_ring_threshold_bytes < 0
+            or not config.hand_off_after_seconds >= 0):
+        raise ValueError("jaxring.config: pipeline_slice_bytes and mpi_direct_header_ranks must "
+                         "be > 0; spin_iterations, p2p_eager_bytes, huge_page_bytes, "
+                         "copy_input_bytes, ring_threshold_bytes, mpi_ring_threshold_bytes and "
                          "hand_off_after_seconds >= 0")
     return config
 
@@ -126,11 +150,25 @@ def get() -> Config:
     return _current
 
 
+def _finish_dispatched_programs() -> None:
+    """Waits for the programs already dispatched. Each device reads the configuration when its
+    call runs, so a change that lands while a program runs could reach some of its devices and
+    not others, and devices that disagree on the algorithm or the ring's slice size would read
+    each other's buffers at the wrong time."""
+    try:
+        jax.effects_barrier()
+    except Exception:  # noqa: BLE001 - a failed program: the next program re-raises its error
+        pass
+
+
 def update(**changes) -> Config:
-    """Changes some fields, e.g. ``jaxring.config.update(timeout_seconds=10)``."""
+    """Changes some fields, e.g. ``jaxring.config.update(timeout_seconds=10)``, once the
+    programs already dispatched have finished."""
     global _current
-    _current = _validate(dataclasses.replace(_current, **changes))
-    native.extension.set_config(**dataclasses.asdict(_current))
+    new = _validate(dataclasses.replace(_current, **changes))
+    _finish_dispatched_programs()
+    native.extension.set_config(**dataclasses.asdict(new))
+    _current = new
     return _current
 
 

@@ -3,6 +3,8 @@ partial maps, self pairs), every dtype, both protocols (eager and in-place), und
 vmap and grad; and the errors: bad permutations, mismatched calls, a missing sender, a mailbox
 overrun."""
 
+import time
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -253,6 +255,66 @@ def test_missing_sender_times_out_naming_it():
         with pytest.raises(Exception, match=r"timed out after 1 s waiting for rank \[0\] to send"):
             np.asarray(f(x))
     _check_recovery(m, x)
+
+
+def test_a_receiver_later_than_its_in_place_senders_timeout_does_not_read_the_freed_buffer():
+    """Device 0 sends in place (a temporary, which XLA frees once device 0 fails) and gives up
+    after 0.5 s; device 1 comes 1.5 s late. Device 1 must fail too: it once copied from the
+    freed buffer and went on as if nothing had happened."""
+    m = mesh(2)
+    x = shard(np.arange(2 * 50_000, dtype=np.float32), m)  # 200 KiB a device, in place
+    received = []
+
+    def sleep_on_device_1(v, rank):
+        if int(rank) == 1:
+            time.sleep(1.5)
+        return v
+
+    def f(v):
+        v = jax.pure_callback(sleep_on_device_1, jax.ShapeDtypeStruct(v.shape, v.dtype), v,
+                              lax.axis_index("i"))
+        out = jaxring.ppermute(jnp.sin(v), "i", [(0, 1)])
+        jax.debug.callback(lambda o, rank: received.append(int(rank)), out, lax.axis_index("i"))
+        return out
+
+    g = jax.jit(jax.shard_map(f, mesh=m, in_specs=P("i"), out_specs=P("i")))
+    with jaxring.config.override(timeout_seconds=0.5, p2p_eager_bytes=0):
+        with pytest.raises(Exception, match="timed out after 0.5 s waiting for rank \\[1\\] "
+                                            "to receive"):
+            np.asarray(g(x))
+    time.sleep(1.5)  # device 1's call has run by now
+    assert received == [], received
+    jaxring.reset_after_error()
+    ring = [(0, 1), (1, 0)]
+    out = shmap(lambda v: jaxring.ppermute(v, "i", ring), m)(x)
+    np.testing.assert_array_equal(np.asarray(out), np.roll(np.asarray(x), 50_000))
+
+
+def test_recv_like_a_64_bit_array_receives_what_send_sends_without_x64():
+    """send converts float64 to float32 when x64 is off (jnp.asarray); recv must expect that."""
+    m = mesh(2)
+
+    def f(v):
+        jaxring.send(v, "i", [(0, 1)])
+        return jaxring.recv(np.zeros(4), "i", [(0, 1)])
+
+    with jax.enable_x64(False):
+        x = shard(np.arange(8, dtype=np.float64), m)
+        out = shmap(f, m)(x)
+        assert out.dtype == np.float32
+        np.testing.assert_array_equal(np.asarray(out), [0, 0, 0, 0, 0, 1, 2, 3])
+
+
+def test_send_and_recv_refuse_vmap_at_trace_time():
+    m = mesh(2)
+    x = shard(np.ones((4, 3), np.float32), m)
+
+    def stage(u):
+        jaxring.send(u, "i", [(0, 1)])
+        return jaxring.recv(u, "i", [(0, 1)])
+
+    with pytest.raises(NotImplementedError, match="do not work under vmap"):
+        shmap(jax.vmap(stage), m)(x)
 
 
 def test_mailbox_overrun_times_out_instead_of_hanging():

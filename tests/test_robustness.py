@@ -422,6 +422,8 @@ def test_unsupported_op_and_bad_arguments():
         shmap(lambda v: jaxring.ppermute(v, "i", [(0.7, 1)]), m)(x)
     with pytest.raises(ValueError, match="not a device mesh axis"):
         shmap(jax.vmap(lambda v: jaxring.all_reduce(v, "v"), axis_name="v"), m)(x)
+    with pytest.raises(ValueError, match=r"axis names repeat in \('i', 'i'\)"):
+        shmap(lambda v: jaxring.all_reduce(v, ("i", "i")), m)(x)
     with pytest.raises(ValueError, match="algorithm must be"):
         jaxring.config.update(algorithm="tree")
 
@@ -445,6 +447,81 @@ def test_missing_peer_times_out_naming_the_missing_devices():
                                             r"\[1, 2, 3\] to arrive"):
             np.asarray(f(x))
     _check_recovery(m, x, "timed out")
+
+
+def _late_device(m, late: int, seconds: float, collective):
+    """A program in which device `late` sleeps `seconds` on the host before `collective`."""
+    def sleep_if_late(v, rank):
+        if int(rank) == late:
+            time.sleep(seconds)
+        return v
+
+    def f(v):
+        v = jax.pure_callback(sleep_if_late, jax.ShapeDtypeStruct(v.shape, v.dtype), v,
+                              lax.axis_index("i"))
+        return collective(v)
+    return jax.jit(jax.shard_map(f, mesh=m, in_specs=P("i"), out_specs=P("i")))
+
+
+def test_an_infinite_timeout_waits_for_a_late_peer():
+    """float("inf") waits for ever; it once overflowed into a deadline in the past, and every
+    wait longer than its first spin gave up."""
+    m = mesh(4)
+    x = shard(np.arange(8.0, dtype=np.float32), m)
+    f = _late_device(m, 3, 0.05, lambda v: jaxring.all_reduce(v, "i"))
+    with jaxring.config.override(timeout_seconds=float("inf")):
+        out = np.asarray(f(x))
+    np.testing.assert_array_equal(out, np.tile(np.asarray(x).reshape(4, 2).sum(0), 4))
+
+
+def test_ranks_later_than_a_timeout_fail_at_once_in_the_abandoned_meeting():
+    """Device 0 gives up after 1 s; devices 1 and 2 come 1.5 and 3 s late. Both must find the
+    meeting device 0 abandoned and fail at once: device 2 once found a fresh meeting, waited a
+    timeout of its own there and blamed devices 0 and 1, which had come."""
+    m = mesh(3)
+    x = shard(np.arange(3.0, dtype=np.float32), m)
+    delays = {0: 0.0, 1: 0.0, 2: 0.0}  # none while the program compiles and runs once
+
+    def sleep_by_rank(v, rank):
+        time.sleep(delays[int(rank)])
+        return v
+
+    def f(v):
+        v = jax.pure_callback(sleep_by_rank, jax.ShapeDtypeStruct(v.shape, v.dtype), v,
+                              lax.axis_index("i"))
+        return jaxring.all_reduce(v, "i")
+
+    g = jax.jit(jax.shard_map(f, mesh=m, in_specs=P("i"), out_specs=P("i")))
+    np.testing.assert_array_equal(np.asarray(g(x)), [3.0, 3.0, 3.0])
+    delays.update({1: 1.5, 2: 3.0})
+    with jaxring.config.override(timeout_seconds=1.0):
+        start = time.perf_counter()
+        with pytest.raises(Exception, match="timed out") as error:
+            np.asarray(g(x))
+        elapsed = time.perf_counter() - start
+    assert "[0, 1]" not in str(error.value), str(error.value)
+    assert elapsed < 3.9, elapsed  # device 2 fails on arrival (3 s), not after 4 s
+    jaxring.reset_after_error()
+    delays.update({1: 0.0, 2: 0.0})
+    np.testing.assert_array_equal(np.asarray(g(x)), [3.0, 3.0, 3.0])
+
+
+def test_a_config_change_waits_for_programs_already_dispatched():
+    """Each device reads the configuration when its call runs. A program dispatched inside an
+    override whose last device reaches the ring after the block ended once ran ring on some
+    devices and direct on the others; leaving the block now waits for the program."""
+    m = mesh(4)
+    x = shard(random_array(np.random.default_rng(5), (4 * 30_001,), np.float32), m)
+    f = _late_device(m, 3, 0.3, lambda v: jaxring.all_reduce(v, "i"))
+    expected = np.asarray(x, np.float64).reshape(4, -1).sum(0)
+    with jaxring.config.override(timeout_seconds=20.0):
+        for outer, inner in (("direct", "ring"), ("ring", "direct")):
+            with jaxring.config.override(algorithm=outer, pipeline_slice_bytes=4096):
+                with jaxring.config.override(algorithm=inner):
+                    y = f(x)
+                out = np.asarray(y).reshape(4, -1)
+            for device in range(4):
+                assert_close(out[device], expected, np.float32, count=4)
 
 
 def _check_recovery(m, x, error):
@@ -490,6 +567,19 @@ def test_config_override_restores_and_reaches_native():
     with pytest.raises(ValueError, match="hand_off_after_seconds >= 0"):
         jaxring.config.update(hand_off_after_seconds=-1.0)
     assert jaxring.config.get() == before
+    # A value of the wrong type changes nothing, in Python or in the native library.
+    for field, value in (("pipeline_slice_bytes", 1.5), ("spin_iterations", True),
+                         ("timeout_seconds", "10"), ("algorithm", 1)):
+        with pytest.raises(TypeError, match=f"{field} must be"):
+            jaxring.config.update(**{field: value})
+        assert jaxring.config.get() == before
+        assert native.extension.get_config()[field] == getattr(before, field)
+    # NumPy's scalars are numbers too, and become Python's.
+    with jaxring.config.override(pipeline_slice_bytes=np.int64(8192),
+                                 timeout_seconds=np.float32(2.5)) as config:
+        assert type(config.pipeline_slice_bytes) is int and config.pipeline_slice_bytes == 8192
+        assert type(config.timeout_seconds) is float and config.timeout_seconds == 2.5
+        assert native.extension.get_config()["pipeline_slice_bytes"] == 8192
 
 
 def test_cpu_kernels_config_chooses_the_build_and_refuses_what_this_cpu_lacks():

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -45,7 +47,7 @@ def all_reduce(x, axis_name, op: str = "sum", *, in_place: bool | None = None):
             return LAX_TWINS[op](leaf, comm.axes) if comm.axes else leaf
         levels = getattr(axis_name, "levels", None)  # a jaxring.mpi communicator across nodes
         if levels is not None and leaf.size * leaf.dtype.itemsize > _ring_threshold():
-            return _hierarchical(leaf, *levels, op)
+            return _hierarchical(leaf, axis_name, op)
         return _bind(leaf, comm, op, in_place)
 
     return jax.tree.map(reduce_leaf, x)
@@ -65,17 +67,34 @@ def _ring_threshold() -> int:
     return config.get().mpi_ring_threshold_bytes
 
 
-def _hierarchical(x, node, across, op: str):
+@functools.partial(jax.custom_jvp, nondiff_argnums=(1, 2))
+def _hierarchical(x, communicator, op: str):
     """All-reduce over processes on several nodes, as Horovod's and NCCL's hierarchical
     all-reduce: reduce-scatter within each node (shared memory), all-reduce each shard between
     the nodes' ranks of the same local rank (MPI), all-gather within each node. Only 1/L of the
     data crosses the network from each of a node's L ranks. 16-bit floats travel as float32, so
     they are still rounded once; every rank ends with the same bits."""
+    node, across = communicator.levels
     accumulate = jnp.float32 if x.dtype in (jnp.float16, jnp.bfloat16) else x.dtype
     flat = x.reshape(-1).astype(accumulate)
     flat = jnp.pad(flat, (0, -flat.size % node.size))  # padding is reduced only with padding
     shard = all_reduce(reduce_scatter(flat, node, op), across, op)
     return all_gather(shard, node)[:x.size].reshape(x.shape).astype(x.dtype)
+
+
+@_hierarchical.defjvp
+def _hierarchical_jvp(communicator, op, primals, tangents):
+    """all_reduce_p's JVP (_jvp below), through the levels: reduce_scatter_p has none for max and
+    min, whose gradient is not a reduce-scatter's."""
+    (x,), (tangent,) = primals, tangents
+    out = _hierarchical(x, communicator, op)
+    if not jnp.issubdtype(x.dtype, jnp.inexact):
+        return out, np.zeros(out.shape, jax.dtypes.float0)
+    if op in ("sum", "mean"):
+        return out, _hierarchical(tangent, communicator, op)
+    winner = (x == out).astype(tangent.dtype)
+    share = _hierarchical(winner, communicator, "sum")
+    return out, _hierarchical(tangent * winner, communicator, "sum") / share
 
 
 # ---- abstract evaluation -----------------------------------------------------------------------

@@ -9,6 +9,7 @@ primitive, public function, abstract eval, lowering, batching, JVP/transpose, re
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import itertools
 import math
@@ -22,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 from jax._src import config as jax_config
-from jax._src import core, effects
+from jax._src import core, dispatch, effects
 from jax._src.interpreters import mlir
 from jax._src.interpreters import partial_eval as pe
 
@@ -82,8 +83,6 @@ def reset_after_error() -> None:
     failed hands its error to every later program that uses jaxring. Call this once the error
     has been caught and handled to start a fresh token chain.
     """
-    from jax._src import dispatch
-
     dispatch.runtime_tokens.current_tokens.pop(collective_effect, None)
     dispatch.runtime_tokens.output_runtime_tokens.clear()
     native.extension.reset_point_to_point()
@@ -208,6 +207,8 @@ def communicator(name: str, axis_name) -> AxisCommunicator:
     if hasattr(axis_name, "axis_communicator"):
         return axis_name.axis_communicator()
     axes = tuple(axis_name) if isinstance(axis_name, (tuple, list)) else (axis_name,)
+    if len(set(axes)) != len(axes):
+        raise ValueError(f"jaxring.{name}: axis names repeat in {axis_name!r}; name each axis once")
     env = core.get_axis_env()
     mesh_axes = _mesh_axes()
     for axis in axes:
@@ -397,8 +398,11 @@ def _program_device_count(ctx) -> int:
 
 
 def register_lowering_rule(primitive, rule) -> None:
+    """Lowers `primitive` by `rule` on CPUs and GPUs; outside jit (a process communicator's
+    operands are concrete there) it runs compiled on its own, as lax's primitives do."""
     mlir.register_lowering(primitive, rule, platform="cpu")
     mlir.register_lowering(primitive, _one_process_per_gpu(rule), platform="cuda")
+    primitive.def_impl(functools.partial(dispatch.apply_primitive, primitive))
 
 
 def _one_process_per_gpu(rule):

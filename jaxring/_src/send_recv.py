@@ -26,8 +26,9 @@ def send(x, axis_name, perm) -> None:
     `perm` holds (source, destination) pairs, as in ``ppermute``; devices that are no pair's
     source send nothing. A send never waits for its receiver: the message is copied into the
     destination's mailbox. The matching ``recv`` (same `perm`, shape and dtype) receives it;
-    sends and receives between two devices are matched in program order. Not differentiable:
-    use ``ppermute``, whose transpose is the inverse permutation, in code you take gradients of.
+    sends and receives between two devices are matched in program order. Neither differentiable
+    nor batchable: use ``ppermute``, whose transpose is the inverse permutation, in code you take
+    gradients of or vmap.
     """
 
     def send_leaf(leaf):
@@ -49,7 +50,8 @@ def recv(like, axis_name, perm):
 
     def recv_leaf(leaf):
         dtype = leaf.dtype if hasattr(leaf, "dtype") else jnp.result_type(leaf)  # Python scalars
-        aval = core.ShapedArray(np.shape(leaf), np.dtype(dtype))
+        # As send's jnp.asarray does: float64 and int64 become 32-bit unless x64 is on.
+        aval = core.ShapedArray(np.shape(leaf), jax.dtypes.canonicalize_dtype(dtype))
         common.check_dtype("recv", aval)
         comm = common.point_to_point_communicator("recv", axis_name)
         pairs = common.check_perm("recv", perm, comm.size, comm.name)
@@ -94,13 +96,12 @@ def _recv_lowering(ctx, rank, group, *, aval, comm, perm, op_id):
 
 
 def _send_batching(args, dims, *, comm, perm, op_id):
-    rank, group, x = args
-    assert common.unbatched(dims[0], dims[1]), "jaxring: rank/group cannot be batched"
-    send_p.bind(rank, group, x, comm=comm, perm=perm, op_id=op_id)
-    return [], []
-
-
-# recv has no batched operands (only rank and group), so vmap never batches it.
+    # recv has no batched operand (only rank and group), so under vmap it would expect one
+    # example while send sent the batch.
+    raise NotImplementedError(
+        "jaxring.send and jaxring.recv do not work under vmap (the matching recv cannot see the "
+        "batch); send and receive the whole batch outside vmap, or use jaxring.ppermute, which "
+        "does")
 
 # ---- differentiation ---------------------------------------------------------------------------
 

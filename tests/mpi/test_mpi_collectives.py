@@ -165,6 +165,38 @@ def test_grad_sums_cotangents_over_processes(size):
     np.testing.assert_allclose(np.asarray(grad), expected, rtol=1e-9)
 
 
+@pytest.mark.parametrize("op", ["max", "min"])
+@pytest.mark.parametrize("size", [9, 20_000])  # 20_000: through the node levels, where there are
+def test_grad_of_max_and_min_goes_to_the_winning_rank(op, size):
+    rng = np.random.default_rng(COMM.rank + 30)
+    x = rng.standard_normal(size)
+    w = rng.standard_normal(size)
+    grad = jax.jit(jax.grad(lambda v: jnp.sum(jaxring.all_reduce(v, COMM, op) * w)))(x)
+    xs = gathered(x)
+    winner = xs.argmax(0) if op == "max" else xs.argmin(0)
+    expected = np.where(winner == COMM.rank, gathered(w).sum(0), 0.0)
+    np.testing.assert_allclose(np.asarray(grad), expected, rtol=1e-12, atol=1e-12)
+
+
+def test_calls_outside_jit():
+    """Process communicators' operands are concrete, so calls need no jit (as with mpi4jax):
+    each compiles on its own."""
+    rng = np.random.default_rng(COMM.rank + 40)
+    x = rng.standard_normal(7 * COMM.size)
+    np.testing.assert_allclose(np.asarray(jaxring.all_reduce(x, COMM)), gathered(x).sum(0),
+                               rtol=1e-12)
+    np.testing.assert_array_equal(np.asarray(jaxring.all_gather(x, COMM)),
+                                  gathered(x).reshape(-1))
+    np.testing.assert_allclose(np.asarray(jaxring.reduce_scatter(x, COMM)),
+                               gathered(x).sum(0).reshape(COMM.size, 7)[COMM.rank], rtol=1e-12)
+    np.testing.assert_array_equal(np.asarray(jaxring.broadcast(x, COMM, root=COMM.size - 1)),
+                                  gathered(x)[-1])
+    jaxring.barrier(COMM)
+    w = rng.standard_normal(x.shape)
+    grad = jax.grad(lambda v: jnp.sum(jaxring.all_reduce(v, COMM) * w))(x)
+    np.testing.assert_allclose(np.asarray(grad), gathered(w).sum(0), rtol=1e-12)
+
+
 def test_transport_follows_the_node_layout():
     asked = os.environ.get("JAXRING_MPI_TRANSPORT", "auto")
     per_node = int(os.environ.get("JAXRING_MPI_RANKS_PER_NODE", "0")) or COMM.size

@@ -41,10 +41,14 @@ void SleepWhileEqual(const std::atomic<uint32_t>& word, uint32_t expected,
 
 }  // namespace
 
+// Limits beyond this (about 30 years, infinity included) mean no limit: the steady clock's
+// 64-bit nanoseconds would overflow past about 292 years, and a wrapped deadline lies in the past.
+constexpr double kLongestWaitSeconds = 1e9;
+
 Deadline::Deadline(double seconds)
     : when_(std::chrono::steady_clock::now() +
             std::chrono::duration_cast<std::chrono::steady_clock::duration>(
-                std::chrono::duration<double>(seconds))),
+                std::chrono::duration<double>(std::min(seconds, kLongestWaitSeconds)))),
       seconds_(seconds) {}
 
 std::chrono::nanoseconds Deadline::Remaining(std::chrono::nanoseconds cap) const {

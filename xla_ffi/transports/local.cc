@@ -111,10 +111,11 @@ std::unique_ptr<LocalTransport> LocalTransport::Join(const CommunicatorId& comm,
   me.output_uncached = sequence == 0 && output_uncached();
   me.scratch = scratch;
   me.arrived.store(true, std::memory_order_release);
-  if (meeting->arrivals.Add(1) == static_cast<uint32_t>(comm.size) ||
-      meeting->arrivals.Load() & Flag::kAbandoned) {
-    Registry::Get().Leave(comm, run_id, sequence);  // everyone holds the meeting now
-  }
+  // Once everyone holds the meeting it leaves the registry. One a rank gave up on stays there
+  // until the last rank arrives, so that every late rank finds it and fails at once (not after
+  // a timeout of its own in a fresh meeting); if that rank never comes, it stays for good.
+  if ((meeting->arrivals.Add(1) & ~Flag::kAbandoned) == static_cast<uint32_t>(comm.size))
+    Registry::Get().Leave(comm, run_id, sequence);
   return std::unique_ptr<LocalTransport>(
       new LocalTransport(comm, rank, header, std::move(meeting), timeout_seconds, spin_iterations));
 }

@@ -1,5 +1,6 @@
 #include "transports/mailbox.h"
 
+#include <atomic>
 #include <cstring>
 #include <map>
 #include <mutex>
@@ -32,6 +33,10 @@ struct alignas(64) Slot {
   alignas(64) unsigned char inline_data[kInlineBytes];
   // Written by the receiver once it has copied the message out (its own cache line).
   alignas(64) Flag read;
+  // An in-place message's round flag while the receiver copies it out of the sender's buffer,
+  // else 0. A sender that gives up waits for a copy under way before XLA reclaims its buffer,
+  // and a receiver that finds the sender gone does not start one.
+  std::atomic<uint32_t> copying{0};
 };
 
 class Mailbox {
@@ -44,6 +49,7 @@ class Mailbox {
     for (Slot& slot : slots) {
       slot.ready.Store(0);
       slot.read.Store(0);
+      slot.copying.store(0);
       slot.spill = ScratchLease();
       slot.in_place = false;
       slot.pointer = nullptr;
@@ -144,10 +150,18 @@ Status LocalPointToPoint::WaitSent(int dest) {
   Slot& slot = in_place_mailbox_->slots[in_place_sequence_ % kSlots];
   const uint32_t done = RoundFlag(in_place_sequence_ / kSlots);
   if (!slot.read.WaitUntilEqual(done, deadline_, spin_iterations_)) {
+    // A late receiver must not read a buffer XLA is about to reclaim: mark the slot abandoned,
+    // then let a copy that began before the mark finish (a memcpy, not a wait for anyone).
+    slot.read.Abandon();
+    std::atomic_thread_fence(std::memory_order_seq_cst);
+    while (slot.copying.load(std::memory_order_seq_cst) == done) YieldCore();
+    if ((slot.read.Load() & ~Flag::kAbandoned) == done) {
+      slot.read.Store(done);  // the receiver took the message after all
+      return Status();
+    }
     std::ostringstream s;
     s << Where(slot.header) << ": timed out after " << deadline_.seconds()
       << " s waiting for rank [" << dest << "] to receive this rank's message";
-    slot.read.Abandon();  // a late receiver must not read a buffer XLA has reclaimed
     return Status::Error(s.str());
   }
   if (slot.read.Load() & Flag::kAbandoned)
@@ -199,9 +213,23 @@ Status LocalPointToPoint::Receive(int source, const Header& expected, void* out,
     slot.read.Abandon();
     return Status::Error(s.str());
   }
+  const bool in_place = slot.in_place;
+  if (in_place) {
+    // Announce the copy, then look for the sender's give-up mark (WaitSent does the converse):
+    // with both orders sequentially consistent, at least one of the two sees the other.
+    slot.copying.store(RoundFlag(round), std::memory_order_seq_cst);
+    std::atomic_thread_fence(std::memory_order_seq_cst);
+    if (slot.read.Load() & Flag::kAbandoned) {
+      slot.copying.store(0, std::memory_order_seq_cst);
+      return Status::Error(Where(expected) + ": rank " + std::to_string(source) +
+                           " gave up waiting for this rank to receive its message (it timed "
+                           "out first, and its buffer is gone); see its error");
+    }
+  }
   std::memcpy(out, slot.pointer, bytes);
   slot.spill = ScratchLease();
   slot.read.Store(RoundFlag(round));  // frees the slot, and releases an in-place sender
+  if (in_place) slot.copying.store(0, std::memory_order_seq_cst);
   return Status();
 }
 

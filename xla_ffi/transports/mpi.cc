@@ -383,7 +383,9 @@ Status MpiTransport::Ring(const Header& h, const CollectiveBuffers& b, const Dea
   const std::vector<RingStep> mine = schedule(rank_);
   const std::vector<RingStep> theirs = schedule(right);
   const int steps = static_cast<int>(mine.size());
-  const int64_t slice = std::max<int64_t>(1, config_.pipeline_slice_bytes / acc_width);
+  // Slices within one MPI message (kMaxPiece), so that each slice is one request in Wait.
+  const int64_t slice = std::max<int64_t>(
+      1, std::min<int64_t>(config_.pipeline_slice_bytes, kMaxPiece) / acc_width);
   int64_t largest = 0;
   for (const RingStep& s : mine) largest = std::max(largest, s.reduce ? s.count : 0);
   char* scratch = h.kind == Collective::kAllGather ? nullptr : Scratch(0, h.count * acc_width);
@@ -516,7 +518,8 @@ Status MpiTransport::Broadcast(const Header& h, const CollectiveBuffers& b,
       if (v + mask < n) status = Isend(h, out, bytes, (rank_ + mask) % n, kDataTag, &sends_);
     }
   } else {
-    const size_t slice = std::max<int64_t>(1, config_.pipeline_slice_bytes);
+    const size_t slice =
+        std::max<int64_t>(1, std::min<int64_t>(config_.pipeline_slice_bytes, kMaxPiece));
     const size_t pieces = (bytes + slice - 1) / slice;
     for (size_t k = 0; v > 0 && k < pieces && status.ok(); ++k)
       status = Irecv(h, out + k * slice, std::min(slice, bytes - k * slice), (rank_ + n - 1) % n,
