@@ -83,6 +83,29 @@ def _check_slot_bytes(slot_bytes, size: int) -> None:
                          f"{8 * size} bytes, got {slot_bytes!r}")
 
 
+def _agreed(mpi_comm, resolve):
+    """`resolve()`, the options of a Communicator, on every rank; they must agree. A rank whose
+    options are bad, or differ from the others', would leave its peers waiting for ever in MPI
+    collectives of the set-up that it never reaches (mpi4py's have no timeout), so every rank
+    raises instead, naming each rank's problem."""
+    try:
+        mine, error = resolve(), None
+    except (TypeError, ValueError) as e:
+        mine, error = None, str(e)
+    everyone = mpi_comm.allgather((mine, error))
+    errors = [f"rank {rank}: {e}" for rank, (_, e) in enumerate(everyone) if e]
+    if errors:
+        raise ValueError("; ".join(errors))
+    for rank, (theirs, _) in enumerate(everyone):
+        if theirs != everyone[0][0]:
+            raise ValueError(
+                f"jaxring.mpi: every rank must ask for the same communicator, but rank 0 asked "
+                f"for (transport, slot_bytes, ranks_per_node, GPU options) {everyone[0][0]} and "
+                f"rank {rank} for {theirs}: pass the same arguments and JAXRING_ variables to "
+                "every rank")
+    return mine
+
+
 class Communicator:
     """The processes of an mpi4py communicator. Pass it wherever a collective takes an axis name.
 
@@ -100,13 +123,20 @@ class Communicator:
                  gpu_transport: str | None = None, gpu_workspace_bytes: int | None = None,
                  gpu_staging_bytes: int | None = None):
         MPI = _mpi()
-        gpu_options = gpu.GpuOptions.resolve(gpu_transport, gpu_workspace_bytes,
-                                              gpu_staging_bytes)
-        transport = transport or os.environ.get("JAXRING_MPI_TRANSPORT", "auto")
-        _check_slot_bytes(slot_bytes, mpi_comm.Get_size())
-        if transport not in TRANSPORTS:
-            raise ValueError(f"jaxring.mpi: transport must be one of {TRANSPORTS}, "
-                             f"got {transport!r}")
+
+        def resolve():
+            options = gpu.GpuOptions.resolve(gpu_transport, gpu_workspace_bytes,
+                                             gpu_staging_bytes)
+            chosen = transport or os.environ.get("JAXRING_MPI_TRANSPORT", "auto")
+            _check_slot_bytes(slot_bytes, mpi_comm.Get_size())
+            if chosen not in TRANSPORTS:
+                raise ValueError(f"jaxring.mpi: transport must be one of {TRANSPORTS}, "
+                                 f"got {chosen!r}")
+            pretend = (int(os.environ.get("JAXRING_MPI_RANKS_PER_NODE", "0"))
+                       if ranks_per_node is None else ranks_per_node)
+            return chosen, int(slot_bytes), pretend, options
+
+        transport, slot_bytes, ranks_per_node, gpu_options = _agreed(mpi_comm, resolve)
         self.mpi_comm = mpi_comm
         self.rank = mpi_comm.Get_rank()
         self.size = mpi_comm.Get_size()
@@ -161,8 +191,8 @@ class Communicator:
         self.gpu_transport, self.cuda_aware_mpi, self.cuda_aware_mpi_source = gpu.attach(
             mpi_comm, self.key, self.rank, self.size, self.name, gpu_options, on_one_node,
             extension)
-        if self.gpu_transport in ("ipc", "staged") and _exit_barrier_comm[0] is None:
-            _exit_barrier_comm[0] = mpi_comm.Dup()
+        if self.gpu_transport in ("ipc", "staged"):
+            _meet_at_exit(mpi_comm)
         _wait_for_pending_work_at_exit()
 
     def _attach_shared_memory(self, slot_bytes: int) -> None:
@@ -233,7 +263,26 @@ def world() -> Communicator:
 
 # With a GPU transport, peers' kernels may still read this process's device workspace after its
 # own work is done; a barrier at exit keeps the memory alive until every rank's work is.
-_exit_barrier_comm: list = [None]
+# Communicators whose ranks meet at exit: together they hold every peer of every GPU transport.
+_exit_barrier_comms: list = []
+
+
+def _meet_at_exit(mpi_comm) -> None:
+    """Makes this process wait at exit for the ranks of `mpi_comm` (collective): a GPU transport's
+    peers may still read this rank's memory. Nothing is added where a communicator already met
+    at exit holds every rank of this one; each rank decides the same, since such a communicator
+    was made by all of its ranks, these among them."""
+    group = mpi_comm.Get_group()
+    try:
+        for comm in _exit_barrier_comms:
+            other = comm.Get_group()
+            covered = _mpi().Group.Difference(group, other).Get_size() == 0
+            other.Free()
+            if covered:
+                return
+    finally:
+        group.Free()
+    _exit_barrier_comms.append(mpi_comm.Dup())
 
 
 @functools.cache
@@ -246,20 +295,19 @@ def _wait_for_pending_work_at_exit() -> None:
 
     def wait() -> None:
         jax.effects_barrier()
-        comm = _exit_barrier_comm[0]
-        if comm is None:
+        if not _exit_barrier_comms:
             return
         import time
 
         from jaxring import config
 
-        request = comm.Ibarrier()
+        requests = [comm.Ibarrier() for comm in _exit_barrier_comms]
         deadline = time.monotonic() + config.get().timeout_seconds
-        while not request.Test():
+        while not _mpi().Request.Testall(requests):
             if time.monotonic() > deadline:
-                print(f"jaxring: rank {comm.Get_rank()} left without the other ranks reaching "
-                      "exit; their GPU transport may still read this rank's memory",
-                      file=sys.stderr)
+                print(f"jaxring: rank {_mpi().COMM_WORLD.Get_rank()} left without the other "
+                      "ranks reaching exit; their GPU transport may still read this rank's "
+                      "memory", file=sys.stderr)
                 return
             time.sleep(1e-3)
 

@@ -422,6 +422,8 @@ def test_unsupported_op_and_bad_arguments():
         shmap(lambda v: jaxring.ppermute(v, "i", [(0.7, 1)]), m)(x)
     with pytest.raises(ValueError, match="not a device mesh axis"):
         shmap(jax.vmap(lambda v: jaxring.all_reduce(v, "v"), axis_name="v"), m)(x)
+    with pytest.raises(ValueError, match="a vmap axis named like mesh axis 'i' hides it"):
+        shmap(jax.vmap(lambda v: jaxring.all_reduce(v, "i"), axis_name="i"), m)(x)
     with pytest.raises(ValueError, match=r"axis names repeat in \('i', 'i'\)"):
         shmap(lambda v: jaxring.all_reduce(v, ("i", "i")), m)(x)
     with pytest.raises(ValueError, match="algorithm must be"):

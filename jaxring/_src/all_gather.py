@@ -66,7 +66,7 @@ def _lowering(ctx, rank, group, x, *, comm, op_id):
 
 def _batching(args, dims, *, comm, op_id):
     rank, group, x = args
-    assert common.unbatched(dims[0], dims[1]), "jaxring: rank/group cannot be batched"
+    common.check_unbatched(comm, dims[0], dims[1])
     x = common.move_batch_axis(x, dims[2], 1)
     return all_gather_p.bind(rank, group, x, comm=comm, op_id=common.next_op_id(comm)), 1
 

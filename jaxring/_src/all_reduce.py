@@ -119,7 +119,7 @@ def _lowering(ctx, rank, group, x, *, comm, op, op_id, in_place):
 
 def _batching(args, dims, *, comm, op, op_id, in_place):
     rank, group, x = args
-    assert common.unbatched(dims[0], dims[1]), "jaxring: rank/group cannot be batched"
+    common.check_unbatched(comm, dims[0], dims[1])
     # Elementwise across devices: the batch dimension just rides along.
     return all_reduce_p.bind(rank, group, x, comm=comm, op=op, in_place=in_place,
                              op_id=common.next_op_id(comm)), dims[2]

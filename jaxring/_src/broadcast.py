@@ -65,7 +65,7 @@ def _lowering(ctx, rank, group, x, *, comm, root, op_id):
 
 def _batching(args, dims, *, comm, root, op_id):
     rank, group, x = args
-    assert common.unbatched(dims[0], dims[1]), "jaxring: rank/group cannot be batched"
+    common.check_unbatched(comm, dims[0], dims[1])
     return broadcast_p.bind(rank, group, x, comm=comm, root=root,
                             op_id=common.next_op_id(comm)), dims[2]
 

@@ -428,5 +428,11 @@ def move_batch_axis(x, batch_dim, to: int = 0):
     return jnp.moveaxis(x, batch_dim, to)
 
 
-def unbatched(*dims: Sequence[Any]) -> bool:
-    return all(d is None for d in dims)
+def check_unbatched(comm: AxisCommunicator, rank_dim, group_dim) -> None:
+    """A batching rule's check that the device's rank and group are not batched: they are when a
+    vmap axis inside shard_map takes the name of the mesh axis, and then name the vmap's examples,
+    not devices."""
+    if rank_dim is not None or group_dim is not None:
+        raise ValueError(
+            f"jaxring: a vmap axis named like {comm.name} hides it inside shard_map, and jaxring "
+            "would take the vmap's examples for devices; give the vmap axis another name")

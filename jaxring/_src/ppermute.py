@@ -60,7 +60,7 @@ def _lowering(ctx, rank, group, x, *, comm, perm, op_id):
 
 def _batching(args, dims, *, comm, perm, op_id):
     rank, group, x = args
-    assert common.unbatched(dims[0], dims[1]), "jaxring: rank/group cannot be batched"
+    common.check_unbatched(comm, dims[0], dims[1])
     # The permutation moves whole per-device blocks: the batch dimension rides along.
     return ppermute_p.bind(rank, group, x, comm=comm, perm=perm,
                            op_id=common.next_op_id(comm)), dims[2]

@@ -82,7 +82,7 @@ def _lowering(ctx, rank, group, x, *, comm, op, op_id):
 
 def _batching(args, dims, *, comm, op, op_id):
     rank, group, x = args
-    assert common.unbatched(dims[0], dims[1]), "jaxring: rank/group cannot be batched"
+    common.check_unbatched(comm, dims[0], dims[1])
     # The leading dimension is the scattered one, so the batch dimension goes second.
     x = common.move_batch_axis(x, dims[2], 1)
     return reduce_scatter_p.bind(rank, group, x, comm=comm, op=op,

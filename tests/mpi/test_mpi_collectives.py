@@ -246,6 +246,37 @@ def test_bad_arguments_are_refused_at_trace_time():
             jaxring.mpi.Communicator(MPI_COMM, slot_bytes=slot_bytes)
 
 
+def test_ranks_meet_at_exit_on_a_communicator_holding_each_gpu_peer_once():
+    """GPU communicators' ranks wait for each other at exit (their peers may still read their
+    memory): one communicator is added per GPU communicator whose ranks no earlier one holds.
+    Before, only the first GPU communicator's ranks met."""
+    saved = list(jaxring.mpi._exit_barrier_comms)
+    jaxring.mpi._exit_barrier_comms.clear()
+    pairs = MPI_COMM.Split(COMM.rank // 2, key=COMM.rank)
+    try:
+        for comm in (pairs, pairs, MPI_COMM, pairs, MPI_COMM):
+            jaxring.mpi._meet_at_exit(comm)
+        sizes = [comm.Get_size() for comm in jaxring.mpi._exit_barrier_comms]
+        assert sizes == [pairs.Get_size()] + ([COMM.size] if COMM.size > 2 else []), sizes
+    finally:
+        for comm in jaxring.mpi._exit_barrier_comms:
+            comm.Free()
+        jaxring.mpi._exit_barrier_comms[:] = saved
+        pairs.Free()
+
+
+def test_a_rank_with_bad_or_different_options_makes_every_rank_raise():
+    """Set-up runs MPI collectives without a timeout: a rank that raised alone, or took another
+    path, would leave the others waiting there for ever."""
+    last = COMM.size - 1
+    with pytest.raises(ValueError, match=rf"rank {last}: jaxring.mpi: slot_bytes must be"):
+        jaxring.mpi.Communicator(MPI_COMM, slot_bytes=1 if COMM.rank == last else 1 << 20)
+    if COMM.size > 1:
+        with pytest.raises(ValueError, match=r"every rank must ask for the same communicator, "
+                                             rf"but rank 0 asked for .* and rank 1 for"):
+            jaxring.mpi.Communicator(MPI_COMM, transport="shm" if COMM.rank == 0 else "mpi")
+
+
 @pytest.mark.skipif(COMM.transport != "shm", reason="a shared-memory communicator")
 def test_a_segment_larger_than_dev_shm_is_an_error_not_a_crash():
     """The segment's pages are reserved when it is made; mapping more than /dev/shm holds would

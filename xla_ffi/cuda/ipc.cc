@@ -58,16 +58,24 @@ Status IpcCommunicator::Create(int rank, int size, int device, int64_t slot_byte
   JAXRING_CUDA_RETURN(where + ": reading the device's properties",
                       cudaGetDeviceProperties(&properties, device));
   std::memcpy(mine->uuid, properties.uuid.bytes, sizeof(mine->uuid));
-  void* workspace = nullptr;
-  JAXRING_CUDA_RETURN(where + ": allocating the " + std::to_string(2 * slot_bytes) +
+  status = comm->Allocate(mine, where);
+  if (!status.ok()) {
+    comm->FreeAllocations();  // a set-up that fails (and may be retried) leaks nothing
+    return status;
+  }
+  *out = std::move(comm);
+  return Status();
+}
+
+Status IpcCommunicator::Allocate(IpcHandles* mine, const std::string& where) {
+  JAXRING_CUDA_RETURN(where + ": allocating the " + std::to_string(2 * slot_bytes_) +
                           "-byte workspace (lower gpu_workspace_bytes?)",
-                      cudaMalloc(&workspace, 2 * slot_bytes));
-  comm->bases_[rank] = static_cast<char*>(workspace);
+                      cudaMalloc(reinterpret_cast<void**>(&bases_[rank_]), 2 * slot_bytes_));
   JAXRING_CUDA_RETURN(where + ": exporting the workspace",
-                      cudaIpcGetMemHandle(&mine->memory, workspace));
+                      cudaIpcGetMemHandle(&mine->memory, bases_[rank_]));
   for (int kind = 0; kind < kIpcEventKinds; ++kind) {
     for (int parity = 0; parity < 2; ++parity) {
-      cudaEvent_t& event = comm->events_[rank][kind][parity];
+      cudaEvent_t& event = events_[rank_][kind][parity];
       JAXRING_CUDA_RETURN(where + ": creating an interprocess event",
                           cudaEventCreateWithFlags(
                               &event, cudaEventInterprocess | cudaEventDisableTiming));
@@ -75,8 +83,16 @@ Status IpcCommunicator::Create(int rank, int size, int device, int64_t slot_byte
                           cudaIpcGetEventHandle(&mine->events[kind][parity], event));
     }
   }
-  *out = std::move(comm);
   return Status();
+}
+
+void IpcCommunicator::FreeAllocations() {
+  if (bases_[rank_] != nullptr) cudaFree(bases_[rank_]);
+  bases_[rank_] = nullptr;
+  for (auto& kind : events_[rank_])
+    for (cudaEvent_t& event : kind)
+      if (event != nullptr) cudaEventDestroy(event);
+  cudaGetLastError();  // the error being reported is the set-up's, not these
 }
 
 Status IpcCommunicator::Open(const IpcHandles* all) {

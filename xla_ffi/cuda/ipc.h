@@ -76,6 +76,10 @@ class IpcCommunicator final : public GpuCommunicator {
  private:
   IpcCommunicator(int rank, int size, int device, int64_t slot_bytes, std::string name);
   friend class DeviceIpcOps;
+  // Create's allocations and exports into `mine`; on failure Create frees what they made (no
+  // peer has its handles yet).
+  Status Allocate(IpcHandles* mine, const std::string& where);
+  void FreeAllocations();
 
   int64_t slot_bytes_;
   std::vector<char*> bases_;  // every rank's workspace, mapped into this process

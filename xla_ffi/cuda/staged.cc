@@ -48,34 +48,54 @@ Status StagedCommunicator::Create(int rank, int size, int device, int64_t chunk_
   if (messages != nullptr && size > kIpcMaxRanks)
     return Status::Error(where + ": the CUDA-aware path reduces every rank in one kernel, at most " +
                          std::to_string(kIpcMaxRanks) + " ranks; set JAXRING_CUDA_AWARE_MPI=0");
-  if (messages != nullptr) {
-    JAXRING_CUDA_RETURN(where + ": allocating the device scratch",
-                        cudaMalloc(&comm->device_scratch_, chunk_bytes));
-    JAXRING_CUDA_RETURN(where + ": creating events",
-                        cudaEventCreateWithFlags(&comm->scratch_free_, cudaEventDisableTiming));
+  status = comm->Allocate(where);
+  if (!status.ok()) {
+    comm->FreeAllocations();  // a set-up that fails (and may be retried) leaks nothing
+    return status;
   }
-  for (int b = 0; b < 2; ++b) {
-    void* in = nullptr;
-    void* result = nullptr;
-    JAXRING_CUDA_RETURN(where + ": allocating pinned staging memory",
-                        cudaHostAlloc(&in, chunk_bytes, cudaHostAllocDefault));
-    JAXRING_CUDA_RETURN(where + ": allocating pinned staging memory",
-                        cudaHostAlloc(&result, chunk_bytes, cudaHostAllocDefault));
-    comm->to_host_[b] = static_cast<char*>(in);
-    comm->from_host_[b] = static_cast<char*>(result);
-    JAXRING_CUDA_RETURN(where + ": creating events",
-                        cudaEventCreateWithFlags(&comm->copied_in_[b], cudaEventDisableTiming));
-    JAXRING_CUDA_RETURN(where + ": creating events",
-                        cudaEventCreateWithFlags(&comm->copied_out_[b], cudaEventDisableTiming));
-  }
-  JAXRING_CUDA_RETURN(where + ": creating events",
-                      cudaEventCreateWithFlags(&comm->call_start_, cudaEventDisableTiming));
-  JAXRING_CUDA_RETURN(where + ": creating events",
-                      cudaEventCreateWithFlags(&comm->call_end_, cudaEventDisableTiming));
-  JAXRING_CUDA_RETURN(where + ": creating the copy stream",
-                      cudaStreamCreateWithFlags(&comm->copy_out_, cudaStreamNonBlocking));
   *out = std::move(comm);
   return Status();
+}
+
+Status StagedCommunicator::Allocate(const std::string& where) {
+  if (messages_ != nullptr) {
+    JAXRING_CUDA_RETURN(where + ": allocating the device scratch",
+                        cudaMalloc(&device_scratch_, chunk_bytes_));
+    JAXRING_CUDA_RETURN(where + ": creating events",
+                        cudaEventCreateWithFlags(&scratch_free_, cudaEventDisableTiming));
+  }
+  for (int b = 0; b < 2; ++b) {
+    JAXRING_CUDA_RETURN(where + ": allocating pinned staging memory",
+                        cudaHostAlloc(reinterpret_cast<void**>(&to_host_[b]), chunk_bytes_,
+                                      cudaHostAllocDefault));
+    JAXRING_CUDA_RETURN(where + ": allocating pinned staging memory",
+                        cudaHostAlloc(reinterpret_cast<void**>(&from_host_[b]), chunk_bytes_,
+                                      cudaHostAllocDefault));
+    JAXRING_CUDA_RETURN(where + ": creating events",
+                        cudaEventCreateWithFlags(&copied_in_[b], cudaEventDisableTiming));
+    JAXRING_CUDA_RETURN(where + ": creating events",
+                        cudaEventCreateWithFlags(&copied_out_[b], cudaEventDisableTiming));
+  }
+  JAXRING_CUDA_RETURN(where + ": creating events",
+                      cudaEventCreateWithFlags(&call_start_, cudaEventDisableTiming));
+  JAXRING_CUDA_RETURN(where + ": creating events",
+                      cudaEventCreateWithFlags(&call_end_, cudaEventDisableTiming));
+  JAXRING_CUDA_RETURN(where + ": creating the copy stream",
+                      cudaStreamCreateWithFlags(&copy_out_, cudaStreamNonBlocking));
+  return Status();
+}
+
+void StagedCommunicator::FreeAllocations() {
+  if (device_scratch_ != nullptr) cudaFree(device_scratch_);
+  for (int b = 0; b < 2; ++b) {
+    if (to_host_[b] != nullptr) cudaFreeHost(to_host_[b]);
+    if (from_host_[b] != nullptr) cudaFreeHost(from_host_[b]);
+  }
+  for (cudaEvent_t event : {scratch_free_, copied_in_[0], copied_in_[1], copied_out_[0],
+                            copied_out_[1], call_start_, call_end_})
+    if (event != nullptr) cudaEventDestroy(event);
+  if (copy_out_ != nullptr) cudaStreamDestroy(copy_out_);
+  cudaGetLastError();  // the error being reported is the set-up's, not these
 }
 
 Status StagedCommunicator::RunChecked(cudaStream_t stream, const JaxringHostCall& call,

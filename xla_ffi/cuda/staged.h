@@ -50,6 +50,9 @@ class StagedCommunicator final : public GpuCommunicator {
   friend class PinnedStagingOps;
   StagedCommunicator(int rank, int size, int device, int64_t chunk_bytes,
                      const JaxringMessageOps* messages, std::string name);
+  // Create's allocations; on failure Create frees what they made (nothing else has seen it yet).
+  Status Allocate(const std::string& where);
+  void FreeAllocations();
   Status RunPipelined(cudaStream_t stream, const JaxringHostCall& call, const Header& h,
                       const void* x, void* y, const std::string& where);
   Status RunCudaAware(cudaStream_t stream, const JaxringHostCall& call, const Header& h,
