@@ -4,6 +4,7 @@ table of them)."""
 from __future__ import annotations
 
 import functools
+import time
 
 import jax
 import jax.numpy as jnp
@@ -70,3 +71,19 @@ def assert_close(actual, expected_f64, dtype, count: int = 1, exact_reference: b
 
 def shmap(f, m, in_specs=P("i"), out_specs=P("i")):
     return jax.jit(jax.shard_map(f, mesh=m, in_specs=in_specs, out_specs=out_specs))
+
+
+def late_devices(m, delays: dict, collective):
+    """A jitted shard_map program over mesh `m` in which each device sleeps `delays[rank]` seconds
+    (0 if absent) on the host, then runs `collective`. `delays` is read on every call, so a test
+    may change it between calls of the compiled program."""
+    def sleep(v, rank):
+        time.sleep(delays.get(int(rank), 0.0))
+        return v
+
+    def f(v):
+        v = jax.pure_callback(sleep, jax.ShapeDtypeStruct(v.shape, v.dtype), v,
+                              jax.lax.axis_index("i"))
+        return collective(v)
+    return shmap(f, m)
+

@@ -13,7 +13,8 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 import jaxring
-from helpers import AWKWARD_SIZES, DEVICE_COUNTS, DTYPES, mesh, random_array, shard, shmap
+from helpers import (AWKWARD_SIZES, DEVICE_COUNTS, DTYPES, late_devices, mesh, random_array,
+                     shard, shmap)
 
 
 def random_perm(rng: np.random.Generator, n: int, kind: str):
@@ -265,19 +266,12 @@ def test_a_receiver_later_than_its_in_place_senders_timeout_does_not_read_the_fr
     x = shard(np.arange(2 * 50_000, dtype=np.float32), m)  # 200 KiB a device, in place
     received = []
 
-    def sleep_on_device_1(v, rank):
-        if int(rank) == 1:
-            time.sleep(1.5)
-        return v
-
-    def f(v):
-        v = jax.pure_callback(sleep_on_device_1, jax.ShapeDtypeStruct(v.shape, v.dtype), v,
-                              lax.axis_index("i"))
+    def send_and_record(v):
         out = jaxring.ppermute(jnp.sin(v), "i", [(0, 1)])
         jax.debug.callback(lambda o, rank: received.append(int(rank)), out, lax.axis_index("i"))
         return out
 
-    g = jax.jit(jax.shard_map(f, mesh=m, in_specs=P("i"), out_specs=P("i")))
+    g = late_devices(m, {1: 1.5}, send_and_record)
     with jaxring.config.override(timeout_seconds=0.5, p2p_eager_bytes=0):
         with pytest.raises(Exception, match="timed out after 0.5 s waiting for rank \\[1\\] "
                                             "to receive"):

@@ -17,7 +17,7 @@ from jax.sharding import PartitionSpec as P
 
 import jaxring
 from jaxring._src import common, native, runtime_tokens
-from helpers import assert_close, mesh, random_array, shard, shmap
+from helpers import assert_close, late_devices, mesh, random_array, shard, shmap
 
 # ---- determinism -------------------------------------------------------------------------------
 
@@ -451,26 +451,12 @@ def test_missing_peer_times_out_naming_the_missing_devices():
     _check_recovery(m, x, "timed out")
 
 
-def _late_device(m, late: int, seconds: float, collective):
-    """A program in which device `late` sleeps `seconds` on the host before `collective`."""
-    def sleep_if_late(v, rank):
-        if int(rank) == late:
-            time.sleep(seconds)
-        return v
-
-    def f(v):
-        v = jax.pure_callback(sleep_if_late, jax.ShapeDtypeStruct(v.shape, v.dtype), v,
-                              lax.axis_index("i"))
-        return collective(v)
-    return jax.jit(jax.shard_map(f, mesh=m, in_specs=P("i"), out_specs=P("i")))
-
-
 def test_an_infinite_timeout_waits_for_a_late_peer():
     """float("inf") waits for ever; it once overflowed into a deadline in the past, and every
     wait longer than its first spin gave up."""
     m = mesh(4)
     x = shard(np.arange(8.0, dtype=np.float32), m)
-    f = _late_device(m, 3, 0.05, lambda v: jaxring.all_reduce(v, "i"))
+    f = late_devices(m, {3: 0.05}, lambda v: jaxring.all_reduce(v, "i"))
     with jaxring.config.override(timeout_seconds=float("inf")):
         out = np.asarray(f(x))
     np.testing.assert_array_equal(out, np.tile(np.asarray(x).reshape(4, 2).sum(0), 4))
@@ -482,18 +468,8 @@ def test_ranks_later_than_a_timeout_fail_at_once_in_the_abandoned_meeting():
     timeout of its own there and blamed devices 0 and 1, which had come."""
     m = mesh(3)
     x = shard(np.arange(3.0, dtype=np.float32), m)
-    delays = {0: 0.0, 1: 0.0, 2: 0.0}  # none while the program compiles and runs once
-
-    def sleep_by_rank(v, rank):
-        time.sleep(delays[int(rank)])
-        return v
-
-    def f(v):
-        v = jax.pure_callback(sleep_by_rank, jax.ShapeDtypeStruct(v.shape, v.dtype), v,
-                              lax.axis_index("i"))
-        return jaxring.all_reduce(v, "i")
-
-    g = jax.jit(jax.shard_map(f, mesh=m, in_specs=P("i"), out_specs=P("i")))
+    delays = {}  # none while the program compiles and runs once
+    g = late_devices(m, delays, lambda v: jaxring.all_reduce(v, "i"))
     np.testing.assert_array_equal(np.asarray(g(x)), [3.0, 3.0, 3.0])
     delays.update({1: 1.5, 2: 3.0})
     with jaxring.config.override(timeout_seconds=1.0):
@@ -514,7 +490,7 @@ def test_a_config_change_waits_for_programs_already_dispatched():
     devices and direct on the others; leaving the block now waits for the program."""
     m = mesh(4)
     x = shard(random_array(np.random.default_rng(5), (4 * 30_001,), np.float32), m)
-    f = _late_device(m, 3, 0.3, lambda v: jaxring.all_reduce(v, "i"))
+    f = late_devices(m, {3: 0.3}, lambda v: jaxring.all_reduce(v, "i"))
     expected = np.asarray(x, np.float64).reshape(4, -1).sum(0)
     with jaxring.config.override(timeout_seconds=20.0):
         for outer, inner in (("direct", "ring"), ("ring", "direct")):

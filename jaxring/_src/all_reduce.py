@@ -92,9 +92,14 @@ def _hierarchical_jvp(communicator, op, primals, tangents):
         return out, np.zeros(out.shape, jax.dtypes.float0)
     if op in ("sum", "mean"):
         return out, _hierarchical(tangent, communicator, op)
+    return out, _winners_tangent(x, out, tangent, lambda v: _hierarchical(v, communicator, "sum"))
+
+
+def _winners_tangent(x, out, tangent, total):
+    """max/min's tangent: the tangent of the winning element, which ties share equally (as
+    jnp.max does); `total` sums over the devices."""
     winner = (x == out).astype(tangent.dtype)
-    share = _hierarchical(winner, communicator, "sum")
-    return out, _hierarchical(tangent * winner, communicator, "sum") / share
+    return total(tangent * winner) / total(winner)
 
 
 # ---- abstract evaluation -----------------------------------------------------------------------
@@ -136,10 +141,7 @@ def _jvp(primals, tangents, *, comm, op, op_id, in_place):
         return out, ad.Zero.from_primal_value(out)
     if op in ("sum", "mean"):
         return out, _bind(tangent, comm, op)
-    # max/min: the tangent of the winning element; ties share it equally (as jnp.max does).
-    winner = (x == out).astype(tangent.dtype)
-    share = _bind(winner, comm, "sum")
-    return out, _bind(tangent * winner, comm, "sum") / share
+    return out, _winners_tangent(x, out, tangent, lambda v: _bind(v, comm, "sum"))
 
 
 def _transpose(cotangent, rank, group, x, *, comm, op, op_id, in_place):
