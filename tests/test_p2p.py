@@ -284,6 +284,39 @@ def test_a_receiver_later_than_its_in_place_senders_timeout_does_not_read_the_fr
     np.testing.assert_array_equal(np.asarray(out), np.roll(np.asarray(x), 50_000))
 
 
+def test_reset_after_error_waits_for_every_device_of_the_failed_program():
+    """Device 1 computes for over a second before a swap whose timeout is 0.5 s, so device 0's
+    error reaches Python while device 1 has yet to make its call. reset_after_error once emptied
+    the mailboxes at once, with device 1 still to come: the next program then failed on the
+    mailbox device 1 gave up on, and with other timings would have read device 1's message from
+    the failed program as its own. It now waits until every device has left that program."""
+    m = mesh(2)
+
+    def slow_on_device_1(v, iterations):
+        def spin(v):
+            z = lax.fori_loop(0, iterations[0], lambda i, z: jnp.sin(z) + 0.5,
+                              jnp.full((1 << 18,), 0.5, jnp.float32) + v[0])
+            return v + 0 * z[0]
+        v = lax.cond(lax.axis_index("i") == 1, spin, lambda v: v, v)
+        return jaxring.ppermute(v, "i", [(0, 1), (1, 0)])
+
+    g = jax.jit(jax.shard_map(slow_on_device_1, mesh=m, in_specs=(P("i"), P()),
+                              out_specs=P("i"), check_vma=False))
+    x = shard(np.arange(8, dtype=np.float32), m)
+    np.testing.assert_array_equal(np.asarray(g(x, jnp.array([0]))), np.roll(np.asarray(x), 4))
+    with jaxring.config.override(timeout_seconds=0.5):
+        start = time.perf_counter()
+        with pytest.raises(Exception, match="timed out after 0.5 s waiting for rank \\[1\\]"):
+            np.asarray(g(x, jnp.array([8000])))
+        raised = time.perf_counter()
+        jaxring.reset_after_error()
+    y = shard(np.arange(100, 108, dtype=np.float32), m)
+    np.testing.assert_array_equal(np.asarray(g(y, jnp.array([0]))), np.roll(np.asarray(y), 4))
+    # Device 1 was still busy when the error came (a host callback in the program would have
+    # held the error back until every device had finished, and the test would prove nothing).
+    assert raised - start < 1.0, raised - start
+
+
 def test_recv_like_a_64_bit_array_receives_what_send_sends_without_x64():
     """send converts float64 to float32 when x64 is off (jnp.asarray); recv must expect that."""
     m = mesh(2)

@@ -82,9 +82,23 @@ def reset_after_error() -> None:
     JAX threads the ordered effect's token from one program to the next, so a program that
     failed hands its error to every later program that uses jaxring. Call this once the error
     has been caught and handled to start a fresh token chain.
+
+    It first waits until every device has left the programs already dispatched, as
+    ``jax.effects_barrier`` does but through their errors: the error of one device reaches Python
+    while others may still be on their way to a call, or waiting in one for up to
+    ``timeout_seconds``, and a message one of them posted after the point-to-point mailboxes
+    were emptied would reach the next program as that program's own.
     """
-    dispatch.runtime_tokens.current_tokens.pop(collective_effect, None)
-    dispatch.runtime_tokens.output_runtime_tokens.clear()
+    tokens = dispatch.runtime_tokens
+    token = tokens.current_tokens.get(collective_effect)
+    per_device = [shard.data for shard in token._buf.addressable_shards] if token else []
+    for done in per_device + list(tokens.output_runtime_tokens.values()):
+        try:  # one device's part: raises its error only once that device has finished
+            done.block_until_ready()
+        except Exception:  # noqa: BLE001 - the error the caller has already caught
+            pass
+    tokens.current_tokens.pop(collective_effect, None)
+    tokens.output_runtime_tokens.clear()
     native.extension.reset_point_to_point()
 
 

@@ -22,6 +22,7 @@
 #include "kernels/reduce_cpu.h"
 #include "models/targets.h"
 #include "ring/staged.h"
+#include "transports/local.h"
 #include "transports/mailbox.h"
 #include "transports/process.h"
 #include "transports/shm.h"
@@ -448,6 +449,34 @@ NB_MODULE(_jaxring, m) {
       nb::arg("root"), nb::arg("op_id"),
       "Runs the staged transport's pipeline (gpu/staged_steps.h) on host memory, each chunk on "
       "process communicator `key`'s host transport.");
+  // For tests of what a rank that gives up leaves behind (LocalTransport::Close): one rank's call
+  // on an in-process communicator, on host arrays the test owns, so that it sees whether anyone
+  // wrote into this rank's output after the call returned.
+  using HostArray = nb::ndarray<nb::c_contig, nb::device::cpu>;
+  m.def(
+      "collective_on_host",
+      [](uint64_t key, const std::string& name, int rank, int size, int kind, int op, int dtype,
+         HostArray input, HostArray output, int64_t run_id, int64_t op_id) -> std::string {
+        JaxringHostCall call =
+            TestCall(key, name, rank, size, kJaxringHostCollective, kind, op, dtype,
+                     static_cast<int64_t>(input.nbytes() / Width(dtype)),
+                     static_cast<int64_t>(output.nbytes() / Width(dtype)), 0, op_id);
+        call.input = input.data();
+        call.output = output.data();
+        call.run_id = run_id;
+        nb::gil_scoped_release release;
+        const jaxring::Status status = RunOnHost(call);
+        return status.ok() ? std::string() : status.message();
+      },
+      nb::arg("key"), nb::arg("name"), nb::arg("rank"), nb::arg("size"), nb::arg("kind"),
+      nb::arg("op"), nb::arg("dtype"), nb::arg("input"), nb::arg("output"), nb::arg("run_id"),
+      nb::arg("op_id"),
+      "Runs rank `rank`'s collective on in-process communicator `key` over host arrays; returns "
+      "the error message, empty on success.");
+  m.def("stall_next_piece", &jaxring::StallNextPieceForTest, nb::arg("rank"), nb::arg("seconds"),
+        "The next piece of shared work or ring slice of `rank` sleeps `seconds` first (tests).");
+  m.def("stalls_taken", &jaxring::StallsTakenForTest);
+
   m.def("gpu_defaults", []() {
     nb::dict d;
     d["ipc_slot_bytes"] = jaxring::gpu::kDefaultIpcSlotBytes;
@@ -469,7 +498,6 @@ NB_MODULE(_jaxring, m) {
 
   // For the benchmarks' copy floors: from 16 MiB a copy with non-temporal stores moves a third
   // less through memory than glibc's memcpy, which here streams only above 288 MiB.
-  using HostArray = nb::ndarray<nb::c_contig, nb::device::cpu>;
   using Float32Array = nb::ndarray<float, nb::c_contig, nb::device::cpu>;
   m.def(
       "copy_streamed",

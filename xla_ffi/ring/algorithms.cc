@@ -47,12 +47,12 @@ Status DirectAllReduce(LocalTransport& t, const CollectiveBuffers& b) {
   const size_t width = ByteWidth(h.dtype);
   if (t.inputs_copied()) {
     // A small message: every rank reduces all of it into its own output, folding the ranks in
-    // the same order (so the bits agree); Finish() then need not wait for the others.
+    // the same order (so the bits agree), and need not wait for the others.
     std::vector<Operand> srcs(n);
     for (int peer = 0; peer < n; ++peer) srcs[peer] = Operand{t.PeerInput(peer)};
     const Target dst{b.output};
     Reduce(h.dtype, h.op, srcs.data(), n, &dst, 1, h.count, n);
-    return t.Finish();
+    return Status();
   }
   const int per_rank = PiecesPerRank(h.count * static_cast<int64_t>(width) / n);
   const Partition pieces{h.count, n * per_rank, AlignElements(h.dtype)};
@@ -151,7 +151,7 @@ Status DirectBroadcast(LocalTransport& t, const CollectiveBuffers& b) {
   const void* root = t.PeerInput(static_cast<int>(h.root));
   if (t.inputs_copied()) {
     if (h.count) std::memcpy(b.output, root, h.count * width);
-    return t.Finish();
+    return Status();
   }
   // Rank r's pieces fill its output from the root's input.
   const int per_rank = PiecesPerRank(h.count * static_cast<int64_t>(width));
@@ -198,6 +198,9 @@ Status RunRing(LocalTransport& t, const std::vector<RingStep>& steps, int64_t sl
       }
       const int64_t lo = step.count * k / slices;
       const int64_t hi = step.count * (k + 1) / slices;
+      // Only the left neighbour's buffers are a peer's; this rank's own need no guard.
+      const bool from_peer = hi > lo && source_owner != t.rank();
+      if (from_peer && !t.BeginPeerAccess()) return t.PeerGaveUp();
       if (hi > lo) {
         const bool source_acc = step.source == Buffer::kScratch;
         const bool dst_acc = step.dst == Buffer::kScratch;
@@ -215,6 +218,7 @@ Status RunRing(LocalTransport& t, const std::vector<RingStep>& steps, int64_t sl
           std::memcpy(dst, source, (hi - lo) * width);
         }
       }
+      if (from_peer) t.EndPeerAccess();
       t.PublishProgress(static_cast<uint32_t>(g * slices + k + 1));
     }
   }
@@ -276,9 +280,11 @@ Status RunCollective(LocalTransport& t, Algorithm algorithm, const Config& confi
     case Collective::kReduceScatter: return DirectReduceScatter(t, b);
     case Collective::kAllGather: return DirectAllGather(t, b);
     case Collective::kBroadcast: return DirectBroadcast(t, b);
-    case Collective::kBarrier: break;
+    case Collective::kBarrier: return Status();
+    case Collective::kPermute:
+    case Collective::kSendRecv: break;  // point-to-point calls take the mailboxes
   }
-  return Status();
+  return Status::Error(t.Where() + ": not a collective");
 }
 
 }  // namespace jaxring

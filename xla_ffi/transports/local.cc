@@ -1,12 +1,14 @@
 #include "transports/local.h"
 
 #include <algorithm>
+#include <chrono>
 #include <cstdlib>
 #include <cstring>
 #include <deque>
 #include <map>
 #include <mutex>
 #include <sstream>
+#include <thread>
 #include <tuple>
 #include <unordered_map>
 
@@ -23,6 +25,7 @@ struct PeerSlot {
   Flag progress;
   std::atomic<bool> arrived{false};
   std::atomic<bool> finished{false};
+  std::atomic<bool> accessing{false};  // between BeginPeerAccess and EndPeerAccess
   alignas(64) std::atomic<int64_t> next_piece{0};  // Share(): this rank's next piece to claim
 };
 
@@ -32,14 +35,28 @@ class Meeting {
   const int size;
   std::unique_ptr<PeerSlot[]> peers;
   Flag arrivals;
-  Flag departures;
   Flag pieces_done;  // Share()
+  alignas(64) std::atomic<bool> closed{false};  // a rank gave up (LocalTransport::Close)
 };
 
 namespace {
 
 bool Arrived(const Meeting& m, int peer) { return m.peers[peer].arrived.load(); }
 bool Finished(const Meeting& m, int peer) { return m.peers[peer].finished.load(); }
+
+std::atomic<int> stall_rank{-1};
+std::atomic<int64_t> stall_microseconds{0};
+std::atomic<int64_t> stalls_taken{0};
+
+// StallNextPieceForTest's stall, taken by the first piece or slice of `rank` once armed.
+inline void StallIfArmed(int rank) {
+  int armed = rank;
+  if (stall_rank.load(std::memory_order_relaxed) != rank ||
+      !stall_rank.compare_exchange_strong(armed, -1))
+    return;
+  std::this_thread::sleep_for(std::chrono::microseconds(stall_microseconds.load()));
+  stalls_taken.fetch_add(1);
+}
 
 using MeetingKey = std::tuple<uint64_t, int64_t, int64_t, uint64_t>;  // comm, group, run, seq
 using SequenceKey = std::tuple<uint64_t, int64_t, int, int64_t>;      // comm, group, rank, run
@@ -184,22 +201,23 @@ bool LocalTransport::PeersArrived(const Deadline& by) const {
   return meeting_->arrivals.WaitAtLeast(static_cast<uint32_t>(comm_.size), by, spin_iterations_);
 }
 
-Status LocalTransport::Finish() {
-  if (inputs_copied_) return Status();  // nobody touches another rank's buffers
-  meeting_->peers[rank_].finished.store(true, std::memory_order_release);
-  meeting_->departures.Add(1);
-  return WaitCount(meeting_->departures, static_cast<uint32_t>(comm_.size), "finish", Finished);
-}
-
 Status LocalTransport::Share(int per_rank, const std::function<void(int, int)>& body) {
   const int n = comm_.size;
   uint32_t done = 0;
-  for (int k = 0; k < n; ++k) {
-    const int owner = (rank_ + k) % n;
-    std::atomic<int64_t>& next = meeting_->peers[owner].next_piece;
-    for (int64_t i = next.fetch_add(1, std::memory_order_relaxed); i < per_rank;
-         i = next.fetch_add(1, std::memory_order_relaxed), ++done)
-      body(owner, static_cast<int>(i));
+  if (Admitted()) {
+    const std::atomic<bool>& closed = meeting_->closed;
+    for (int k = 0; k < n; ++k) {
+      const int owner = (rank_ + k) % n;
+      std::atomic<int64_t>& next = meeting_->peers[owner].next_piece;
+      while (!closed.load(std::memory_order_relaxed)) {
+        const int64_t i = next.fetch_add(1, std::memory_order_relaxed);
+        if (i >= per_rank) break;
+        StallIfArmed(rank_);
+        body(owner, static_cast<int>(i));
+        ++done;
+      }
+    }
+    EndPeerAccess();
   }
   meeting_->peers[rank_].finished.store(true, std::memory_order_release);
   meeting_->pieces_done.Add(done);
@@ -209,12 +227,56 @@ Status LocalTransport::Share(int per_rank, const std::function<void(int, int)>& 
 
 Status LocalTransport::WaitCount(Flag& count, uint32_t target, const char* what,
                                  bool (*done)(const Meeting&, int)) {
-  if (!count.WaitAtLeast(target, deadline_, spin_iterations_) && count.AbandonBelow(target))
-    return Status::Error(MissingPeers(what, done));
-  if (count.Load() & Flag::kAbandoned)
+  if (!count.WaitAtLeast(target, deadline_, spin_iterations_) && count.AbandonBelow(target)) {
+    // Named before Close(), which may wait for the very ranks named.
+    std::string missing = MissingPeers(what, done);
+    Close();
+    return Status::Error(missing);
+  }
+  if (count.Load() & Flag::kAbandoned) {
+    Close();
     return Status::Error(Where() + ": a peer gave up waiting for this collective to finish; its "
                                    "result cannot be trusted. See the error on the other ranks.");
+  }
   return Status();
+}
+
+bool LocalTransport::BeginPeerAccess() {
+  if (!Admitted()) return false;
+  StallIfArmed(rank_);
+  return true;
+}
+
+bool LocalTransport::Admitted() {
+  // Dekker's handshake with Close(), both sides sequentially consistent: either this rank sees
+  // `closed` and keeps out, or the rank closing sees `accessing` and waits for EndPeerAccess.
+  PeerSlot& me = meeting_->peers[rank_];
+  me.accessing.store(true, std::memory_order_seq_cst);
+  if (!meeting_->closed.load(std::memory_order_seq_cst)) return true;
+  me.accessing.store(false, std::memory_order_release);
+  return false;
+}
+
+void LocalTransport::EndPeerAccess() {
+  meeting_->peers[rank_].accessing.store(false, std::memory_order_release);
+}
+
+Status LocalTransport::PeerGaveUp() {
+  Close();
+  return Status::Error(Where() + ": a peer gave up on this collective; its result cannot be "
+                                 "trusted. See the error on the other ranks.");
+}
+
+void LocalTransport::Close() {
+  meeting_->closed.store(true, std::memory_order_seq_cst);
+  meeting_->peers[rank_].progress.Abandon();
+  for (int peer = 0; peer < comm_.size; ++peer) {
+    const std::atomic<bool>& accessing = meeting_->peers[peer].accessing;
+    for (int i = 0; accessing.load(std::memory_order_seq_cst); ++i) {
+      if (i < 64) YieldCore();
+      else std::this_thread::sleep_for(std::chrono::microseconds(100));
+    }
+  }
 }
 
 const void* LocalTransport::PeerInput(int peer) const { return meeting_->peers[peer].input; }
@@ -229,14 +291,24 @@ void LocalTransport::PublishProgress(uint32_t units) {
 }
 
 Status LocalTransport::WaitForProgress(int peer, uint32_t units) {
-  if (meeting_->peers[peer].progress.WaitAtLeast(units, deadline_, spin_iterations_))
-    return Status();
+  const Flag& progress = meeting_->peers[peer].progress;
+  if (progress.WaitAtLeast(units, deadline_, spin_iterations_)) {
+    if (!(progress.Load() & Flag::kAbandoned)) return Status();
+    return PeerGaveUp();
+  }
   std::ostringstream s;
   s << Where() << ": timed out after " << deadline_.seconds() << " s waiting for rank " << peer
-    << " to reach ring step unit " << units << " (it reached "
-    << meeting_->peers[peer].progress.Load() << ")";
+    << " to reach ring step unit " << units << " (it reached " << progress.Load() << ")";
+  Close();
   return Status::Error(s.str());
 }
+
+void StallNextPieceForTest(int rank, double seconds) {
+  stall_microseconds.store(static_cast<int64_t>(seconds * 1e6));
+  stall_rank.store(rank);
+}
+
+int64_t StallsTakenForTest() { return stalls_taken.load(); }
 
 // ---- scratch pool ------------------------------------------------------------------------------
 

@@ -55,20 +55,24 @@ class LocalTransport {
   // The same wait, given up (false) when `by` passes first; true also when a peer gave up, which
   // WaitForPeers then reports at once.
   bool PeersArrived(const Deadline& by) const;
-  // Waits until every peer has called Finish (or this rank's deadline passes), so that no peer
-  // still reads this rank's input or writes its output. Returns at once when inputs_copied():
-  // algorithms then read only the meeting's copies and write only their own output.
-  Status Finish();
-
-  // Work sharing, for the direct algorithms in place of Finish(): the call's work is cut into
-  // `per_rank` pieces for each rank, the same on every rank. Each rank runs body(owner, part) on
-  // its own pieces (owner = its rank, part = 0, 1, ...), then on the pieces of the ranks after it
-  // that nobody has begun yet, and returns once every piece is done: no rank touches this rank's
-  // buffers after that. With more devices than cores, a device thread that the scheduler leaves
-  // waiting for a core no longer holds back the call with a share that only it can do; whoever
-  // runs does the work. Which rank runs a piece never changes its result, so results stay
-  // bit-identical.
+  // Work sharing, for the direct algorithms: the call's work is cut into `per_rank` pieces for
+  // each rank, the same on every rank. Each rank runs body(owner, part) on its own pieces (owner =
+  // its rank, part = 0, 1, ...), then on the pieces of the ranks after it that nobody has begun
+  // yet, and returns once every piece is done: no rank touches this rank's buffers after that.
+  // With more devices than cores, a device thread that the scheduler leaves waiting for a core no
+  // longer holds back the call with a share that only it can do; whoever runs does the work.
+  // Which rank runs a piece never changes its result, so results stay bit-identical.
+  // Algorithms whose ranks only read the meeting's copies (inputs_copied()) and write their own
+  // output need neither this nor any wait after WaitForPeers.
   Status Share(int per_rank, const std::function<void(int owner, int part)>& body);
+
+  // Brackets a stretch of work that touches peers' buffers and never waits (a ring slice; Share
+  // brackets its pieces itself). Begin returns false, and the stretch must not start, once a
+  // rank has given up on the call; every rank that gives up (any error after WaitForPeers) first
+  // waits until no peer is inside such a stretch, so that nothing reads or writes its buffers
+  // after it returns and XLA frees them.
+  bool BeginPeerAccess();
+  void EndPeerAccess();
 
   // Whether every rank joined with copy_input (valid after WaitForPeers): then PeerInput()
   // returns copies owned by the meeting.
@@ -83,8 +87,13 @@ class LocalTransport {
 
   // Pairwise hand-off: this rank has completed `units` units of work (monotone).
   void PublishProgress(uint32_t units);
-  // Waits until `peer` has published at least `units`.
+  // Waits until `peer` has published at least `units`. An error (a timeout, or a peer that gave
+  // up) closes the meeting as giving up does (BeginPeerAccess).
   Status WaitForProgress(int peer, uint32_t units);
+  // Leaves a call that a peer gave up on (BeginPeerAccess refused a stretch): closes the meeting
+  // as giving up does, since peers may still be inside stretches on this rank's buffers, and
+  // returns the error.
+  Status PeerGaveUp();
 
   // Error text prefix naming the call, the communicator and this rank.
   std::string Where() const;
@@ -97,6 +106,13 @@ class LocalTransport {
   // `done` does not hold.
   Status WaitCount(Flag& count, uint32_t target, const char* what,
                    bool (*done)(const Meeting&, int));
+  // Giving up: refuses every later BeginPeerAccess, marks this rank's progress abandoned (so that
+  // its neighbours fail at once), then waits, with no limit, until no peer is inside a stretch
+  // between BeginPeerAccess and EndPeerAccess. Such a stretch never waits, so only a thread the
+  // scheduler stalls in it (a test does, StallNextPieceForTest) keeps this rank here.
+  void Close();
+  // BeginPeerAccess without the test's stall (Share stalls in a piece, not before its first).
+  bool Admitted();
 
   CommunicatorId comm_;
   int rank_;
@@ -106,6 +122,13 @@ class LocalTransport {
   Deadline deadline_;
   int64_t spin_iterations_;
 };
+
+// For tests: the next piece of shared work (Share) or ring slice that `rank` of any in-process
+// communicator begins first sleeps `seconds`, inside its BeginPeerAccess stretch, as a device
+// thread does that the scheduler leaves without a core. StallsTakenForTest counts the stalls
+// slept so far.
+void StallNextPieceForTest(int rank, double seconds);
+int64_t StallsTakenForTest();
 
 // Reusable scratch memory (the ring's float32 partial sums), so that a collective does not
 // allocate and fault in fresh pages on every call.
