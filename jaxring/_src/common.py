@@ -83,18 +83,22 @@ def reset_after_error() -> None:
     failed hands its error to every later program that uses jaxring. Call this once the error
     has been caught and handled to start a fresh token chain.
 
-    It first waits until every device has left the programs already dispatched, as
-    ``jax.effects_barrier`` does but through their errors: the error of one device reaches Python
-    while others may still be on their way to a call, or waiting in one for up to
-    ``timeout_seconds``, and a message one of them posted after the point-to-point mailboxes
-    were emptied would reach the next program as that program's own.
+    It first waits until every device has finished the last jaxring program dispatched (and so
+    every earlier one), failed or not: the error of one device reaches Python while others may
+    still be on their way to a call, or waiting in one for up to ``timeout_seconds``, and a
+    message one of them posted after the point-to-point mailboxes were emptied would reach the
+    next program as that program's own.
     """
     tokens = dispatch.runtime_tokens
     token = tokens.current_tokens.get(collective_effect)
-    per_device = [shard.data for shard in token._buf.addressable_shards] if token else []
-    for done in per_device + list(tokens.output_runtime_tokens.values()):
-        try:  # one device's part: raises its error only once that device has finished
-            done.block_until_ready()
+    try:  # each device's part raises its error only once that device has finished
+        waits = [shard.data.block_until_ready
+                 for shard in (token._buf.addressable_shards if token else [])]
+    except Exception:  # noqa: BLE001 - a JAX whose token differs: its barrier, which may end at
+        waits = [jax.effects_barrier]  # the first device's error
+    for wait in waits:
+        try:
+            wait()
         except Exception:  # noqa: BLE001 - the error the caller has already caught
             pass
     tokens.current_tokens.pop(collective_effect, None)

@@ -473,8 +473,10 @@ NB_MODULE(_jaxring, m) {
       nb::arg("op_id"),
       "Runs rank `rank`'s collective on in-process communicator `key` over host arrays; returns "
       "the error message, empty on success.");
-  m.def("stall_next_piece", &jaxring::StallNextPieceForTest, nb::arg("rank"), nb::arg("seconds"),
-        "The next piece of shared work or ring slice of `rank` sleeps `seconds` first (tests).");
+  m.def("stall_next_piece", &jaxring::StallNextPieceForTest, nb::arg("comm"), nb::arg("rank"),
+        nb::arg("seconds"),
+        "The next piece of shared work or ring slice of `rank` of in-process communicator `comm` "
+        "sleeps `seconds` first (tests); rank -1 disarms it.");
   m.def("stalls_taken", &jaxring::StallsTakenForTest);
 
   m.def("gpu_defaults", []() {

@@ -25,8 +25,10 @@ struct PeerSlot {
   Flag progress;
   std::atomic<bool> arrived{false};
   std::atomic<bool> finished{false};
-  std::atomic<bool> accessing{false};  // between BeginPeerAccess and EndPeerAccess
   alignas(64) std::atomic<int64_t> next_piece{0};  // Share(): this rank's next piece to claim
+  // Between BeginPeerAccess and EndPeerAccess; apart from `progress`, which the right neighbour
+  // polls, and from `next_piece`, which every rank claims from.
+  alignas(64) std::atomic<bool> accessing{false};
 };
 
 class Meeting {
@@ -45,13 +47,14 @@ bool Arrived(const Meeting& m, int peer) { return m.peers[peer].arrived.load(); 
 bool Finished(const Meeting& m, int peer) { return m.peers[peer].finished.load(); }
 
 std::atomic<int> stall_rank{-1};
+std::atomic<uint64_t> stall_comm{0};
 std::atomic<int64_t> stall_microseconds{0};
 std::atomic<int64_t> stalls_taken{0};
 
-// StallNextPieceForTest's stall, taken by the first piece or slice of `rank` once armed.
-inline void StallIfArmed(int rank) {
+// StallNextPieceForTest's stall, taken by the first piece or slice of `rank` of `comm` once armed.
+inline void StallIfArmed(uint64_t comm, int rank) {
   int armed = rank;
-  if (stall_rank.load(std::memory_order_relaxed) != rank ||
+  if (stall_rank.load(std::memory_order_acquire) != rank || stall_comm.load() != comm ||
       !stall_rank.compare_exchange_strong(armed, -1))
     return;
   std::this_thread::sleep_for(std::chrono::microseconds(stall_microseconds.load()));
@@ -212,7 +215,7 @@ Status LocalTransport::Share(int per_rank, const std::function<void(int, int)>& 
       while (!closed.load(std::memory_order_relaxed)) {
         const int64_t i = next.fetch_add(1, std::memory_order_relaxed);
         if (i >= per_rank) break;
-        StallIfArmed(rank_);
+        StallIfArmed(comm_.comm, rank_);
         body(owner, static_cast<int>(i));
         ++done;
       }
@@ -243,7 +246,7 @@ Status LocalTransport::WaitCount(Flag& count, uint32_t target, const char* what,
 
 bool LocalTransport::BeginPeerAccess() {
   if (!Admitted()) return false;
-  StallIfArmed(rank_);
+  StallIfArmed(comm_.comm, rank_);
   return true;
 }
 
@@ -303,9 +306,11 @@ Status LocalTransport::WaitForProgress(int peer, uint32_t units) {
   return Status::Error(s.str());
 }
 
-void StallNextPieceForTest(int rank, double seconds) {
+void StallNextPieceForTest(uint64_t comm, int rank, double seconds) {
+  stall_rank.store(-1);
+  stall_comm.store(comm);
   stall_microseconds.store(static_cast<int64_t>(seconds * 1e6));
-  stall_rank.store(rank);
+  stall_rank.store(rank, std::memory_order_release);
 }
 
 int64_t StallsTakenForTest() { return stalls_taken.load(); }

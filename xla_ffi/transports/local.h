@@ -123,11 +123,11 @@ class LocalTransport {
   int64_t spin_iterations_;
 };
 
-// For tests: the next piece of shared work (Share) or ring slice that `rank` of any in-process
-// communicator begins first sleeps `seconds`, inside its BeginPeerAccess stretch, as a device
-// thread does that the scheduler leaves without a core. StallsTakenForTest counts the stalls
-// slept so far.
-void StallNextPieceForTest(int rank, double seconds);
+// For tests: the next piece of shared work (Share) or ring slice that `rank` of in-process
+// communicator `comm` begins first sleeps `seconds`, inside its BeginPeerAccess stretch, as a
+// device thread does that the scheduler leaves without a core; rank -1 disarms it.
+// StallsTakenForTest counts the stalls slept so far.
+void StallNextPieceForTest(uint64_t comm, int rank, double seconds);
 int64_t StallsTakenForTest();
 
 // Reusable scratch memory (the ring's float32 partial sums), so that a collective does not
