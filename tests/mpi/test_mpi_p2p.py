@@ -1,6 +1,8 @@
 """ppermute, send and recv across processes (over jaxring's MPI transport), checked against numpy
 on every rank's gathered inputs. Runs under mpiexec (tests/test_mpi.py) and as one rank."""
 
+import time
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -162,6 +164,25 @@ def test_mismatched_point_to_point_calls_name_both_sides():
             except Exception:
                 pass
     jaxring.reset_after_error()
+    MPI_COMM.Barrier()
+
+
+@pytest.mark.skipif(N < 2, reason="needs two ranks")
+def test_an_in_place_send_nobody_receives_times_out_and_is_cancelled():
+    """Rank 0's ppermute sends 1 MiB straight from its buffer to rank 1, which never makes the
+    call. Rank 0's wait for the message to be read times out; its MPI request, on a buffer XLA
+    frees once the call returns, is cancelled and completed first (it was once freed while still
+    active), and the call returns at once."""
+    sub = COMM.split(0, key=COMM.rank)
+    if COMM.rank == 0:
+        x = np.arange(1 << 18, dtype=np.float32)  # far above p2p_eager_bytes: in place
+        with jaxring.config.override(timeout_seconds=2.0):
+            start = time.monotonic()
+            with pytest.raises(Exception, match=r"timed out after 2 s waiting for rank\(s\) \[1\] "
+                                                r"to receive this rank's message"):
+                np.asarray(jax.jit(lambda v: jaxring.ppermute(v, sub, [(0, 1)]))(x))
+            assert time.monotonic() - start < 10, "the cancelled send was waited for"
+        jaxring.reset_after_error()
     MPI_COMM.Barrier()
 
 

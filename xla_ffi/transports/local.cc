@@ -236,11 +236,7 @@ Status LocalTransport::WaitCount(Flag& count, uint32_t target, const char* what,
     Close();
     return Status::Error(missing);
   }
-  if (count.Load() & Flag::kAbandoned) {
-    Close();
-    return Status::Error(Where() + ": a peer gave up waiting for this collective to finish; its "
-                                   "result cannot be trusted. See the error on the other ranks.");
-  }
+  if (count.Load() & Flag::kAbandoned) return PeerGaveUp();
   return Status();
 }
 

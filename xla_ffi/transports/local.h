@@ -90,9 +90,9 @@ class LocalTransport {
   // Waits until `peer` has published at least `units`. An error (a timeout, or a peer that gave
   // up) closes the meeting as giving up does (BeginPeerAccess).
   Status WaitForProgress(int peer, uint32_t units);
-  // Leaves a call that a peer gave up on (BeginPeerAccess refused a stretch): closes the meeting
-  // as giving up does, since peers may still be inside stretches on this rank's buffers, and
-  // returns the error.
+  // Leaves a call that a peer gave up on (say, BeginPeerAccess refused a stretch): closes the
+  // meeting as giving up does, since peers may still be inside stretches on this rank's
+  // buffers, and returns the error.
   Status PeerGaveUp();
 
   // Error text prefix naming the call, the communicator and this rank.

@@ -205,14 +205,31 @@ Status MpiTransport::Fail(Status status) {
   broken_ = status.message();
   std::vector<Requests*> pending = {&sends_, &recvs_};
   for (Requests& r : in_place_) pending.push_back(&r);
-  for (Requests* r : pending) {
-    for (MPI_Request& request : r->requests) {
-      if (request == MPI_REQUEST_NULL) continue;
-      MPI_Cancel(&request);
-      MPI_Request_free(&request);
+  // Many requests are on the caller's buffers, which XLA frees once the call returns, so each is
+  // cancelled and then given a moment to complete: a receive that had not matched is then done
+  // with at once, and one under way finishes. What is still active after that is freed, which
+  // leaves it running: MPICH cannot cancel a send whose peer never came (MPI_Wait on it hung in
+  // tests/mpi/test_mpi_p2p.py), and such a send may still read its buffer if that peer comes.
+  std::vector<MPI_Request*> active;
+  for (Requests* r : pending)
+    for (MPI_Request& request : r->requests)
+      if (request != MPI_REQUEST_NULL) {
+        MPI_Cancel(&request);
+        active.push_back(&request);
+      }
+  const Deadline grace(0.1);
+  Poll([&] {
+    bool done = true;
+    for (MPI_Request* request : active) {
+      int flag = 1;
+      if (*request != MPI_REQUEST_NULL) MPI_Test(request, &flag, MPI_STATUS_IGNORE);
+      done = done && flag;
     }
-    r->Clear();
-  }
+    return done;
+  }, grace, 0);
+  for (MPI_Request* request : active)
+    if (*request != MPI_REQUEST_NULL) MPI_Request_free(request);
+  for (Requests* r : pending) r->Clear();
   return status;
 }
 
