@@ -17,8 +17,6 @@ import dataclasses
 import numbers
 import os
 
-import jax
-
 from jaxring._src import native
 
 
@@ -155,10 +153,9 @@ def _finish_dispatched_programs() -> None:
     call runs, so a change that lands while a program runs could reach some of its devices and
     not others, and devices that disagree on the algorithm or the ring's slice size would read
     each other's buffers at the wrong time."""
-    try:
-        jax.effects_barrier()
-    except Exception:  # noqa: BLE001 - a failed program: the next program re-raises its error
-        pass
+    from jaxring._src import common  # which imports this module
+
+    common.wait_for_dispatched_programs()
 
 
 def update(**changes) -> Config:
