@@ -191,6 +191,8 @@ Status RunRing(LocalTransport& t, const std::vector<RingStep>& steps, int64_t sl
   for (size_t g = 0; g < steps.size(); ++g) {
     const RingStep& step = steps[g];
     const int source_owner = step.from_left ? left : t.rank();
+    // Only the left neighbour's buffers are a peer's; this rank's own need no guard.
+    const bool from_peer = source_owner != t.rank();
     for (int64_t k = 0; k < slices; ++k) {
       if (step.waits_for_left) {
         Status status = t.WaitForProgress(left, static_cast<uint32_t>((g - 1) * slices + k + 1));
@@ -198,10 +200,8 @@ Status RunRing(LocalTransport& t, const std::vector<RingStep>& steps, int64_t sl
       }
       const int64_t lo = step.count * k / slices;
       const int64_t hi = step.count * (k + 1) / slices;
-      // Only the left neighbour's buffers are a peer's; this rank's own need no guard.
-      const bool from_peer = hi > lo && source_owner != t.rank();
-      if (from_peer && !t.BeginPeerAccess()) return t.PeerGaveUp();
       if (hi > lo) {
+        if (from_peer && !t.BeginPeerAccess()) return t.PeerGaveUp();
         const bool source_acc = step.source == Buffer::kScratch;
         const bool dst_acc = step.dst == Buffer::kScratch;
         const size_t source_width = source_acc ? acc_width : width;
@@ -217,8 +217,8 @@ Status RunRing(LocalTransport& t, const std::vector<RingStep>& steps, int64_t sl
         } else {
           std::memcpy(dst, source, (hi - lo) * width);
         }
+        if (from_peer) t.EndPeerAccess();
       }
-      if (from_peer) t.EndPeerAccess();
       t.PublishProgress(static_cast<uint32_t>(g * slices + k + 1));
     }
   }
