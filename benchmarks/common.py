@@ -103,7 +103,6 @@ def with_jaxring_effect(x):
 
 
 _NATIVE_FLOOR = None
-_COLLECTIVE_CODES = {"reduce_scatter": 1, "all_gather": 2}  # jaxring::Collective (common/types.h)
 
 
 def native_floor(x, collective: str, n: int, streamed: bool = False,
@@ -141,7 +140,7 @@ def native_floor(x, collective: str, n: int, streamed: bool = False,
             token, out = jax.ffi.ffi_lowering("jaxring_benchmark_native_floor",
                                               has_side_effect=True)(
                 sub, ctx.tokens_in.get(jr.collective_effect), v,
-                collective=np.int64(_COLLECTIVE_CODES[collective]), size=np.int64(n),
+                collective=np.int64(jr.COLLECTIVE_CODES[collective]), size=np.int64(n),
                 streamed=np.int64(streamed), reads_only=np.int64(reads_only))
             ctx.set_tokens_out(mlir.TokenSet({jr.collective_effect: token}))
             return [out]

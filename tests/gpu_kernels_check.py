@@ -20,9 +20,8 @@ import numpy as np
 
 jax.config.update("jax_enable_x64", True)  # int64 and float64 buffers stay 64-bit
 
-OPS = {"sum": 0, "mean": 1, "max": 2, "min": 3}
-DTYPES = {np.dtype(np.int32): 4, np.dtype(np.int64): 5, np.dtype(np.float16): 10,
-          np.dtype(np.float32): 11, np.dtype(np.float64): 12, np.dtype(jnp.bfloat16): 16}
+from jaxring._src.common import DTYPE_CODES as DTYPES  # noqa: E402 (after x64 is enabled)
+from jaxring._src.common import REDUCE_OPS as OPS  # noqa: E402
 
 
 def expected(sources: list[np.ndarray], op: str, divisor: int) -> np.ndarray:

@@ -20,14 +20,14 @@ from jax.sharding import PartitionSpec as P
 
 import jaxring
 import jaxring.mpi
-from jaxring._src import gpu, native
+from jaxring._src import common, gpu, native
 from helpers import DTYPES, mesh, shard
 from test_mpi import mpiexec
 
 HERE = Path(__file__).resolve().parent
-COLLECTIVES = {"all_reduce": 0, "reduce_scatter": 1, "all_gather": 2, "broadcast": 3}
-DTYPE_CODES = {np.dtype(np.int32): 4, np.dtype(np.int64): 5, np.dtype(np.float16): 10,
-               np.dtype(np.float32): 11, np.dtype(np.float64): 12, np.dtype(jax.numpy.bfloat16): 16}
+COLLECTIVES = {kind: common.COLLECTIVE_CODES[kind]
+               for kind in ("all_reduce", "reduce_scatter", "all_gather", "broadcast")}
+DTYPE_CODES = common.DTYPE_CODES
 
 
 @pytest.mark.skipif(not os.path.exists(native.CUDA_LIBRARY),

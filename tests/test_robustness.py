@@ -485,9 +485,6 @@ def test_ranks_later_than_a_timeout_fail_at_once_in_the_abandoned_meeting():
     np.testing.assert_array_equal(np.asarray(g(x)), [3.0, 3.0, 3.0])
 
 
-ALL_REDUCE, SUM, F32 = 0, 0, 11  # xla_ffi/common/types.h
-
-
 @pytest.mark.parametrize("algorithm", ["direct", "ring"])
 def test_a_rank_that_gives_up_returns_only_once_no_peer_touches_its_buffers(algorithm):
     """Device 1 stalls for 2.5 s inside its first piece (direct: a share of the sum that it also
@@ -501,11 +498,12 @@ def test_a_rank_that_gives_up_returns_only_once_no_peer_touches_its_buffers(algo
     inputs = [rng.standard_normal(count, dtype=np.float32) for _ in range(n)]
     outputs = [np.zeros(count, np.float32) for _ in range(n)]
     errors, ends, snapshots = {}, {}, {}
+    sum_f32 = (common.COLLECTIVE_CODES["all_reduce"], common.REDUCE_OPS["sum"],
+               common.DTYPE_CODES[np.dtype(np.float32)])
 
     def run(key, rank):
         errors[rank] = native.extension.collective_on_host(
-            key, "stall test", rank, n, ALL_REDUCE, SUM, F32, inputs[rank], outputs[rank],
-            run_id=1, op_id=0)
+            key, "stall test", rank, n, *sum_f32, inputs[rank], outputs[rank], run_id=1, op_id=0)
         ends[rank] = time.perf_counter()
         snapshots[rank] = outputs[rank].copy()
 
@@ -611,6 +609,22 @@ def test_config_override_restores_and_reaches_native():
         assert type(config.pipeline_slice_bytes) is int and config.pipeline_slice_bytes == 8192
         assert type(config.timeout_seconds) is float and config.timeout_seconds == 2.5
         assert native.extension.get_config()["pipeline_slice_bytes"] == 8192
+
+
+def test_the_native_codes_name_every_supported_dtype_op_and_collective():
+    """Python takes the native enums' values by name from _jaxring.codes(); a dtype's must be
+    XLA's own element type, which the handlers read off their buffers."""
+    from jax._src.lib import xla_client as xc
+
+    assert set(common.DTYPE_CODES) == set(jaxring.SUPPORTED_DTYPES)
+    xla_names = {"int32": "S32", "int64": "S64", "float16": "F16", "float32": "F32",
+                 "float64": "F64", "bfloat16": "BF16"}
+    for dtype, code in common.DTYPE_CODES.items():
+        assert code == int(getattr(xc.PrimitiveType, xla_names[str(dtype)])), dtype
+    assert list(common.REDUCE_OPS) == ["sum", "mean", "max", "min"]
+    assert list(common.COLLECTIVE_CODES) == ["all_reduce", "reduce_scatter", "all_gather",
+                                             "broadcast", "barrier", "ppermute", "send/recv"]
+    assert len(set(common.COLLECTIVE_CODES.values())) == len(common.COLLECTIVE_CODES)
 
 
 def test_cpu_kernels_config_chooses_the_build_and_refuses_what_this_cpu_lacks():

@@ -34,8 +34,12 @@ from jaxring._src import native, runtime_tokens
 SUPPORTED_DTYPES: tuple[np.dtype, ...] = tuple(
     np.dtype(d) for d in (jnp.float32, jnp.float64, jnp.float16, jnp.bfloat16, jnp.int32, jnp.int64)
 )
-# Values match xla_ffi/common/types.h ReduceOp.
-REDUCE_OPS: dict[str, int] = {"sum": 0, "mean": 1, "max": 2, "min": 3}
+# The native library's codes (xla_ffi/common/types.h) by name: ops, collectives and dtypes.
+_CODES = native.extension.codes()
+REDUCE_OPS: dict[str, int] = dict(_CODES["reduce_op"])
+COLLECTIVE_CODES: dict[str, int] = dict(_CODES["collective"])
+DTYPE_CODES: dict[np.dtype, int] = {np.dtype(jnp.dtype(name)): code
+                                    for name, code in _CODES["dtype"].items()}
 
 
 def check_dtype(name: str, x) -> None:

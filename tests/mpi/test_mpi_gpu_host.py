@@ -19,13 +19,15 @@ import pytest
 
 import jaxring
 import jaxring.mpi
-from jaxring._src import native
+from jaxring._src import common, native
 
 COMM = jaxring.mpi.world()
 MPI_COMM = COMM.mpi_comm
-ALL_REDUCE, REDUCE_SCATTER, ALL_GATHER, BROADCAST = 0, 1, 2, 3
-SUM, MAX = 0, 2
-F32, F16 = 11, 10
+ALL_REDUCE, REDUCE_SCATTER, ALL_GATHER, BROADCAST = (
+    common.COLLECTIVE_CODES[kind] for kind in ("all_reduce", "reduce_scatter", "all_gather",
+                                               "broadcast"))
+SUM, MAX = common.REDUCE_OPS["sum"], common.REDUCE_OPS["max"]
+F32, F16 = common.DTYPE_CODES[np.dtype(np.float32)], common.DTYPE_CODES[np.dtype(np.float16)]
 
 
 def agree(comm, kind=ALL_REDUCE, op=SUM, dtype=F32, count=8, op_id=1, root=0):
@@ -103,9 +105,8 @@ def test_a_header_exchange_needs_a_process_communicator():
 
 # ---- the CUDA-aware path's algorithm (gpu/direct.h), on host memory over plain MPI --------------
 
-DIRECT_DTYPES = {np.dtype(np.float32): 11, np.dtype(np.float64): 12, np.dtype(np.float16): 10,
-                 np.dtype(jax.numpy.bfloat16): 16, np.dtype(np.int32): 4, np.dtype(np.int64): 5}
-OPS = {"sum": 0, "mean": 1, "max": 2, "min": 3}
+DIRECT_DTYPES = common.DTYPE_CODES
+OPS = common.REDUCE_OPS
 REFERENCE = {"sum": lambda a: a.sum(0), "mean": lambda a: a.mean(0),
              "max": lambda a: a.max(0), "min": lambda a: a.min(0)}
 

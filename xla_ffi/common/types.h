@@ -11,6 +11,9 @@
 
 namespace jaxring {
 
+// The values of DType, ReduceOp and Collective reach Python by name through _jaxring.codes()
+// (python/module.cc), the only table of them there.
+
 // Values match xla::ffi::DataType (XLA_FFI_DataType) so a buffer's element type converts directly.
 enum class DType : uint8_t {
   kS32 = 4,
@@ -25,11 +28,9 @@ bool IsSupported(DType dtype);
 size_t ByteWidth(DType dtype);
 const char* DTypeName(DType dtype);
 
-// Values match jaxring/_src/common.py REDUCE_OPS.
 enum class ReduceOp : uint8_t { kSum = 0, kMean = 1, kMax = 2, kMin = 3 };
 const char* ReduceOpName(ReduceOp op);
 
-// Values match jaxring/_src/common.py COLLECTIVES.
 enum class Collective : uint8_t {
   kAllReduce = 0,
   kReduceScatter = 1,

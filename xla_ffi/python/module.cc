@@ -223,6 +223,26 @@ NB_MODULE(_jaxring, m) {
     return targets;
   });
 
+  // The values of common/types.h's enums by name, the one table of them: the Python side and the
+  // tests that call the native code directly take their codes from here.
+  m.def("codes", []() {
+    nb::dict collectives, ops, dtypes;
+    for (int code = 0; code <= 255; ++code) {
+      const auto value = static_cast<uint8_t>(code);
+      const char* collective = jaxring::CollectiveName(static_cast<jaxring::Collective>(value));
+      if (std::strcmp(collective, "unknown") != 0) collectives[collective] = code;
+      const char* op = jaxring::ReduceOpName(static_cast<jaxring::ReduceOp>(value));
+      if (std::strcmp(op, "unknown") != 0) ops[op] = code;
+      const auto dtype = static_cast<jaxring::DType>(value);
+      if (jaxring::IsSupported(dtype)) dtypes[jaxring::DTypeName(dtype)] = code;
+    }
+    nb::dict codes;
+    codes["collective"] = collectives;
+    codes["reduce_op"] = ops;
+    codes["dtype"] = dtypes;
+    return codes;
+  });
+
   // benchmarks/allreduce.py's native floor (cpu/native_floor.cc); registered by the benchmark.
   m.def("benchmark_cpu_targets", []() {
     nb::dict targets;
