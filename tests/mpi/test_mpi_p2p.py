@@ -187,6 +187,28 @@ def test_an_in_place_send_nobody_receives_times_out_and_is_cancelled():
 
 
 @pytest.mark.skipif(N < 2, reason="needs two ranks")
+def test_a_receiver_that_comes_after_an_in_place_sender_gave_up_gets_an_error_not_its_buffer():
+    """Rank 0 sends 1 MiB in place to rank 1 and gives up after 1 s; rank 1 comes at 2.5 s.
+    Rank 0's payload once went out at once, and MPICH cannot cancel a send nobody has received:
+    rank 1 then received it, from a buffer XLA had freed when rank 0's call failed (here still
+    the right bytes, by luck). Now the payload goes out only once its receiver says it is
+    ready, which rank 0 never heard, so rank 1 times out waiting for it."""
+    sub = COMM.split(0 if COMM.rank < 2 else 1, key=COMM.rank)
+    if COMM.rank < 2:
+        x = np.arange(1 << 18, dtype=np.float32) + COMM.rank  # far above p2p_eager_bytes
+        send = jax.jit(lambda v: jaxring.ppermute(v, sub, [(0, 1)]))
+        if COMM.rank == 1:
+            time.sleep(2.5)
+        with jaxring.config.override(timeout_seconds=1.0 if COMM.rank == 0 else 2.0):
+            what = "receive this rank's message" if COMM.rank == 0 else "send its data"
+            with pytest.raises(Exception, match=rf"waiting for rank\(s\) \[{1 - COMM.rank}\] "
+                                                rf"to {what}"):
+                np.asarray(send(x))
+        jaxring.reset_after_error()
+    MPI_COMM.Barrier()
+
+
+@pytest.mark.skipif(N < 2, reason="needs two ranks")
 def test_missing_sender_times_out_naming_it():
     sub = COMM.split(0, key=COMM.rank)
     if COMM.rank == 0:  # rank 1 never sends

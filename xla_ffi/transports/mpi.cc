@@ -16,6 +16,8 @@ namespace {
 constexpr int kHeaderTag = 0x6a72;  // the header all-gather that opens every collective
 constexpr int kDataTag = 0x6a73;    // collective payloads
 constexpr int kP2PTag = 0x6a74;     // point-to-point messages (matched in order per pair)
+constexpr int kPayloadTag = 0x6a75; // ... the payloads sent straight from the caller's buffer
+constexpr int kReadyTag = 0x6a76;   // ... and their receivers' word that they may come
 
 // MPI counts are ints: larger messages travel as several pieces of at most this many bytes.
 constexpr size_t kMaxPiece = size_t{1} << 30;
@@ -74,7 +76,6 @@ MpiTransport::MpiTransport(MPI_Comm comm, std::string name)
   MPI_Comm_rank(comm_, &rank_);
   MPI_Comm_size(comm_, &size_);
   in_place_.resize(size_);
-  in_place_header_.resize(size_);
 }
 
 Status MpiTransport::Create(MPI_Comm parent, std::string name, std::unique_ptr<MpiTransport>* out) {
@@ -179,7 +180,9 @@ Status MpiTransport::Wait(const Header& h, Requests* r, int index, const Deadlin
   if (count == 0) return Status();
   MPI_Request* requests = r->requests.data() + first;
   int code = MPI_SUCCESS;
+  Status sending;
   auto done = [&] {
+    if (in_place_pending_ > 0 && !(sending = SendReadyPayloads()).ok()) return true;
     int flag = 0;
     code = MPI_Testall(count, requests, &flag, MPI_STATUSES_IGNORE);
     return code != MPI_SUCCESS || flag != 0;
@@ -191,25 +194,37 @@ Status MpiTransport::Wait(const Header& h, Requests* r, int index, const Deadlin
       MPI_Test(&requests[i], &flag, MPI_STATUS_IGNORE);
       if (!flag) missing.insert(r->peers[first + i]);
     }
-    std::ostringstream s;
-    s << Where(h) << ": timed out after " << deadline.seconds() << " s waiting for rank(s) "
-      << Ranks(missing) << " to " << what
-      << " (a rank that never makes this call, has died, or is itself waiting for one that "
-         "does not; raise jaxring.config timeout_seconds if it is only slow)";
-    return Status::Error(s.str());
+    return TimedOut(h, deadline, missing, what);
   }
-  return Call(h, code, what);
+  return sending.ok() ? Call(h, code, what) : sending;
+}
+
+Status MpiTransport::TimedOut(const Header& h, const Deadline& deadline,
+                              const std::set<int>& missing, const char* what) const {
+  std::ostringstream s;
+  s << Where(h) << ": timed out after " << deadline.seconds() << " s waiting for rank(s) "
+    << Ranks(missing) << " to " << what
+    << " (a rank that never makes this call, has died, or is itself waiting for one that "
+       "does not; raise jaxring.config timeout_seconds if it is only slow)";
+  return Status::Error(s.str());
 }
 
 Status MpiTransport::Fail(Status status) {
   broken_ = status.message();
   std::vector<Requests*> pending = {&sends_, &recvs_};
-  for (Requests& r : in_place_) pending.push_back(&r);
+  for (InPlace& slot : in_place_) {
+    pending.push_back(&slot.ready_wait);
+    pending.push_back(&slot.payload);
+    slot.pending = false;
+  }
+  in_place_pending_ = 0;
   // Many requests are on the caller's buffers, which XLA frees once the call returns, so each is
   // cancelled and then given a moment to complete: a receive that had not matched is then done
   // with at once, and one under way finishes. What is still active after that is freed, which
   // leaves it running: MPICH cannot cancel a send whose peer never came (MPI_Wait on it hung in
-  // tests/mpi/test_mpi_p2p.py), and such a send may still read its buffer if that peer comes.
+  // tests/mpi/test_mpi_p2p.py). Such a send may still read its buffer if that peer comes, and
+  // its peer is in this call too: a collective's, whose peers exchanged headers with this rank
+  // before any data moved, or a point-to-point payload, posted only once its receiver was ready.
   std::vector<MPI_Request*> active;
   for (Requests* r : pending)
     for (MPI_Request& request : r->requests)
@@ -597,9 +612,15 @@ Status MpiTransport::Post(int dest, const Header& header, const void* data, size
     status = Isend(header, message.bytes.data() + sizeof(wire), bytes, dest, kP2PTag,
                    &message.requests);
   if (status.ok() && in_place) {
-    in_place_[dest].Clear();
-    in_place_header_[dest] = header;
-    status = Isend(header, data, bytes, dest, kP2PTag, &in_place_[dest]);
+    InPlace& slot = in_place_[dest];
+    slot.header = header;
+    slot.data = data;
+    slot.bytes = bytes;
+    slot.ready_wait.Clear();
+    slot.payload.Clear();
+    slot.pending = true;
+    ++in_place_pending_;
+    status = Irecv(header, &slot.ready, 1, dest, kReadyTag, &slot.ready_wait);
   }
   eager_.push_back(std::move(message));
   return status.ok() ? status : Fail(status);
@@ -613,11 +634,42 @@ Status MpiTransport::SendInPlace(int dest, const Header& header, const void* dat
   return Post(dest, header, data, bytes, true);
 }
 
+Status MpiTransport::SendReadyPayloads() {
+  for (int dest = 0; dest < size_; ++dest) {
+    InPlace& slot = in_place_[dest];
+    if (!slot.pending || !slot.payload.requests.empty()) continue;
+    int ready = 0;
+    Status status = Call(slot.header, MPI_Test(slot.ready_wait.requests.data(), &ready,
+                                               MPI_STATUS_IGNORE), "receive a ready message");
+    if (!status.ok()) return status;
+    if (!ready) continue;
+    slot.ready_wait.Clear();
+    status = Isend(slot.header, slot.data, slot.bytes, dest, kPayloadTag, &slot.payload);
+    if (!status.ok()) return status;
+  }
+  return Status();
+}
+
 Status MpiTransport::WaitSent(int dest) {
-  Status status = Wait(in_place_header_[dest], &in_place_[dest], -1,
-                       Deadline(config_.timeout_seconds), "receive this rank's message");
+  InPlace& slot = in_place_[dest];
+  const Deadline deadline(config_.timeout_seconds);
+  Status status;
+  auto sent = [&] {
+    if (!(status = SendReadyPayloads()).ok()) return true;
+    if (slot.payload.requests.empty()) return false;  // its receiver is not ready yet
+    int flag = 0;
+    status = Call(slot.header,
+                  MPI_Testall(static_cast<int>(slot.payload.requests.size()),
+                              slot.payload.requests.data(), &flag, MPI_STATUSES_IGNORE),
+                  "send");
+    return !status.ok() || flag != 0;
+  };
+  if (!Poll(sent, deadline, config_.spin_iterations))
+    status = TimedOut(slot.header, deadline, {dest}, "receive this rank's message");
   if (!status.ok()) return Fail(status);
-  in_place_[dest].Clear();
+  slot.pending = false;
+  --in_place_pending_;
+  slot.payload.Clear();
   return status;
 }
 
@@ -627,7 +679,9 @@ Status MpiTransport::Receive(int source, const Header& expected, void* out, size
   MPI_Message message = MPI_MESSAGE_NULL;
   MPI_Status probe;
   int code = MPI_SUCCESS;
+  Status sending;
   auto arrived = [&] {
+    if (in_place_pending_ > 0 && !(sending = SendReadyPayloads()).ok()) return true;
     int flag = 0;
     code = MPI_Improbe(source, kP2PTag, comm_, &flag, &message, &probe);
     return code != MPI_SUCCESS || flag != 0;
@@ -638,6 +692,7 @@ Status MpiTransport::Receive(int source, const Header& expected, void* out, size
       << " s waiting for rank(s) [" << source << "] to send (a rank that never makes the matching send, or has died)";
     return Fail(Status::Error(s.str()));
   }
+  if (!sending.ok()) return Fail(sending);
   Status status = Call(expected, code, "probe for a message");
   int length = 0;
   if (status.ok()) status = Call(expected, MPI_Get_count(&probe, MPI_BYTE, &length), "receive");
@@ -661,7 +716,8 @@ Status MpiTransport::Receive(int source, const Header& expected, void* out, size
   }
   if (wire.in_place) {
     recvs_.Clear();
-    status = Irecv(expected, out, bytes, source, kP2PTag, &recvs_);
+    status = Irecv(expected, out, bytes, source, kPayloadTag, &recvs_);
+    if (status.ok()) status = Isend(expected, &ready_, 1, source, kReadyTag, &recvs_);
     if (status.ok()) status = Wait(expected, &recvs_, -1, deadline, "send its data");
     recvs_.Clear();
     return status.ok() ? status : Fail(status);

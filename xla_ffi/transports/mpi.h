@@ -12,7 +12,8 @@
 //     timeout names exactly the absent ranks; by Bruck's log2 n rounds above), so a mismatch is
 //     reported identically on every rank before any data moves; that exchange is the barrier.
 //   * point-to-point: a message is a header followed by its payload (eager, up to
-//     `p2p_eager_bytes`) or by a second message that the receiver lands in place.
+//     `p2p_eager_bytes`) or by a second message, sent straight from the caller's buffer once the
+//     receiver has posted the receive that lands it in place and said so (a ready message).
 //
 // Waits poll MPI_Test with the same spin/yield/sleep back-off as jaxring's flags and give up at
 // the configured timeout, naming the ranks that never answered. After an error the communicator
@@ -23,6 +24,7 @@
 
 #include <cstdint>
 #include <deque>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -78,6 +80,11 @@ class MpiTransport final : public ProcessTransport {
   // Frees eager sends that have been received; with `block`, first waits for the oldest.
   Status ReapEager(const Header& h, bool block);
   Status Post(int dest, const Header& header, const void* data, size_t bytes, bool in_place);
+  // Sends the in-place payloads whose receivers have said they are ready; every wait polls it
+  // while a payload is pending, since the receiver may be waiting for one of this rank's.
+  Status SendReadyPayloads();
+  Status TimedOut(const Header& h, const Deadline& deadline, const std::set<int>& missing,
+                  const char* what) const;
 
   Status ExchangeHeaders(const Header& h, const Deadline& deadline);
   Status RecursiveDoubling(const Header& h, const CollectiveBuffers& b, const Deadline& d);
@@ -97,8 +104,22 @@ class MpiTransport final : public ProcessTransport {
   std::vector<Header> headers_;   // the header all-gather's
   Requests sends_, recvs_;        // the current collective's
   std::deque<Eager> eager_;       // point-to-point sends still in flight
-  std::vector<Requests> in_place_;       // per destination: a send straight from the caller's buffer
-  std::vector<Header> in_place_header_;  // ... and its header, for error messages
+  // A payload sent straight from the caller's buffer (SendInPlace), per destination. It is posted
+  // only once its receiver has posted the receive for it: MPICH cannot cancel a send whose
+  // receiver has not come, so one posted earlier and given up on (a timeout) could be matched
+  // later by a receiver that comes late, and read the caller's buffer after XLA has freed it.
+  struct InPlace {
+    Header header;
+    const void* data = nullptr;
+    size_t bytes = 0;
+    bool pending = false;  // from SendInPlace to WaitSent (or a failure)
+    char ready = 0;        // where the receiver's ready message lands (its content is unused)
+    Requests ready_wait;   // the receive of that message
+    Requests payload;      // the payload's sends, once it came
+  };
+  std::vector<InPlace> in_place_;
+  int in_place_pending_ = 0;
+  char ready_ = 0;  // the ready message this rank sends
 };
 
 }  // namespace jaxring
