@@ -529,10 +529,40 @@ def test_a_rank_that_gives_up_returns_only_once_no_peer_touches_its_buffers(algo
             pytest.fail("device 1 began no piece in 3 attempts")
     waiting_for = "rank(s) [1] to finish" if algorithm == "direct" else "rank 1 to reach"
     assert f"timed out after 1 s waiting for {waiting_for}" in errors[0], errors[0]
-    assert "a peer gave up" in errors[1], errors[1]
+    # Device 1 names who gave up and why.
+    assert "rank 0 gave up on this collective" in errors[1], errors[1]
+    assert f"timed out after 1 s waiting for {waiting_for}" in errors[1], errors[1]
     assert ends[0] - start >= stall, ends[0] - start
     assert ends[1] - start < stall + 0.7 * timeout, ends[1] - start
     np.testing.assert_array_equal(outputs[0], snapshots[0])  # the direct path's writes
+
+
+def test_a_rank_later_than_a_peers_timeout_is_told_which_peer_gave_up_and_why():
+    """Device 0 waits 0.5 s for device 1, which comes only after device 0 has returned: device 1
+    fails at once, naming device 0 and device 0's own error."""
+    n, timeout = 2, 0.5
+    rng = np.random.default_rng(19)
+    inputs = [rng.standard_normal(1000, dtype=np.float32) for _ in range(n)]
+    outputs = [np.zeros(1000, np.float32) for _ in range(n)]
+    codes = (common.COLLECTIVE_CODES["all_reduce"], common.REDUCE_OPS["sum"],
+             common.DTYPE_CODES[np.dtype(np.float32)])
+    key = int(rng.integers(1 << 40, 1 << 50))  # a fresh in-process communicator
+
+    def run(rank):
+        return native.extension.collective_on_host(
+            key, "late test", rank, n, *codes, inputs[rank], outputs[rank], run_id=1, op_id=0)
+
+    with jaxring.config.override(timeout_seconds=timeout):
+        first = run(0)
+        start = time.perf_counter()
+        second = run(1)
+        elapsed = time.perf_counter() - start
+    assert "timed out after 0.5 s waiting for rank(s) [1] to arrive" in first, first
+    assert ("rank 1 of 2): rank 0 gave up waiting for this collective before this rank arrived"
+            in second), second
+    assert "The error on rank 0: " + first in second, second
+    assert elapsed < timeout / 2, elapsed
+    np.testing.assert_array_equal(outputs[1], np.zeros(1000, np.float32))
 
 
 def test_a_config_change_waits_for_programs_already_dispatched():

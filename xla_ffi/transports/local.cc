@@ -39,6 +39,12 @@ class Meeting {
   Flag arrivals;
   Flag pieces_done;  // Share()
   alignas(64) std::atomic<bool> closed{false};  // a rank gave up (LocalTransport::Close)
+  // The first rank to give up and its error, told to the peers that find the meeting given up.
+  // A rank holds the mutex from before it marks the meeting until it has recorded why, so a peer
+  // that sees the mark and then takes the mutex finds the reason.
+  std::mutex giving_up;
+  int gave_up = -1;
+  std::string why;
 };
 
 namespace {
@@ -174,12 +180,14 @@ std::string LocalTransport::MissingPeers(const char* what,
 
 Status LocalTransport::WaitForPeers() {
   const uint32_t size = static_cast<uint32_t>(comm_.size);
-  if (!meeting_->arrivals.WaitAtLeast(size, deadline_, spin_iterations_) &&
-      meeting_->arrivals.AbandonBelow(size))
-    return Status::Error(MissingPeers("arrive", Arrived));
+  if (!meeting_->arrivals.WaitAtLeast(size, deadline_, spin_iterations_)) {
+    std::lock_guard<std::mutex> lock(meeting_->giving_up);
+    if (meeting_->arrivals.AbandonBelow(size))
+      return Status::Error(RecordGivingUp(MissingPeers("arrive", Arrived)));
+  }
   if (meeting_->arrivals.Load() & Flag::kAbandoned)
-    return Status::Error(Where() + ": a peer gave up waiting for this collective (it timed out "
-                                   "before this rank arrived); see the error on the other ranks.");
+    return Status::Error(Where() + ": " + WhoGaveUp("waiting for this collective before this "
+                                                    "rank arrived, so it cannot run"));
   // Every rank checks every header, so a mismatch is reported on every rank.
   const Header& reference = meeting_->peers[0].header;
   for (int peer = 1; peer < comm_.size; ++peer) {
@@ -230,11 +238,17 @@ Status LocalTransport::Share(int per_rank, const std::function<void(int, int)>& 
 
 Status LocalTransport::WaitCount(Flag& count, uint32_t target, const char* what,
                                  bool (*done)(const Meeting&, int)) {
-  if (!count.WaitAtLeast(target, deadline_, spin_iterations_) && count.AbandonBelow(target)) {
-    // Named before Close(), which may wait for the very ranks named.
-    std::string missing = MissingPeers(what, done);
-    Close();
-    return Status::Error(missing);
+  if (!count.WaitAtLeast(target, deadline_, spin_iterations_)) {
+    std::string missing;
+    {
+      std::lock_guard<std::mutex> lock(meeting_->giving_up);
+      // Named before Close(), which may wait for the very ranks named.
+      if (count.AbandonBelow(target)) missing = RecordGivingUp(MissingPeers(what, done));
+    }
+    if (!missing.empty()) {
+      Close();
+      return Status::Error(missing);
+    }
   }
   if (count.Load() & Flag::kAbandoned) return PeerGaveUp();
   return Status();
@@ -262,8 +276,23 @@ void LocalTransport::EndPeerAccess() {
 
 Status LocalTransport::PeerGaveUp() {
   Close();
-  return Status::Error(Where() + ": a peer gave up on this collective; its result cannot be "
-                                 "trusted. See the error on the other ranks.");
+  return Status::Error(Where() + ": " +
+                       WhoGaveUp("on this collective, so this rank's result cannot be trusted"));
+}
+
+std::string LocalTransport::RecordGivingUp(std::string error) {
+  if (meeting_->gave_up < 0) {
+    meeting_->gave_up = rank_;
+    meeting_->why = error;
+  }
+  return error;
+}
+
+std::string LocalTransport::WhoGaveUp(const char* what) const {
+  std::lock_guard<std::mutex> lock(meeting_->giving_up);
+  if (meeting_->gave_up < 0) return "a peer gave up " + std::string(what);  // every rank says why
+  const std::string peer = "rank " + std::to_string(meeting_->gave_up);
+  return peer + " gave up " + what + ". The error on " + peer + ": " + meeting_->why;
 }
 
 void LocalTransport::Close() {
@@ -298,6 +327,10 @@ Status LocalTransport::WaitForProgress(int peer, uint32_t units) {
   std::ostringstream s;
   s << Where() << ": timed out after " << deadline_.seconds() << " s waiting for rank " << peer
     << " to reach ring step unit " << units << " (it reached " << progress.Load() << ")";
+  {
+    std::lock_guard<std::mutex> lock(meeting_->giving_up);
+    RecordGivingUp(s.str());
+  }
   Close();
   return Status::Error(s.str());
 }

@@ -111,6 +111,11 @@ class LocalTransport {
   // between BeginPeerAccess and EndPeerAccess. Such a stretch never waits, so only a thread the
   // scheduler stalls in it (a test does, StallNextPieceForTest) keeps this rank here.
   void Close();
+  // Records `error` as why this rank gave up, unless a peer gave up first; returns it. The caller
+  // holds the meeting's giving_up mutex from before it marks the meeting given up.
+  std::string RecordGivingUp(std::string error);
+  // "rank R gave up <what>. The error on rank R: ...", for the peers of the first rank to give up.
+  std::string WhoGaveUp(const char* what) const;
   // BeginPeerAccess without the test's stall (Share stalls in a piece, not before its first).
   bool Admitted();
 
