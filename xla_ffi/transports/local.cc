@@ -181,9 +181,8 @@ std::string LocalTransport::MissingPeers(const char* what,
 Status LocalTransport::WaitForPeers() {
   const uint32_t size = static_cast<uint32_t>(comm_.size);
   if (!meeting_->arrivals.WaitAtLeast(size, deadline_, spin_iterations_)) {
-    std::lock_guard<std::mutex> lock(meeting_->giving_up);
-    if (meeting_->arrivals.AbandonBelow(size))
-      return Status::Error(RecordGivingUp(MissingPeers("arrive", Arrived)));
+    std::string missing = GiveUpBelow(meeting_->arrivals, size, "arrive", Arrived);
+    if (!missing.empty()) return Status::Error(missing);
   }
   if (meeting_->arrivals.Load() & Flag::kAbandoned)
     return Status::Error(Where() + ": " + WhoGaveUp("waiting for this collective before this "
@@ -239,12 +238,8 @@ Status LocalTransport::Share(int per_rank, const std::function<void(int, int)>& 
 Status LocalTransport::WaitCount(Flag& count, uint32_t target, const char* what,
                                  bool (*done)(const Meeting&, int)) {
   if (!count.WaitAtLeast(target, deadline_, spin_iterations_)) {
-    std::string missing;
-    {
-      std::lock_guard<std::mutex> lock(meeting_->giving_up);
-      // Named before Close(), which may wait for the very ranks named.
-      if (count.AbandonBelow(target)) missing = RecordGivingUp(MissingPeers(what, done));
-    }
+    // Named before Close(), which may wait for the very ranks named.
+    std::string missing = GiveUpBelow(count, target, what, done);
     if (!missing.empty()) {
       Close();
       return Status::Error(missing);
@@ -278,6 +273,13 @@ Status LocalTransport::PeerGaveUp() {
   Close();
   return Status::Error(Where() + ": " +
                        WhoGaveUp("on this collective, so this rank's result cannot be trusted"));
+}
+
+std::string LocalTransport::GiveUpBelow(Flag& count, uint32_t target, const char* what,
+                                        bool (*done)(const Meeting&, int)) {
+  std::lock_guard<std::mutex> lock(meeting_->giving_up);
+  if (!count.AbandonBelow(target)) return std::string();
+  return RecordGivingUp(MissingPeers(what, done));
 }
 
 std::string LocalTransport::RecordGivingUp(std::string error) {

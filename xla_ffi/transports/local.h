@@ -111,6 +111,11 @@ class LocalTransport {
   // between BeginPeerAccess and EndPeerAccess. Such a stretch never waits, so only a thread the
   // scheduler stalls in it (a test does, StallNextPieceForTest) keeps this rank here.
   void Close();
+  // After a wait for `count` to reach `target` timed out: marks `count` abandoned unless it got
+  // there meanwhile (then returns ""), and returns the error naming the ranks for which `done`
+  // does not hold, recorded as why this rank gave up (RecordGivingUp).
+  std::string GiveUpBelow(Flag& count, uint32_t target, const char* what,
+                          bool (*done)(const Meeting&, int));
   // Records `error` as why this rank gave up, unless a peer gave up first; returns it. The caller
   // holds the meeting's giving_up mutex from before it marks the meeting given up.
   std::string RecordGivingUp(std::string error);
