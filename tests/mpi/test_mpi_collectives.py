@@ -5,6 +5,7 @@ numpy on the gathered inputs of every rank, and against each other across ranks.
 import dataclasses
 import gc
 import os
+import re
 import time
 
 import jax
@@ -360,6 +361,36 @@ def test_missing_rank_times_out_naming_it():
                                                 rf"\[{last}\]"):
                 np.asarray(jax.jit(lambda v: jaxring.all_reduce(v, sub))(np.ones(4)))
         jaxring.reset_after_error()
+    MPI_COMM.Barrier()
+
+
+@pytest.mark.skipif(COMM.size < 2, reason="needs two ranks")
+@pytest.mark.parametrize("size", [9, 300_001])  # the latency path, and the pipelined ring
+def test_a_rank_that_comes_after_its_peers_gave_up_raises_too(size):
+    """The last rank calls only after its peers' timeout. Every rank must raise, none may return
+    a result, and none may crash. In shared memory the late rank found its peers' data staged and
+    returned a sum that its peers had reported failed; over MPI, cancelling its large send once
+    its own wait timed out crashed it inside MPICH's UCX device."""
+    sub = COMM.split(0, key=COMM.rank)  # a fresh communicator: an error leaves it unusable
+    late = COMM.size - 1
+    f = jax.jit(lambda v: jaxring.all_reduce(v, sub))
+    x = np.full(size, COMM.rank + 1.0, np.float32)
+    f.lower(x).compile()
+    MPI_COMM.Barrier()
+    if COMM.rank == late:
+        time.sleep(2.5)
+    start = time.monotonic()
+    with jaxring.config.override(timeout_seconds=1.0):
+        with pytest.raises(Exception, match=r"timed out after 1 s|left the communicator") as error:
+            np.asarray(f(x))
+    took = time.monotonic() - start
+    jaxring.reset_after_error()
+    errors = MPI_COMM.allgather(str(error.value))
+    assert took < 20, f"rank {COMM.rank} took {took:.1f} s to fail"
+    if sub.transport != "hierarchical":
+        # Every peer of the late rank waited for it directly and names it.
+        for rank, text in enumerate(errors[:-1]):
+            assert re.search(rf"waiting for rank\(s\) \[{late}\]", text), (rank, text)
     MPI_COMM.Barrier()
 
 

@@ -34,6 +34,7 @@ Status Steps(ShmCommunicator& comm, const Header& header, const Config& config, 
       status = comm.WaitAll(Phase::kStaged, header, deadline, spin);
     }
     if (status.ok() && step == 0) status = comm.CheckHeaders(header);
+    if (status.ok()) status = comm.CheckNoPeerLeft(header);
     if (status.ok()) status = finish(step, deadline, spin);
     if (!status.ok()) {
       comm.Abandon();

@@ -144,13 +144,14 @@ Status MpiTransport::Call(const Header& h, int code, const char* what) {
 // Starts `bytes` as pieces of at most kMaxPiece bytes (a zero-byte message is still one
 // message): start(offset, piece bytes, request) posts one and returns its MPI code.
 template <typename Start>
-Status MpiTransport::Pieces(const Header& h, size_t bytes, int peer, Requests* r,
+Status MpiTransport::Pieces(const Header& h, size_t bytes, int peer, bool sending, Requests* r,
                             const char* what, Start start) {
   size_t done = 0;
   do {
     const size_t piece = std::min(bytes - done, kMaxPiece);
     r->requests.push_back(MPI_REQUEST_NULL);
     r->peers.push_back(peer);
+    r->sending.push_back(sending);
     Status status = Call(h, start(done, static_cast<int>(piece), &r->requests.back()), what);
     if (!status.ok()) return status;
     done += piece;
@@ -160,7 +161,7 @@ Status MpiTransport::Pieces(const Header& h, size_t bytes, int peer, Requests* r
 
 Status MpiTransport::Isend(const Header& h, const void* data, size_t bytes, int peer, int tag,
                            Requests* r) {
-  return Pieces(h, bytes, peer, r, "send", [&](size_t offset, int n, MPI_Request* request) {
+  return Pieces(h, bytes, peer, true, r, "send", [&](size_t offset, int n, MPI_Request* request) {
     return MPI_Isend(static_cast<const char*>(data) + offset, n, MPI_BYTE, peer, tag, comm_,
                      request);
   });
@@ -168,7 +169,7 @@ Status MpiTransport::Isend(const Header& h, const void* data, size_t bytes, int 
 
 Status MpiTransport::Irecv(const Header& h, void* data, size_t bytes, int peer, int tag,
                            Requests* r) {
-  return Pieces(h, bytes, peer, r, "receive", [&](size_t offset, int n, MPI_Request* request) {
+  return Pieces(h, bytes, peer, false, r, "receive", [&](size_t offset, int n, MPI_Request* request) {
     return MPI_Irecv(static_cast<char*>(data) + offset, n, MPI_BYTE, peer, tag, comm_, request);
   });
 }
@@ -218,19 +219,23 @@ Status MpiTransport::Fail(Status status) {
     slot.pending = false;
   }
   in_place_pending_ = 0;
-  // Many requests are on the caller's buffers, which XLA frees once the call returns, so each is
-  // cancelled and then given a moment to complete: a receive that had not matched is then done
-  // with at once, and one under way finishes. What is still active after that is freed, which
-  // leaves it running: MPICH cannot cancel a send whose peer never came (MPI_Wait on it hung in
-  // tests/mpi/test_mpi_p2p.py). Such a send may still read its buffer if that peer comes, and
-  // its peer is in this call too: a collective's, whose peers exchanged headers with this rank
-  // before any data moved, or a point-to-point payload, posted only once its receiver was ready.
+  // Many requests are on the caller's buffers, which XLA frees once the call returns, so each
+  // receive is cancelled, and every request is then given a moment to complete: a receive that
+  // had not matched is then done with at once, and one under way finishes. What is still active
+  // after that is freed, which leaves it running. Sends are not cancelled: MPI 4 deprecates it,
+  // MPICH cannot cancel one whose peer never came (MPI_Wait on it hung in
+  // tests/mpi/test_mpi_p2p.py), and with the UCX device of MPICH 5 from PyPI, MPI_Cancel on a
+  // large send under way crashed the process (a rank that came after its peers had given up,
+  // tests/mpi/test_mpi_collectives.py). Such a send may still read its buffer if that peer
+  // comes, and its peer is in this call too: a collective's, whose peers exchanged headers with
+  // this rank before any data moved, or a point-to-point payload, posted only once its receiver
+  // was ready.
   std::vector<MPI_Request*> active;
   for (Requests* r : pending)
-    for (MPI_Request& request : r->requests)
-      if (request != MPI_REQUEST_NULL) {
-        MPI_Cancel(&request);
-        active.push_back(&request);
+    for (size_t i = 0; i < r->requests.size(); ++i)
+      if (r->requests[i] != MPI_REQUEST_NULL) {
+        if (!r->sending[i]) MPI_Cancel(&r->requests[i]);
+        active.push_back(&r->requests[i]);
       }
   const Deadline grace(0.1);
   Poll([&] {

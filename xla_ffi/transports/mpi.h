@@ -54,11 +54,13 @@ class MpiTransport final : public ProcessTransport {
   Status Receive(int source, const Header& expected, void* out, size_t bytes) override;
 
  private:
-  // Requests of one phase and the peer each talks to (for timeout messages).
+  // Requests of one phase, the peer each talks to (for timeout messages) and whether it sends
+  // (Fail cancels only receives).
   struct Requests {
     std::vector<MPI_Request> requests;
     std::vector<int> peers;
-    void Clear() { requests.clear(); peers.clear(); }
+    std::vector<bool> sending;
+    void Clear() { requests.clear(); peers.clear(); sending.clear(); }
   };
   struct Eager {  // a point-to-point message this rank owns until it has been received
     Requests requests;
@@ -69,8 +71,8 @@ class MpiTransport final : public ProcessTransport {
 
   Status Call(const Header& header, int code, const char* what);  // MPI return code -> Status
   template <typename Start>
-  Status Pieces(const Header& h, size_t bytes, int peer, Requests* r, const char* what,
-                Start start);
+  Status Pieces(const Header& h, size_t bytes, int peer, bool sending, Requests* r,
+                const char* what, Start start);
   Status Isend(const Header& h, const void* data, size_t bytes, int peer, int tag, Requests* r);
   Status Irecv(const Header& h, void* data, size_t bytes, int peer, int tag, Requests* r);
   // Waits for request `index` of `r` (or all of them when index < 0).

@@ -226,9 +226,7 @@ Status ShmCommunicator::WaitFor(int peer, Phase phase, const Header& header,
   if (Flag::Reached(seen, target)) return Status();
   if (seen & Flag::kAbandoned) {
     Abandon();
-    return Status::Error(Where(header) + ": rank " + std::to_string(peer) +
-                         " failed in an earlier or this collective and left the communicator; "
-                         "see its error");
+    return PeerLeft(header, peer);
   }
   std::ostringstream s;
   s << Where(header) << ": timed out after " << deadline.seconds() << " s waiting for rank(s) [";
@@ -242,6 +240,19 @@ Status ShmCommunicator::WaitFor(int peer, Phase phase, const Header& header,
        "process) cannot be waited for; raise jaxring.config timeout_seconds if it is just slow.";
   Abandon();
   return Status::Error(s.str());
+}
+
+Status ShmCommunicator::PeerLeft(const Header& header, int peer) const {
+  return Status::Error(Where(header) + ": rank " + std::to_string(peer) +
+                       " failed in an earlier or this collective and left the communicator; "
+                       "see its error");
+}
+
+Status ShmCommunicator::CheckNoPeerLeft(const Header& header) const {
+  for (int peer = 0; peer < size_; ++peer)
+    if (peer != rank_ && (segment_->ranks[peer].progress.Load() & Flag::kAbandoned))
+      return PeerLeft(header, peer);
+  return Status();
 }
 
 Status ShmCommunicator::WaitFor(int peer, Phase phase, const Header& header,

@@ -64,6 +64,12 @@ class ShmCommunicator {
   void CopyIn(void* dst, const void* src, size_t bytes, ShmStores mode);
   void PostHeader(const Header& header);  // before Publish(kStaged) on a call's first step
   Status CheckHeaders(const Header& mine) const;  // after WaitAll(kStaged) on the first step
+  // After WaitAll(kStaged) (and CheckHeaders): an error if a peer has left the communicator. A
+  // peer that staged this step and then gave up waiting for this rank still counts as staged
+  // (so that every rank reaches the header check); its data is there, but the call failed on
+  // that peer, so it must fail here too, as a peer's timeout makes every rank of an in-process
+  // collective fail (LocalTransport::WaitForPeers).
+  Status CheckNoPeerLeft(const Header& header) const;
   void Publish(Phase phase);
   Status WaitAll(Phase phase, const Header& header, const Deadline& deadline, int64_t spin);
   Status WaitFor(int peer, Phase phase, const Header& header, const Deadline& deadline,
@@ -81,6 +87,7 @@ class ShmCommunicator {
   }
   Status WaitFor(int peer, Phase phase, const Header& header, const Deadline& deadline,
                  int64_t spin, uint64_t step);
+  Status PeerLeft(const Header& header, int peer) const;  // the error naming a peer that left
 
   ShmSegment* segment_;
   size_t mapped_bytes_;
