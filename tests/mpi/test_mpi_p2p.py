@@ -192,18 +192,23 @@ def test_a_receiver_that_comes_after_an_in_place_sender_gave_up_gets_an_error_no
     Rank 0's payload once went out at once, and MPICH cannot cancel a send nobody has received:
     rank 1 then received it, from a buffer XLA had freed when rank 0's call failed (here still
     the right bytes, by luck). Now the payload goes out only once its receiver says it is
-    ready, which rank 0 never heard, so rank 1 times out waiting for it."""
+    ready, which rank 0 never heard, and rank 1 fails at once on rank 0's notice that it gave
+    up, quoting rank 0's error (before the notice, it timed out waiting for the payload)."""
     sub = COMM.split(0 if COMM.rank < 2 else 1, key=COMM.rank)
     if COMM.rank < 2:
         x = np.arange(1 << 18, dtype=np.float32) + COMM.rank  # far above p2p_eager_bytes
         send = jax.jit(lambda v: jaxring.ppermute(v, sub, [(0, 1)]))
+        send.lower(x).compile()
         if COMM.rank == 1:
             time.sleep(2.5)
-        with jaxring.config.override(timeout_seconds=1.0 if COMM.rank == 0 else 2.0):
-            what = "receive this rank's message" if COMM.rank == 0 else "send its data"
-            with pytest.raises(Exception, match=rf"waiting for rank\(s\) \[{1 - COMM.rank}\] "
-                                                rf"to {what}"):
+        timed_out = (r"timed out after 1 s waiting for rank\(s\) \[1\] to receive this rank's "
+                     r"message")
+        expected = timed_out if COMM.rank == 0 else rf"rank 0 gave up .* The error on rank 0: .*{timed_out}"
+        start = time.monotonic()
+        with jaxring.config.override(timeout_seconds=1.0 if COMM.rank == 0 else 20.0):
+            with pytest.raises(Exception, match=expected):
                 np.asarray(send(x))
+        assert time.monotonic() - start < 10, "the late receiver waited for its own timeout"
         jaxring.reset_after_error()
     MPI_COMM.Barrier()
 

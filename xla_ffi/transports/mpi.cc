@@ -18,6 +18,13 @@ constexpr int kDataTag = 0x6a73;    // collective payloads
 constexpr int kP2PTag = 0x6a74;     // point-to-point messages (matched in order per pair)
 constexpr int kPayloadTag = 0x6a75; // ... the payloads sent straight from the caller's buffer
 constexpr int kReadyTag = 0x6a76;   // ... and their receivers' word that they may come
+constexpr int kGaveUpTag = 0x6a77;  // a rank's notice that it gave up on the communicator
+
+// A gave-up notice carries at most this much of the error, which keeps it an eager message
+// that completes without its receiver.
+constexpr size_t kNoticeBytes = 1024;
+// Waits look for a gave-up notice once every this many polls, past the first spins.
+constexpr int64_t kPollsPerNoticeProbe = 64;
 
 // MPI counts are ints: larger messages travel as several pieces of at most this many bytes.
 constexpr size_t kMaxPiece = size_t{1} << 30;
@@ -182,11 +189,13 @@ Status MpiTransport::Wait(const Header& h, Requests* r, int index, const Deadlin
   MPI_Request* requests = r->requests.data() + first;
   int code = MPI_SUCCESS;
   Status sending;
+  int64_t polls = 0;
   auto done = [&] {
     if (in_place_pending_ > 0 && !(sending = SendReadyPayloads()).ok()) return true;
     int flag = 0;
     code = MPI_Testall(count, requests, &flag, MPI_STATUSES_IGNORE);
-    return code != MPI_SUCCESS || flag != 0;
+    if (code != MPI_SUCCESS || flag != 0) return true;
+    return ++polls % kPollsPerNoticeProbe == 0 && PeerGaveUp(h, &sending);
   };
   if (!Poll(done, deadline, config_.spin_iterations)) {
     std::set<int> missing;
@@ -210,8 +219,39 @@ Status MpiTransport::TimedOut(const Header& h, const Deadline& deadline,
   return Status::Error(s.str());
 }
 
+bool MpiTransport::PeerGaveUp(const Header& h, Status* error) {
+  int flag = 0;
+  MPI_Status probed;
+  if (MPI_Iprobe(MPI_ANY_SOURCE, kGaveUpTag, comm_, &flag, &probed) != MPI_SUCCESS || !flag)
+    return false;
+  int bytes = 0;
+  MPI_Get_count(&probed, MPI_CHAR, &bytes);
+  std::string why(static_cast<size_t>(std::max(bytes, 0)), '\0');
+  MPI_Recv(why.data(), bytes, MPI_CHAR, probed.MPI_SOURCE, kGaveUpTag, comm_, MPI_STATUS_IGNORE);
+  const std::string peer = "rank " + std::to_string(probed.MPI_SOURCE);
+  *error = Status::Error(Where(h) + ": " + peer + " gave up on this communicator (in this "
+                         "collective or an earlier one), so this call cannot complete. The error "
+                         "on " + peer + ": " + why);
+  told_ = true;
+  return true;
+}
+
 Status MpiTransport::Fail(Status status) {
   broken_ = status.message();
+  if (!told_) {
+    // Every peer learns why, so that one still waiting, or one that comes later, fails at once
+    // (PeerGaveUp) instead of after a timeout of its own. The notice is small enough to go
+    // eagerly, and its text is left allocated: a communicator fails once, and MPI may still be
+    // sending it when this transport is gone.
+    const std::string* notice = new std::string(broken_.substr(0, kNoticeBytes));
+    for (int peer = 0; peer < size_; ++peer) {
+      if (peer == rank_) continue;
+      MPI_Request request;
+      if (MPI_Isend(notice->data(), static_cast<int>(notice->size()), MPI_CHAR, peer, kGaveUpTag,
+                    comm_, &request) == MPI_SUCCESS)
+        MPI_Request_free(&request);
+    }
+  }
   std::vector<Requests*> pending = {&sends_, &recvs_};
   for (InPlace& slot : in_place_) {
     pending.push_back(&slot.ready_wait);

@@ -77,7 +77,13 @@ class MpiTransport final : public ProcessTransport {
   Status Irecv(const Header& h, void* data, size_t bytes, int peer, int tag, Requests* r);
   // Waits for request `index` of `r` (or all of them when index < 0).
   Status Wait(const Header& h, Requests* r, int index, const Deadline& deadline, const char* what);
-  Status Fail(Status status);  // marks the communicator broken and cancels what is pending
+  // Marks the communicator broken, cancels what is pending, and tells every peer why (a notice
+  // that PeerGaveUp finds), unless the failure is itself such a notice.
+  Status Fail(Status status);
+  // Whether a peer's notice that it gave up on this communicator has come; if so, receives it
+  // into *error (the error on this rank that names the peer and quotes its error). Waits poll it,
+  // so a rank that comes after its peers gave up fails at once instead of after a timeout.
+  bool PeerGaveUp(const Header& h, Status* error);
   Status Broken(const Header& h) const;
   // Frees eager sends that have been received; with `block`, first waits for the oldest.
   Status ReapEager(const Header& h, bool block);
@@ -101,6 +107,7 @@ class MpiTransport final : public ProcessTransport {
   std::string name_;
   Config config_;
   std::string broken_;  // why the communicator failed; empty while healthy
+  bool told_ = false;   // broken by a peer's notice (PeerGaveUp): no notice of its own
   std::vector<char> scratch_[3];
   std::vector<char> message_;     // the point-to-point message being received
   std::vector<Header> headers_;   // the header all-gather's
