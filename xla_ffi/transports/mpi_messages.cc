@@ -21,6 +21,13 @@ struct MpiMessages {
   std::string name;
   std::vector<MPI_Request> requests;
   std::vector<int> peers;
+  std::vector<bool> sending;
+
+  void Clear() {
+    requests.clear();
+    peers.clear();
+    sending.clear();
+  }
 };
 
 int Fail(char* error, size_t error_bytes, const std::string& message) {
@@ -41,13 +48,14 @@ int MpiFailure(int code, const char* what, char* error, size_t error_bytes) {
 }
 
 template <typename Start>
-int Post(MpiMessages* m, size_t bytes, int peer, const char* what, char* error,
+int Post(MpiMessages* m, size_t bytes, int peer, bool sending, const char* what, char* error,
          size_t error_bytes, Start start) {
   size_t done = 0;
   do {  // a zero-byte message is still one message
     const size_t piece = std::min(bytes - done, kMaxPiece);
     m->requests.push_back(MPI_REQUEST_NULL);
     m->peers.push_back(peer);
+    m->sending.push_back(sending);
     const int code = start(done, static_cast<int>(piece), &m->requests.back());
     if (code != MPI_SUCCESS) return MpiFailure(code, what, error, error_bytes);
     done += piece;
@@ -58,7 +66,7 @@ int Post(MpiMessages* m, size_t bytes, int peer, const char* what, char* error,
 int PostSend(void* context, const void* data, size_t bytes, int peer, char* error,
              size_t error_bytes) {
   auto* m = static_cast<MpiMessages*>(context);
-  return Post(m, bytes, peer, "send", error, error_bytes,
+  return Post(m, bytes, peer, true, "send", error, error_bytes,
               [&](size_t offset, int count, MPI_Request* request) {
                 return MPI_Isend(static_cast<const char*>(data) + offset, count, MPI_BYTE, peer,
                                  kTag, m->comm, request);
@@ -68,7 +76,7 @@ int PostSend(void* context, const void* data, size_t bytes, int peer, char* erro
 int PostReceive(void* context, void* data, size_t bytes, int peer, char* error,
                 size_t error_bytes) {
   auto* m = static_cast<MpiMessages*>(context);
-  return Post(m, bytes, peer, "receive", error, error_bytes,
+  return Post(m, bytes, peer, false, "receive", error, error_bytes,
               [&](size_t offset, int count, MPI_Request* request) {
                 return MPI_Irecv(static_cast<char*>(data) + offset, count, MPI_BYTE, peer, kTag,
                                  m->comm, request);
@@ -93,13 +101,15 @@ int WaitAll(void* context, double timeout_seconds, char* error, size_t error_byt
         MPI_Test(&m->requests[i], &flag, MPI_STATUS_IGNORE);
         if (!flag) missing.insert(m->peers[i]);
       }
-      for (MPI_Request& request : m->requests) {
+      // Receives are cancelled; sends are only freed, as MpiTransport::Fail does: cancelling a
+      // large send under way crashed MPICH's UCX device.
+      for (size_t i = 0; i < m->requests.size(); ++i) {
+        MPI_Request& request = m->requests[i];
         if (request == MPI_REQUEST_NULL) continue;
-        MPI_Cancel(&request);
+        if (!m->sending[i]) MPI_Cancel(&request);
         MPI_Request_free(&request);
       }
-      m->requests.clear();
-      m->peers.clear();
+      m->Clear();
       std::ostringstream s;
       s << "timed out after " << timeout_seconds << " s waiting for rank(s) [";
       bool first = true;
@@ -113,8 +123,7 @@ int WaitAll(void* context, double timeout_seconds, char* error, size_t error_byt
     std::this_thread::sleep_for(nap);
     nap = std::min(nap * 2, std::chrono::microseconds(50));
   }
-  m->requests.clear();
-  m->peers.clear();
+  m->Clear();
   return code == MPI_SUCCESS ? 0 : MpiFailure(code, "exchange data", error, error_bytes);
 }
 
