@@ -3,6 +3,7 @@ checks what only whole jobs can show: a rank that exits right after dispatching 
 and a rank that dies is named by the others instead of hanging them."""
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -70,33 +71,50 @@ def test_a_rank_that_exits_right_after_dispatch_still_takes_part(transport):
 
 
 @pytest.mark.parametrize("transport", ["auto", "mpi"])
-def test_a_killed_rank_is_named_instead_of_hanging(tmp_path, transport):
+@pytest.mark.parametrize("when", ["before", "during"])
+def test_a_killed_rank_is_named_instead_of_hanging(tmp_path, transport, when):
     # By default MPICH's launcher kills the whole job when one rank dies, which also ends any
     # wait; with auto-cleanup off the survivors run on, and must fail on their own, in time.
     # The survivor writes its error to a file: the launcher may drop its last output lines
-    # while it tears down a job with a dead rank. Now and then (about one run in five here) the
-    # launcher kills the survivor anyway, before its timeout; so up to three jobs are run, and one
-    # of them must show the survivor naming the dead rank.
+    # while it tears down a job with a dead rank. Now and then (one run in four or five here) the
+    # launcher kills the survivor anyway, before its timeout (its report file then stays empty,
+    # with no Python fault dump: a SIGKILL); so up to six jobs are run, and one of them must show
+    # the survivor naming the dead rank.
+    # "before": rank 1 dies before a small all-reduce. "during": it dies in the middle of a loop
+    # of 4 MB all-reduces, whose messages MPI then fails as often as they time out (MPICH's
+    # process_vm_readv from a dead process); either error must name rank 1.
     report = tmp_path / "rank0-error.txt"
-    for _ in range(3):
-        result = run_killed_rank_job(report, transport)
+    for _ in range(6):
+        result = run_killed_rank_job(report, transport, when)
         if report.exists():
             break
     assert report.exists(), result.stdout + result.stderr
-    assert "timed out after 3 s waiting for rank(s) [1]" in report.read_text()
+    text = report.read_text()
+    if when == "before":
+        assert "timed out after 3 s waiting for rank(s) [1]" in text, text
+    else:
+        assert re.search(r"(timed out after 3 s|MPI failed while) waiting for rank\(s\) \[1\]",
+                         text), text
 
 
-def run_killed_rank_job(report, transport):
+def run_killed_rank_job(report, transport, when):
     return run_script(2, transport=transport, source=f"""
-        import os, time, jax, numpy as np, jaxring, jaxring.mpi
+        import os, threading, time, jax, numpy as np, jaxring, jaxring.mpi
         comm = jaxring.mpi.world()
+        size = 4 if {when!r} == "before" else 1 << 20
+        f = jax.jit(lambda v: jaxring.all_reduce(v, comm))
+        np.asarray(f(np.ones(size, np.float32)))
         comm.mpi_comm.Barrier()  # both ranks are past set-up and done with MPI
         if comm.rank == 1:
-            time.sleep(0.5)
-            os.kill(os.getpid(), 9)
+            if {when!r} == "before":
+                time.sleep(0.5)
+                os.kill(os.getpid(), 9)
+            threading.Timer(0.3, lambda: os.kill(os.getpid(), 9)).start()
         jaxring.config.update(timeout_seconds=3)
         try:
-            np.asarray(jax.jit(lambda v: jaxring.all_reduce(v, comm))(np.ones(4)))
+            for _ in range(1 if {when!r} == "before" else 100_000):
+                y = f(np.ones(size, np.float32))
+            np.asarray(y)
         except Exception as error:
             with open({str(report)!r}, "w") as f:
                 f.write(str(error))

@@ -193,10 +193,11 @@ Status MpiTransport::Wait(const Header& h, Requests* r, int index, const Deadlin
   auto done = [&] {
     if (in_place_pending_ > 0 && !(sending = SendReadyPayloads()).ok()) return true;
     int flag = 0;
-    code = MPI_Testall(count, requests, &flag, MPI_STATUSES_IGNORE);
+    code = MPI_Testall(count, requests, &flag, statuses_.data());
     if (code != MPI_SUCCESS || flag != 0) return true;
     return ++polls % kPollsPerNoticeProbe == 0 && PeerGaveUp(h, &sending);
   };
+  statuses_.resize(count);
   if (!Poll(done, deadline, config_.spin_iterations)) {
     std::set<int> missing;
     for (int i = 0; i < count; ++i) {
@@ -206,7 +207,26 @@ Status MpiTransport::Wait(const Header& h, Requests* r, int index, const Deadlin
     }
     return TimedOut(h, deadline, missing, what);
   }
-  return sending.ok() ? Call(h, code, what) : sending;
+  if (!sending.ok()) return sending;
+  if (code != MPI_ERR_IN_STATUS) return Call(h, code, what);
+  // Some requests failed (a peer's process died, say): name their ranks and MPI's errors.
+  std::ostringstream s;
+  s << Where(h) << ": MPI failed while waiting for rank(s) ";
+  std::set<int> failed;
+  std::string errors;
+  for (int i = 0; i < count; ++i) {
+    const int error = statuses_[i].MPI_ERROR;
+    if (error == MPI_SUCCESS || error == MPI_ERR_PENDING) continue;
+    failed.insert(r->peers[first + i]);
+    char text[MPI_MAX_ERROR_STRING];
+    int length = 0;
+    MPI_Error_string(error, text, &length);
+    if (errors.find(std::string(text, length)) == std::string::npos)
+      errors += (errors.empty() ? "" : "; ") + std::string(text, length);
+  }
+  s << Ranks(failed) << " to " << what << ": " << errors
+    << " (a rank whose process died or lost its connection makes MPI fail so)";
+  return Status::Error(s.str());
 }
 
 Status MpiTransport::TimedOut(const Header& h, const Deadline& deadline,

@@ -112,6 +112,7 @@ class MpiTransport final : public ProcessTransport {
   std::vector<char> message_;     // the point-to-point message being received
   std::vector<Header> headers_;   // the header all-gather's
   Requests sends_, recvs_;        // the current collective's
+  std::vector<MPI_Status> statuses_;  // Wait's, for the errors of failed requests
   std::deque<Eager> eager_;       // point-to-point sends still in flight
   // A payload sent straight from the caller's buffer (SendInPlace), per destination. It is posted
   // only once its receiver has posted the receive for it: MPICH cannot cancel a send whose
