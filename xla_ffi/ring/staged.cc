@@ -37,7 +37,7 @@ Status Steps(ShmCommunicator& comm, const Header& header, const Config& config, 
     if (status.ok()) status = comm.CheckNoPeerLeft(header);
     if (status.ok()) status = finish(step, deadline, spin);
     if (!status.ok()) {
-      comm.Abandon();
+      comm.Abandon(status.message());
       return status;
     }
     comm.Publish(Phase::kCopied);
@@ -230,7 +230,7 @@ Status RunExchange(ShmCommunicator& comm, void* output, const void* input, int64
       if (status.ok() && twice)
         status = comm.WaitFor(second, Phase::kStaged, header, deadline, config.spin_iterations);
       if (!status.ok()) {
-        comm.Abandon();
+        comm.Abandon(status.message());
         return status;
       }
       const int64_t once = len - twice;

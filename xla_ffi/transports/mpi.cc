@@ -55,6 +55,13 @@ bool Poll(Done done, const Deadline& deadline, int64_t spin) {
   return true;
 }
 
+std::string ErrorText(int code) {
+  char text[MPI_MAX_ERROR_STRING];
+  int length = 0;
+  MPI_Error_string(code, text, &length);
+  return std::string(text, length);
+}
+
 std::string Ranks(const std::set<int>& ranks) {
   std::ostringstream s;
   s << "[";
@@ -142,10 +149,7 @@ char* MpiTransport::Scratch(int which, size_t bytes) {
 
 Status MpiTransport::Call(const Header& h, int code, const char* what) {
   if (code == MPI_SUCCESS) return Status();
-  char text[MPI_MAX_ERROR_STRING];
-  int length = 0;
-  MPI_Error_string(code, text, &length);
-  return Status::Error(Where(h) + ": MPI failed to " + what + ": " + std::string(text, length));
+  return Status::Error(Where(h) + ": MPI failed to " + what + ": " + ErrorText(code));
 }
 
 // Starts `bytes` as pieces of at most kMaxPiece bytes (a zero-byte message is still one
@@ -176,9 +180,11 @@ Status MpiTransport::Isend(const Header& h, const void* data, size_t bytes, int 
 
 Status MpiTransport::Irecv(const Header& h, void* data, size_t bytes, int peer, int tag,
                            Requests* r) {
-  return Pieces(h, bytes, peer, false, r, "receive", [&](size_t offset, int n, MPI_Request* request) {
-    return MPI_Irecv(static_cast<char*>(data) + offset, n, MPI_BYTE, peer, tag, comm_, request);
-  });
+  return Pieces(h, bytes, peer, false, r, "receive",
+                [&](size_t offset, int n, MPI_Request* request) {
+                  return MPI_Irecv(static_cast<char*>(data) + offset, n, MPI_BYTE, peer, tag,
+                                   comm_, request);
+                });
 }
 
 Status MpiTransport::Wait(const Header& h, Requests* r, int index, const Deadline& deadline,
@@ -190,6 +196,7 @@ Status MpiTransport::Wait(const Header& h, Requests* r, int index, const Deadlin
   int code = MPI_SUCCESS;
   Status sending;
   int64_t polls = 0;
+  statuses_.resize(count);
   auto done = [&] {
     if (in_place_pending_ > 0 && !(sending = SendReadyPayloads()).ok()) return true;
     int flag = 0;
@@ -197,7 +204,6 @@ Status MpiTransport::Wait(const Header& h, Requests* r, int index, const Deadlin
     if (code != MPI_SUCCESS || flag != 0) return true;
     return ++polls % kPollsPerNoticeProbe == 0 && PeerGaveUp(h, &sending);
   };
-  statuses_.resize(count);
   if (!Poll(done, deadline, config_.spin_iterations)) {
     std::set<int> missing;
     for (int i = 0; i < count; ++i) {
@@ -218,11 +224,8 @@ Status MpiTransport::Wait(const Header& h, Requests* r, int index, const Deadlin
     const int error = statuses_[i].MPI_ERROR;
     if (error == MPI_SUCCESS || error == MPI_ERR_PENDING) continue;
     failed.insert(r->peers[first + i]);
-    char text[MPI_MAX_ERROR_STRING];
-    int length = 0;
-    MPI_Error_string(error, text, &length);
-    if (errors.find(std::string(text, length)) == std::string::npos)
-      errors += (errors.empty() ? "" : "; ") + std::string(text, length);
+    const std::string text = ErrorText(error);
+    if (errors.find(text) == std::string::npos) errors += (errors.empty() ? "" : "; ") + text;
   }
   s << Ranks(failed) << " to " << what << ": " << errors
     << " (a rank whose process died or lost its connection makes MPI fail so)";

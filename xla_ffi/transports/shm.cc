@@ -5,6 +5,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <chrono>
 #include <cstring>
@@ -26,9 +27,13 @@ constexpr uint32_t kSerialMask = ~Flag::kAbandoned;
 size_t RoundUp(size_t n, size_t to) { return (n + to - 1) / to * to; }
 }  // namespace
 
+// What of a rank's error its peers can quote once it left (ShmCommunicator::Abandon).
+constexpr size_t kWhyBytes = 1024;
+
 struct alignas(64) RankControl {
   Flag progress;  // 3 * step + phase, in serial-number order
   alignas(64) Header headers[2];  // by step parity
+  char why[kWhyBytes];  // written once, before `progress` is marked abandoned
 };
 
 struct ShmSegment {
@@ -210,9 +215,14 @@ void ShmCommunicator::Publish(Phase phase) {
   segment_->ranks[rank_].progress.Store(Target(step_ - 1, phase));
 }
 
-void ShmCommunicator::Abandon() {
+void ShmCommunicator::Abandon(const std::string& why) {
+  if (broken_) return;  // left already; its first error stands
   broken_ = true;
-  segment_->ranks[rank_].progress.Abandon();
+  RankControl& me = segment_->ranks[rank_];
+  const size_t n = std::min(why.size(), kWhyBytes - 1);
+  std::memcpy(me.why, why.data(), n);
+  me.why[n] = '\0';
+  me.progress.Abandon();  // sequentially consistent: a peer that sees the mark finds `why`
 }
 
 Status ShmCommunicator::WaitFor(int peer, Phase phase, const Header& header,
@@ -225,8 +235,9 @@ Status ShmCommunicator::WaitFor(int peer, Phase phase, const Header& header,
   // arrived, so that every rank reaches the check and reports the mismatch itself.
   if (Flag::Reached(seen, target)) return Status();
   if (seen & Flag::kAbandoned) {
-    Abandon();
-    return PeerLeft(header, peer);
+    Status left = PeerLeft(header, peer);
+    Abandon(left.message());
+    return left;
   }
   std::ostringstream s;
   s << Where(header) << ": timed out after " << deadline.seconds() << " s waiting for rank(s) [";
@@ -238,14 +249,16 @@ Status ShmCommunicator::WaitFor(int peer, Phase phase, const Header& header,
   }
   s << "]. A rank that never makes this call (a rank-dependent branch, or a crashed or killed "
        "process) cannot be waited for; raise jaxring.config timeout_seconds if it is just slow.";
-  Abandon();
+  Abandon(s.str());
   return Status::Error(s.str());
 }
 
 Status ShmCommunicator::PeerLeft(const Header& header, int peer) const {
-  return Status::Error(Where(header) + ": rank " + std::to_string(peer) +
-                       " failed in an earlier or this collective and left the communicator; "
-                       "see its error");
+  const RankControl& left = segment_->ranks[peer];
+  const std::string rank = "rank " + std::to_string(peer);
+  return Status::Error(Where(header) + ": " + rank + " failed in this collective or an earlier "
+                       "one and left the communicator, so this call cannot complete. The error "
+                       "on " + rank + ": " + std::string(left.why, strnlen(left.why, kWhyBytes)));
 }
 
 Status ShmCommunicator::CheckNoPeerLeft(const Header& header) const {

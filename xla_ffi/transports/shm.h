@@ -74,8 +74,9 @@ class ShmCommunicator {
   Status WaitAll(Phase phase, const Header& header, const Deadline& deadline, int64_t spin);
   Status WaitFor(int peer, Phase phase, const Header& header, const Deadline& deadline,
                  int64_t spin);
-  // Marks this rank as gone after an error, so that peers fail at once instead of timing out.
-  void Abandon();
+  // Marks this rank as gone after an error, so that peers fail at once instead of timing out,
+  // and leaves them `why` (its error) to quote.
+  void Abandon(const std::string& why);
   std::string Where(const Header& header) const;
 
  private:
