@@ -250,8 +250,10 @@ def test_the_cache_probe_tells_cached_from_evicted_lines():
     a fresh mapping, so that no earlier test can have advised it onto huge pages. A VM's
     scheduler can stall one probe of cached lines (1 in 5-20 here), so each side must hold in
     most of 9 tries, in one of up to five batches a second apart; a probe that cannot tell the
-    two apart fails all five."""
-    data = np.frombuffer(mmap.mmap(-1, 4 << 20), np.float32)
+    two apart fails all five. The array is 1 MiB: 4 MiB just written was not always still cached
+    on this VM (in one CI run every batch found it uncached in 4-8 of 9 tries; run by hand, one
+    batch of five in two; 1 MiB held in 9 of 9 but one)."""
+    data = np.frombuffer(mmap.mmap(-1, 1 << 20), np.float32)
     batches = []
     for _ in range(5):
         cached = evicted = 0

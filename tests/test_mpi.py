@@ -77,18 +77,19 @@ def test_a_killed_rank_is_named_instead_of_hanging(tmp_path, transport, when):
     # wait; with auto-cleanup off the survivors run on, and must fail on their own, in time.
     # The survivor writes its error to a file: the launcher may drop its last output lines
     # while it tears down a job with a dead rank. Now and then (one run in four or five here) the
-    # launcher kills the survivor anyway, before its timeout (its report file then stays empty,
-    # with no Python fault dump: a SIGKILL); so up to six jobs are run, and one of them must show
-    # the survivor naming the dead rank.
+    # launcher kills the survivor anyway, before its timeout, with SIGKILL, which leaves the
+    # report empty; so up to six jobs are run, and one of them must show the survivor naming the
+    # dead rank. A survivor that crashes instead writes Python's fault dump into the report,
+    # which fails the test at once.
     # "before": rank 1 dies before a small all-reduce. "during": it dies in the middle of a loop
     # of 4 MB all-reduces, whose messages MPI then fails as often as they time out (MPICH's
     # process_vm_readv from a dead process); either error must name rank 1.
     report = tmp_path / "rank0-error.txt"
     for _ in range(6):
         result = run_killed_rank_job(report, transport, when)
-        if report.exists():
+        if report.exists() and report.read_text():
             break
-    assert report.exists(), result.stdout + result.stderr
+    assert report.exists() and report.read_text(), result.stdout + result.stderr
     text = report.read_text()
     if when == "before":
         assert "timed out after 3 s waiting for rank(s) [1]" in text, text
@@ -99,8 +100,11 @@ def test_a_killed_rank_is_named_instead_of_hanging(tmp_path, transport, when):
 
 def run_killed_rank_job(report, transport, when):
     return run_script(2, transport=transport, source=f"""
-        import os, threading, time, jax, numpy as np, jaxring, jaxring.mpi
+        import faulthandler, os, threading, time, jax, numpy as np, jaxring, jaxring.mpi
         comm = jaxring.mpi.world()
+        if comm.rank == 0:
+            report = open({str(report)!r}, "w")
+            faulthandler.enable(report)
         size = 4 if {when!r} == "before" else 1 << 20
         f = jax.jit(lambda v: jaxring.all_reduce(v, comm))
         np.asarray(f(np.ones(size, np.float32)))
@@ -116,7 +120,7 @@ def run_killed_rank_job(report, transport, when):
                 y = f(np.ones(size, np.float32))
             np.asarray(y)
         except Exception as error:
-            with open({str(report)!r}, "w") as f:
-                f.write(str(error))
+            report.write(str(error))
+            report.close()
             os._exit(0)
     """, launcher=("-disable-auto-cleanup",))

@@ -203,7 +203,8 @@ def test_a_receiver_that_comes_after_an_in_place_sender_gave_up_gets_an_error_no
             time.sleep(2.5)
         timed_out = (r"timed out after 1 s waiting for rank\(s\) \[1\] to receive this rank's "
                      r"message")
-        expected = timed_out if COMM.rank == 0 else rf"rank 0 gave up .* The error on rank 0: .*{timed_out}"
+        expected = (timed_out if COMM.rank == 0 else
+                    rf"rank 0 gave up .* The error on rank 0: .*{timed_out}")
         start = time.monotonic()
         with jaxring.config.override(timeout_seconds=1.0 if COMM.rank == 0 else 20.0):
             with pytest.raises(Exception, match=expected):

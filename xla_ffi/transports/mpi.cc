@@ -23,7 +23,8 @@ constexpr int kGaveUpTag = 0x6a77;  // a rank's notice that it gave up on the co
 // A gave-up notice carries at most this much of the error, which keeps it an eager message
 // that completes without its receiver.
 constexpr size_t kNoticeBytes = 1024;
-// Waits look for a gave-up notice once every this many polls, past the first spins.
+// Waits look for a gave-up notice once every this many polls (a wait that ends sooner never
+// looks).
 constexpr int64_t kPollsPerNoticeProbe = 64;
 
 // MPI counts are ints: larger messages travel as several pieces of at most this many bytes.
@@ -132,6 +133,20 @@ MpiTransport::~MpiTransport() {
       if (request != MPI_REQUEST_NULL) MPI_Request_free(&request);
   }
   eager_.clear();
+  // Receive the gave-up notices nobody read, so that none is left on the communicator when it is
+  // freed (MPICH may reuse its context id for a later one).
+  for (;;) {
+    int flag = 0;
+    MPI_Message message = MPI_MESSAGE_NULL;
+    MPI_Status probed;
+    if (MPI_Improbe(MPI_ANY_SOURCE, kGaveUpTag, comm_, &flag, &message, &probed) != MPI_SUCCESS ||
+        !flag)
+      break;
+    int bytes = 0;
+    MPI_Get_count(&probed, MPI_CHAR, &bytes);
+    std::vector<char> sink(static_cast<size_t>(std::max(bytes, 1)));
+    MPI_Mrecv(sink.data(), std::max(bytes, 0), MPI_CHAR, &message, MPI_STATUS_IGNORE);
+  }
   MPI_Comm_free(&comm_);
 }
 
@@ -188,7 +203,7 @@ Status MpiTransport::Irecv(const Header& h, void* data, size_t bytes, int peer, 
 }
 
 Status MpiTransport::Wait(const Header& h, Requests* r, int index, const Deadline& deadline,
-                          const char* what) {
+                          const char* what, int notices_from) {
   const int first = index < 0 ? 0 : index;
   const int count = index < 0 ? static_cast<int>(r->requests.size()) : 1;
   if (count == 0) return Status();
@@ -196,13 +211,15 @@ Status MpiTransport::Wait(const Header& h, Requests* r, int index, const Deadlin
   int code = MPI_SUCCESS;
   Status sending;
   int64_t polls = 0;
+  // MPI leaves MPI_ERROR unset for requests that were already null, so start from success.
   statuses_.resize(count);
+  for (MPI_Status& status : statuses_) status.MPI_ERROR = MPI_SUCCESS;
   auto done = [&] {
     if (in_place_pending_ > 0 && !(sending = SendReadyPayloads()).ok()) return true;
     int flag = 0;
     code = MPI_Testall(count, requests, &flag, statuses_.data());
     if (code != MPI_SUCCESS || flag != 0) return true;
-    return ++polls % kPollsPerNoticeProbe == 0 && PeerGaveUp(h, &sending);
+    return ++polls % kPollsPerNoticeProbe == 0 && PeerGaveUp(h, notices_from, &sending);
   };
   if (!Poll(done, deadline, config_.spin_iterations)) {
     std::set<int> missing;
@@ -227,6 +244,7 @@ Status MpiTransport::Wait(const Header& h, Requests* r, int index, const Deadlin
     const std::string text = ErrorText(error);
     if (errors.find(text) == std::string::npos) errors += (errors.empty() ? "" : "; ") + text;
   }
+  if (failed.empty()) return Call(h, code, what);
   s << Ranks(failed) << " to " << what << ": " << errors
     << " (a rank whose process died or lost its connection makes MPI fail so)";
   return Status::Error(s.str());
@@ -242,15 +260,17 @@ Status MpiTransport::TimedOut(const Header& h, const Deadline& deadline,
   return Status::Error(s.str());
 }
 
-bool MpiTransport::PeerGaveUp(const Header& h, Status* error) {
+bool MpiTransport::PeerGaveUp(const Header& h, int source, Status* error) {
   int flag = 0;
+  MPI_Message message = MPI_MESSAGE_NULL;
   MPI_Status probed;
-  if (MPI_Iprobe(MPI_ANY_SOURCE, kGaveUpTag, comm_, &flag, &probed) != MPI_SUCCESS || !flag)
+  if (MPI_Improbe(source, kGaveUpTag, comm_, &flag, &message, &probed) != MPI_SUCCESS || !flag)
     return false;
   int bytes = 0;
-  MPI_Get_count(&probed, MPI_CHAR, &bytes);
-  std::string why(static_cast<size_t>(std::max(bytes, 0)), '\0');
-  MPI_Recv(why.data(), bytes, MPI_CHAR, probed.MPI_SOURCE, kGaveUpTag, comm_, MPI_STATUS_IGNORE);
+  if (MPI_Get_count(&probed, MPI_CHAR, &bytes) != MPI_SUCCESS || bytes < 0) bytes = 0;
+  std::string why(static_cast<size_t>(bytes), '\0');
+  if (MPI_Mrecv(why.data(), bytes, MPI_CHAR, &message, MPI_STATUS_IGNORE) != MPI_SUCCESS)
+    why = "(its notice could not be received)";
   const std::string peer = "rank " + std::to_string(probed.MPI_SOURCE);
   *error = Status::Error(Where(h) + ": " + peer + " gave up on this communicator (in this "
                          "collective or an earlier one), so this call cannot complete. The error "
@@ -403,6 +423,10 @@ Status MpiTransport::ExchangeHeaders(const Header& h, const Deadline& deadline) 
   }
   sends_.Clear();
   recvs_.Clear();
+  // A rank that comes after its peers gave up still completes the exchange, on the headers they
+  // sent before they did. Its later waits find their gave-up notices; a call with no later wait
+  // (a barrier, an Agree, a broadcast from its root) returns, and the next one fails. One look
+  // for a notice here did not help: MPI had yet to take it in.
   return CheckHeadersAgree([&] { return Where(h); }, size_, [&](int rank) -> const Header& {
     return known[(rank - rank_ + size_) % size_];
   });
@@ -649,7 +673,7 @@ Status MpiTransport::ReapEager(const Header& h, bool block) {
                 MPI_STATUSES_IGNORE);
     if (!done && block) {
       Status status = Wait(h, &front, -1, Deadline(config_.timeout_seconds),
-                           "receive this rank's earlier messages");
+                           "receive this rank's earlier messages", front.peers.front());
       if (!status.ok()) return status;
       done = 1;
     }
@@ -722,15 +746,18 @@ Status MpiTransport::WaitSent(int dest) {
   InPlace& slot = in_place_[dest];
   const Deadline deadline(config_.timeout_seconds);
   Status status;
+  int64_t polls = 0;
   auto sent = [&] {
     if (!(status = SendReadyPayloads()).ok()) return true;
-    if (slot.payload.requests.empty()) return false;  // its receiver is not ready yet
+    if (slot.payload.requests.empty())  // its receiver is not ready yet
+      return ++polls % kPollsPerNoticeProbe == 0 && PeerGaveUp(slot.header, dest, &status);
     int flag = 0;
     status = Call(slot.header,
                   MPI_Testall(static_cast<int>(slot.payload.requests.size()),
                               slot.payload.requests.data(), &flag, MPI_STATUSES_IGNORE),
                   "send");
-    return !status.ok() || flag != 0;
+    return !status.ok() || flag != 0 ||
+           (++polls % kPollsPerNoticeProbe == 0 && PeerGaveUp(slot.header, dest, &status));
   };
   if (!Poll(sent, deadline, config_.spin_iterations))
     status = TimedOut(slot.header, deadline, {dest}, "receive this rank's message");
@@ -748,11 +775,13 @@ Status MpiTransport::Receive(int source, const Header& expected, void* out, size
   MPI_Status probe;
   int code = MPI_SUCCESS;
   Status sending;
+  int64_t polls = 0;
   auto arrived = [&] {
     if (in_place_pending_ > 0 && !(sending = SendReadyPayloads()).ok()) return true;
     int flag = 0;
     code = MPI_Improbe(source, kP2PTag, comm_, &flag, &message, &probe);
-    return code != MPI_SUCCESS || flag != 0;
+    return code != MPI_SUCCESS || flag != 0 ||
+           (++polls % kPollsPerNoticeProbe == 0 && PeerGaveUp(expected, source, &sending));
   };
   if (!Poll(arrived, deadline, config_.spin_iterations)) {
     std::ostringstream s;
@@ -786,7 +815,7 @@ Status MpiTransport::Receive(int source, const Header& expected, void* out, size
     recvs_.Clear();
     status = Irecv(expected, out, bytes, source, kPayloadTag, &recvs_);
     if (status.ok()) status = Isend(expected, &ready_, 1, source, kReadyTag, &recvs_);
-    if (status.ok()) status = Wait(expected, &recvs_, -1, deadline, "send its data");
+    if (status.ok()) status = Wait(expected, &recvs_, -1, deadline, "send its data", source);
     recvs_.Clear();
     return status.ok() ? status : Fail(status);
   }

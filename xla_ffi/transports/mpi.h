@@ -75,15 +75,19 @@ class MpiTransport final : public ProcessTransport {
                 const char* what, Start start);
   Status Isend(const Header& h, const void* data, size_t bytes, int peer, int tag, Requests* r);
   Status Irecv(const Header& h, void* data, size_t bytes, int peer, int tag, Requests* r);
-  // Waits for request `index` of `r` (or all of them when index < 0).
-  Status Wait(const Header& h, Requests* r, int index, const Deadline& deadline, const char* what);
+  // Waits for request `index` of `r` (or all of them when index < 0). Gives up at once on a
+  // gave-up notice from `notices_from`: any rank for a collective's waits, the partner for a
+  // point-to-point call's.
+  Status Wait(const Header& h, Requests* r, int index, const Deadline& deadline, const char* what,
+              int notices_from = MPI_ANY_SOURCE);
   // Marks the communicator broken, cancels what is pending, and tells every peer why (a notice
   // that PeerGaveUp finds), unless the failure is itself such a notice.
   Status Fail(Status status);
-  // Whether a peer's notice that it gave up on this communicator has come; if so, receives it
-  // into *error (the error on this rank that names the peer and quotes its error). Waits poll it,
-  // so a rank that comes after its peers gave up fails at once instead of after a timeout.
-  bool PeerGaveUp(const Header& h, Status* error);
+  // Whether a notice from `source` (or MPI_ANY_SOURCE) that it gave up on this communicator has
+  // come; if so, receives it into *error (the error on this rank that names the peer and quotes
+  // its error). Waits poll it, so a rank that comes after its peers gave up fails at once
+  // instead of after a timeout.
+  bool PeerGaveUp(const Header& h, int source, Status* error);
   Status Broken(const Header& h) const;
   // Frees eager sends that have been received; with `block`, first waits for the oldest.
   Status ReapEager(const Header& h, bool block);

@@ -101,8 +101,8 @@ int WaitAll(void* context, double timeout_seconds, char* error, size_t error_byt
         MPI_Test(&m->requests[i], &flag, MPI_STATUS_IGNORE);
         if (!flag) missing.insert(m->peers[i]);
       }
-      // Receives are cancelled; sends are only freed, as MpiTransport::Fail does: cancelling a
-      // large send under way crashed MPICH's UCX device.
+      // Receives are cancelled, sends only freed: cancelling a large send under way crashed
+      // MPICH's UCX device (MpiTransport::Fail).
       for (size_t i = 0; i < m->requests.size(); ++i) {
         MPI_Request& request = m->requests[i];
         if (request == MPI_REQUEST_NULL) continue;

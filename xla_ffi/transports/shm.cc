@@ -234,11 +234,7 @@ Status ShmCommunicator::WaitFor(int peer, Phase phase, const Header& header,
   // A peer that got this far and then failed (say, on the header check) still counts as
   // arrived, so that every rank reaches the check and reports the mismatch itself.
   if (Flag::Reached(seen, target)) return Status();
-  if (seen & Flag::kAbandoned) {
-    Status left = PeerLeft(header, peer);
-    Abandon(left.message());
-    return left;
-  }
+  if (seen & Flag::kAbandoned) return PeerLeft(header, peer);
   std::ostringstream s;
   s << Where(header) << ": timed out after " << deadline.seconds() << " s waiting for rank(s) [";
   bool first = true;
@@ -253,15 +249,18 @@ Status ShmCommunicator::WaitFor(int peer, Phase phase, const Header& header,
   return Status::Error(s.str());
 }
 
-Status ShmCommunicator::PeerLeft(const Header& header, int peer) const {
+Status ShmCommunicator::PeerLeft(const Header& header, int peer) {
+  // This rank leaves too, passing on the first error (not its own, which would quote it, and
+  // push it out of kWhyBytes as ranks leave one after another).
   const RankControl& left = segment_->ranks[peer];
-  const std::string rank = "rank " + std::to_string(peer);
-  return Status::Error(Where(header) + ": " + rank + " failed in this collective or an earlier "
-                       "one and left the communicator, so this call cannot complete. The error "
-                       "on " + rank + ": " + std::string(left.why, strnlen(left.why, kWhyBytes)));
+  const std::string first(left.why, strnlen(left.why, kWhyBytes));
+  Abandon(first);
+  return Status::Error(Where(header) + ": rank " + std::to_string(peer) + " failed in this "
+                       "collective or an earlier one and left the communicator, so this call "
+                       "cannot complete. The first error: " + first);
 }
 
-Status ShmCommunicator::CheckNoPeerLeft(const Header& header) const {
+Status ShmCommunicator::CheckNoPeerLeft(const Header& header) {
   for (int peer = 0; peer < size_; ++peer)
     if (peer != rank_ && (segment_->ranks[peer].progress.Load() & Flag::kAbandoned))
       return PeerLeft(header, peer);

@@ -67,9 +67,10 @@ class ShmCommunicator {
   // After WaitAll(kStaged) (and CheckHeaders): an error if a peer has left the communicator. A
   // peer that staged this step and then gave up waiting for this rank still counts as staged
   // (so that every rank reaches the header check); its data is there, but the call failed on
-  // that peer, so it must fail here too, as a peer's timeout makes every rank of an in-process
-  // collective fail (LocalTransport::WaitForPeers).
-  Status CheckNoPeerLeft(const Header& header) const;
+  // that peer, so a rank that comes later fails too, as in-process (LocalTransport). A peer
+  // that gives up just as the last rank stages can still leave after this check, and a rank
+  // whose step then waits for nobody else (broadcast, all-gather, barrier) completes.
+  Status CheckNoPeerLeft(const Header& header);
   void Publish(Phase phase);
   Status WaitAll(Phase phase, const Header& header, const Deadline& deadline, int64_t spin);
   Status WaitFor(int peer, Phase phase, const Header& header, const Deadline& deadline,
@@ -88,7 +89,8 @@ class ShmCommunicator {
   }
   Status WaitFor(int peer, Phase phase, const Header& header, const Deadline& deadline,
                  int64_t spin, uint64_t step);
-  Status PeerLeft(const Header& header, int peer) const;  // the error naming a peer that left
+  // Leaves after `peer` did, passing on its error, and returns the error naming it.
+  Status PeerLeft(const Header& header, int peer);
 
   ShmSegment* segment_;
   size_t mapped_bytes_;
