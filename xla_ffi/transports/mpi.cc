@@ -135,17 +135,8 @@ MpiTransport::~MpiTransport() {
   eager_.clear();
   // Receive the gave-up notices nobody read, so that none is left on the communicator when it is
   // freed (MPICH may reuse its context id for a later one).
-  for (;;) {
-    int flag = 0;
-    MPI_Message message = MPI_MESSAGE_NULL;
-    MPI_Status probed;
-    if (MPI_Improbe(MPI_ANY_SOURCE, kGaveUpTag, comm_, &flag, &message, &probed) != MPI_SUCCESS ||
-        !flag)
-      break;
-    int bytes = 0;
-    MPI_Get_count(&probed, MPI_CHAR, &bytes);
-    std::vector<char> sink(static_cast<size_t>(std::max(bytes, 1)));
-    MPI_Mrecv(sink.data(), std::max(bytes, 0), MPI_CHAR, &message, MPI_STATUS_IGNORE);
+  Status unread;
+  while (PeerGaveUp(Header{}, MPI_ANY_SOURCE, &unread)) {
   }
   MPI_Comm_free(&comm_);
 }
@@ -219,7 +210,7 @@ Status MpiTransport::Wait(const Header& h, Requests* r, int index, const Deadlin
     int flag = 0;
     code = MPI_Testall(count, requests, &flag, statuses_.data());
     if (code != MPI_SUCCESS || flag != 0) return true;
-    return ++polls % kPollsPerNoticeProbe == 0 && PeerGaveUp(h, notices_from, &sending);
+    return PeerGaveUpEvery(&polls, h, notices_from, &sending);
   };
   if (!Poll(done, deadline, config_.spin_iterations)) {
     std::set<int> missing;
@@ -277,6 +268,10 @@ bool MpiTransport::PeerGaveUp(const Header& h, int source, Status* error) {
                          "on " + peer + ": " + why);
   told_ = true;
   return true;
+}
+
+bool MpiTransport::PeerGaveUpEvery(int64_t* polls, const Header& h, int source, Status* error) {
+  return ++*polls % kPollsPerNoticeProbe == 0 && PeerGaveUp(h, source, error);
 }
 
 Status MpiTransport::Fail(Status status) {
@@ -749,15 +744,15 @@ Status MpiTransport::WaitSent(int dest) {
   int64_t polls = 0;
   auto sent = [&] {
     if (!(status = SendReadyPayloads()).ok()) return true;
-    if (slot.payload.requests.empty())  // its receiver is not ready yet
-      return ++polls % kPollsPerNoticeProbe == 0 && PeerGaveUp(slot.header, dest, &status);
-    int flag = 0;
-    status = Call(slot.header,
-                  MPI_Testall(static_cast<int>(slot.payload.requests.size()),
-                              slot.payload.requests.data(), &flag, MPI_STATUSES_IGNORE),
-                  "send");
-    return !status.ok() || flag != 0 ||
-           (++polls % kPollsPerNoticeProbe == 0 && PeerGaveUp(slot.header, dest, &status));
+    if (!slot.payload.requests.empty()) {  // else its receiver is not ready yet
+      int flag = 0;
+      status = Call(slot.header,
+                    MPI_Testall(static_cast<int>(slot.payload.requests.size()),
+                                slot.payload.requests.data(), &flag, MPI_STATUSES_IGNORE),
+                    "send");
+      if (!status.ok() || flag != 0) return true;
+    }
+    return PeerGaveUpEvery(&polls, slot.header, dest, &status);
   };
   if (!Poll(sent, deadline, config_.spin_iterations))
     status = TimedOut(slot.header, deadline, {dest}, "receive this rank's message");
@@ -781,7 +776,7 @@ Status MpiTransport::Receive(int source, const Header& expected, void* out, size
     int flag = 0;
     code = MPI_Improbe(source, kP2PTag, comm_, &flag, &message, &probe);
     return code != MPI_SUCCESS || flag != 0 ||
-           (++polls % kPollsPerNoticeProbe == 0 && PeerGaveUp(expected, source, &sending));
+           PeerGaveUpEvery(&polls, expected, source, &sending);
   };
   if (!Poll(arrived, deadline, config_.spin_iterations)) {
     std::ostringstream s;

@@ -88,6 +88,8 @@ class MpiTransport final : public ProcessTransport {
   // its error). Waits poll it, so a rank that comes after its peers gave up fails at once
   // instead of after a timeout.
   bool PeerGaveUp(const Header& h, int source, Status* error);
+  // PeerGaveUp on every kPollsPerNoticeProbe-th call, counted in *polls: a wait's poll.
+  bool PeerGaveUpEvery(int64_t* polls, const Header& h, int source, Status* error);
   Status Broken(const Header& h) const;
   // Frees eager sends that have been received; with `block`, first waits for the oldest.
   Status ReapEager(const Header& h, bool block);
