@@ -182,6 +182,9 @@ class Communicator:
                              **gpu_levels),
                 Communicator(across, label=f"{label} across nodes", transport="mpi",
                              **gpu_levels))
+            # A failed call on any of the three makes this rank leave the other two, so that its
+            # peers there (on other nodes too) fail at once instead of after a timeout.
+            native.extension.link_failures([self.key] + [level.key for level in self.levels])
         else:
             node.Free()
         weakref.finalize(self, _detach, self.key)
@@ -253,6 +256,7 @@ def _detach(key: int) -> None:
     gpu.detach(key)
     native.extension.shm_detach(key)
     native.extension.process_unregister(key)
+    native.extension.unlink_failures(key)
 
 
 @functools.cache

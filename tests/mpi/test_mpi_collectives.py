@@ -412,6 +412,33 @@ def test_a_rank_that_comes_after_its_peers_gave_up_raises_too(call):
     MPI_COMM.Barrier()
 
 
+@pytest.mark.skipif(COMM.transport != "hierarchical", reason="a hierarchical communicator")
+def test_a_failure_on_one_node_reaches_the_other_nodes_at_once():
+    """The ranks of node 0 disagree on a large all-reduce, which fails at once in its node-level
+    reduce-scatter. Their peers on the other nodes, whose own node levels agree, go on to the
+    level between nodes, where they waited for the ranks of node 0 until their timeout (30 s)
+    before their levels were linked; now they fail at once, quoting the mismatch."""
+    sub = COMM.split(0, key=COMM.rank)  # a fresh communicator: an error leaves it unusable
+    node, across = sub.levels
+    size = 300_001 if COMM.rank != 1 else 400_001  # rank 1 is on node 0, beside rank 0
+    assert size * 4 > jaxring.config.get().mpi_ring_threshold_bytes  # through the levels
+    f = jax.jit(lambda v: jaxring.all_reduce(v, sub))
+    x = np.ones(size, np.float32)
+    f.lower(x).compile()
+    MPI_COMM.Barrier()
+    start = time.monotonic()
+    with jaxring.config.override(timeout_seconds=30.0):
+        with pytest.raises(Exception, match=r"mismatched collectives") as error:
+            np.asarray(f(x))
+    took = time.monotonic() - start
+    jaxring.reset_after_error()
+    assert took < 10, f"rank {COMM.rank} took {took:.1f} s to fail: {error.value}"
+    if across.rank != 0:  # not on node 0: told by its peer between the nodes
+        assert re.search(r"rank 0 gave up on this communicator .* The error on rank 0: .*"
+                         r"mismatched collectives", str(error.value)), str(error.value)
+    MPI_COMM.Barrier()
+
+
 def test_build_time_and_run_time_mpi_must_agree(monkeypatch):
     """A transport linked with another MPI library than mpi4py's is refused, with the fix."""
     ext, reason = jaxring.mpi._mpi_extension()

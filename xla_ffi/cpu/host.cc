@@ -76,19 +76,26 @@ HostResult GoOnElsewhere(HostCompletion* complete, std::function<Status()> rest)
   return result;
 }
 
+// A process communicator's failed call fails the communicators linked to it too
+// (ProcessTransport::FailLinked: a hierarchical communicator and its levels).
+Status FailLinked(const JaxringHostCall& c, Status status) {
+  if (!status.ok()) ProcessTransport::FailLinked(c.comm, status.message());
+  return status;
+}
+
 HostResult RunCollectiveCall(const JaxringHostCall& c, const Header& header,
                              HostCompletion* complete) {
   const Config config = CurrentConfig();
   const CollectiveBuffers buffers{c.input, c.output, c.output_count};
   if (auto processes = ShmCommunicator::Find(c.comm)) {
     Status status = CheckProcess(*processes, header, c.rank, c.size);
-    return {status.ok() ? RunStaged(*processes, header, buffers, config) : status};
+    return {status.ok() ? FailLinked(c, RunStaged(*processes, header, buffers, config)) : status};
   }
   if (auto processes = ProcessTransport::Find(c.comm)) {
     Status status = CheckProcess(*processes, header, c.rank, c.size);
     if (!status.ok()) return {status};
     std::lock_guard<std::mutex> lock(processes->mutex());
-    return {processes->RunCollective(header, buffers, config)};
+    return {FailLinked(c, processes->RunCollective(header, buffers, config))};
   }
   if (c.comm & kProcessKeyBit) return {ProcessCommunicatorGone(c, header)};
   const Algorithm algorithm = ChooseAlgorithm(header, c.size, config);
@@ -128,13 +135,13 @@ Status RunAgreeCall(const JaxringHostCall& c, const Header& header) {
   const Config config = CurrentConfig();
   if (auto processes = ShmCommunicator::Find(c.comm)) {
     Status status = CheckProcess(*processes, header, c.rank, c.size);
-    return status.ok() ? RunAgree(*processes, header, config) : status;
+    return status.ok() ? FailLinked(c, RunAgree(*processes, header, config)) : status;
   }
   if (auto processes = ProcessTransport::Find(c.comm)) {
     Status status = CheckProcess(*processes, header, c.rank, c.size);
     if (!status.ok()) return status;
     std::lock_guard<std::mutex> lock(processes->mutex());
-    return processes->Agree(header, config);
+    return FailLinked(c, processes->Agree(header, config));
   }
   if (c.comm & kProcessKeyBit) return ProcessCommunicatorGone(c, header);
   return Status::Error(Where(header, CommName(c), c.rank, c.size) +
@@ -176,7 +183,7 @@ HostResult RunPointToPointCall(const JaxringHostCall& c, const Header& header,
     if (!status.ok()) return {status};
     std::lock_guard<std::mutex> lock(processes->mutex());
     processes->Configure(config);
-    return {run(*processes)};
+    return {FailLinked(c, run(*processes))};
   }
   if (auto processes = ShmCommunicator::Find(c.comm))
     return {Status::Error(processes->Where(header) + ": this process communicator has no "

@@ -354,6 +354,9 @@ NB_MODULE(_jaxring, m) {
       nb::arg("key"), nb::arg("transport"),
       "Adopts a process transport (from another extension module) for communicator `key`.");
   m.def("process_unregister", &jaxring::ProcessTransport::Unregister, nb::arg("key"));
+  m.def("link_failures", &jaxring::ProcessTransport::LinkFailures, nb::arg("keys"),
+        "A failed call on any of these process communicators makes this rank leave the others.");
+  m.def("unlink_failures", &jaxring::ProcessTransport::UnlinkFailures, nb::arg("key"));
 
   m.def("host_call_address", []() { return reinterpret_cast<uintptr_t>(&JaxringRunHostCall); },
         "Address of JaxringRunHostCall, which the CUDA library calls on staged host buffers.");

@@ -331,6 +331,10 @@ Status MpiTransport::Fail(Status status) {
   return status;
 }
 
+void MpiTransport::Abandon(const std::string& why) {
+  if (broken_.empty()) Fail(Status::Error(why));
+}
+
 Status MpiTransport::Broken(const Header& h) const {
   return Status::Error(Where(h) + ": this communicator failed earlier and can no longer be used "
                        "(its ranks' messages are out of step); the first error was: " + broken_);

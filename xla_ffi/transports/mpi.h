@@ -47,6 +47,7 @@ class MpiTransport final : public ProcessTransport {
                        const Config& config) override;
   Status Agree(const Header& header, const Config& config) override;
   void Configure(const Config& config) override { config_ = config; }
+  void Abandon(const std::string& why) override;
 
   Status SendCopy(int dest, const Header& header, const void* data, size_t bytes) override;
   Status SendInPlace(int dest, const Header& header, const void* data, size_t bytes) override;

@@ -2,12 +2,19 @@
 
 #include <map>
 
+#include "transports/shm.h"
+
 namespace jaxring {
 namespace {
 std::mutex registry_mutex;
 std::map<uint64_t, std::shared_ptr<ProcessTransport>>& Registry() {
   static auto* registry = new std::map<uint64_t, std::shared_ptr<ProcessTransport>>();
   return *registry;
+}
+std::mutex links_mutex;
+std::map<uint64_t, std::vector<uint64_t>>& Links() {  // each key's linked keys, itself included
+  static auto* links = new std::map<uint64_t, std::vector<uint64_t>>();
+  return *links;
 }
 }  // namespace
 
@@ -31,6 +38,34 @@ std::shared_ptr<ProcessTransport> ProcessTransport::Find(uint64_t key) {
   std::lock_guard<std::mutex> lock(registry_mutex);
   auto it = Registry().find(key);
   return it == Registry().end() ? nullptr : it->second;
+}
+
+void ProcessTransport::LinkFailures(const std::vector<uint64_t>& keys) {
+  std::lock_guard<std::mutex> lock(links_mutex);
+  for (uint64_t key : keys) Links()[key] = keys;
+}
+
+void ProcessTransport::UnlinkFailures(uint64_t key) {
+  std::lock_guard<std::mutex> lock(links_mutex);
+  Links().erase(key);
+}
+
+void ProcessTransport::FailLinked(uint64_t key, const std::string& why) {
+  std::vector<uint64_t> linked;
+  {
+    std::lock_guard<std::mutex> lock(links_mutex);
+    auto it = Links().find(key);
+    if (it == Links().end()) return;
+    linked = it->second;
+  }
+  for (uint64_t other : linked) {
+    if (other == key) continue;
+    if (auto shm = ShmCommunicator::Find(other)) shm->Abandon(why);
+    if (auto transport = Find(other)) {
+      std::unique_lock<std::mutex> lock(transport->mutex(), std::try_to_lock);
+      if (lock.owns_lock()) transport->Abandon(why);
+    }
+  }
 }
 
 }  // namespace jaxring

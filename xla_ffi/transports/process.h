@@ -7,6 +7,8 @@
 #include <cstdint>
 #include <memory>
 #include <mutex>
+#include <string>
+#include <vector>
 
 #include "common/config.h"
 #include "common/status.h"
@@ -27,6 +29,9 @@ class ProcessTransport : public PointToPoint {
   virtual Status Agree(const Header& header, const Config& config) = 0;
   // The timeout and spin count that point-to-point calls (which take no config) use next.
   virtual void Configure(const Config& config) = 0;
+  // Leaves the communicator because a linked one failed with `why` (FailLinked): later calls
+  // fail, and peers are told `why` as if this transport had failed so itself.
+  virtual void Abandon(const std::string& why) = 0;
   // Held by a handler for the whole of one call.
   std::mutex& mutex() { return mutex_; }
 
@@ -36,6 +41,16 @@ class ProcessTransport : public PointToPoint {
   // The transport registered under `key`, or null. The caller's reference keeps it alive for
   // the call even if its communicator is collected meanwhile.
   static std::shared_ptr<ProcessTransport> Find(uint64_t key);
+
+  // Process communicators whose failures are one (a hierarchical communicator and its two
+  // levels): when a call on one fails, FailLinked makes this rank leave the others too, shared
+  // memory's (ShmCommunicator::Abandon) and process transports' alike, so that their peers, on
+  // other nodes too, fail at once quoting the error instead of waiting out a timeout. A linked
+  // communicator is left only while no call runs on it; jaxring's ordered effect runs a
+  // process's calls one at a time, and a process transport whose mutex is held is skipped.
+  static void LinkFailures(const std::vector<uint64_t>& keys);
+  static void UnlinkFailures(uint64_t key);
+  static void FailLinked(uint64_t key, const std::string& why);
 
  private:
   std::mutex mutex_;
