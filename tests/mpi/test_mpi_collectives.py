@@ -20,9 +20,14 @@ from helpers import DTYPES, RTOL, assert_close, random_array
 COMM = jaxring.mpi.world()
 MPI_COMM = COMM.mpi_comm
 # The same transport with 64 KiB staging slots, so that the larger sizes below move in many
-# chunks, each large enough for the shared-memory all-reduce to share its reduction out.
+# chunks, each large enough for the shared-memory all-reduce to share its reduction out. The MPI
+# transport has no slots, so there it would only repeat the default communicator's tests.
+SHARED_MEMORY = COMM.transport != "mpi"
 SMALL_SLOTS = jaxring.mpi.Communicator(MPI_COMM.Dup(), label="64 KiB slots", slot_bytes=64 << 10)
-COMMS = pytest.mark.parametrize("comm", [COMM, SMALL_SLOTS], ids=["default", "small slots"])
+COMMS = pytest.mark.parametrize("comm", [
+    COMM, pytest.param(SMALL_SLOTS, marks=pytest.mark.skipif(
+        not SHARED_MEMORY, reason="slot_bytes sizes shared memory, which the MPI transport has "
+                                  "none of"))], ids=["default", "small slots"])
 # Per-rank sizes: empty, one, prime, and larger than a staging slot (several chunks).
 SIZES = [0, 1, 7, 1001, 300_001]
 
@@ -79,6 +84,7 @@ def test_reduce_scatter_all_gather_broadcast(dtype, comm):
             np.testing.assert_array_equal(np.asarray(got), gathered(piece)[root])
 
 
+@pytest.mark.skipif(not SHARED_MEMORY, reason="the MPI transport has no shared memory")
 @COMMS
 @pytest.mark.parametrize("stores", ["plain", "streaming", "auto"])
 def test_every_kind_of_shared_memory_store(stores, comm):

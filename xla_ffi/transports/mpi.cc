@@ -138,7 +138,13 @@ MpiTransport::~MpiTransport() {
   Status unread;
   while (PeerGaveUp(Header{}, MPI_ANY_SOURCE, &unread)) {
   }
-  MPI_Comm_free(&comm_);
+  // A communicator that failed is left allocated. Messages its ranks had under way when they
+  // gave up (sends are freed, never cancelled, and notices go out as a rank leaves) may still
+  // arrive, and MPICH hands a freed communicator's context id to the next one of the same ranks,
+  // whose receives would match them: a notice sent as a hierarchical communicator's levels
+  // failed together once arrived on the next split of the same ranks, and failed its first call
+  // with the old communicator's error.
+  if (broken_.empty()) MPI_Comm_free(&comm_);
 }
 
 std::string MpiTransport::Where(const Header& header) const {
