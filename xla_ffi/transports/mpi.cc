@@ -133,18 +133,15 @@ MpiTransport::~MpiTransport() {
       if (request != MPI_REQUEST_NULL) MPI_Request_free(&request);
   }
   eager_.clear();
-  // Receive the gave-up notices nobody read, so that none is left on the communicator when it is
-  // freed (MPICH may reuse its context id for a later one).
+  // A communicator on which a rank failed (this one, or a peer whose notice is here) is left
+  // allocated. Messages its ranks had under way when they gave up (sends are freed, never
+  // cancelled, and notices go out as a rank leaves) may still arrive, and MPICH hands a freed
+  // communicator's context id to the next one of the same ranks, whose receives would match
+  // them: a notice sent as a hierarchical communicator's levels failed together once arrived on
+  // the next split of the same ranks, and failed its first call with the old communicator's
+  // error.
   Status unread;
-  while (PeerGaveUp(Header{}, MPI_ANY_SOURCE, &unread)) {
-  }
-  // A communicator that failed is left allocated. Messages its ranks had under way when they
-  // gave up (sends are freed, never cancelled, and notices go out as a rank leaves) may still
-  // arrive, and MPICH hands a freed communicator's context id to the next one of the same ranks,
-  // whose receives would match them: a notice sent as a hierarchical communicator's levels
-  // failed together once arrived on the next split of the same ranks, and failed its first call
-  // with the old communicator's error.
-  if (broken_.empty()) MPI_Comm_free(&comm_);
+  if (broken_.empty() && !PeerGaveUp(Header{}, MPI_ANY_SOURCE, &unread)) MPI_Comm_free(&comm_);
 }
 
 std::string MpiTransport::Where(const Header& header) const {
