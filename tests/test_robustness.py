@@ -178,6 +178,66 @@ def test_programs_with_only_jaxrings_effect_take_jaxrings_dispatch_and_others_ja
         assert_close(np.asarray(out), expected, np.float32, count=8)
 
 
+@pytest.mark.skipif(not runtime_tokens.install(common.CollectiveEffect),
+                    reason="JAX's token hand-over differs from what runtime_tokens expects")
+def test_repeated_calls_run_the_remembered_executable_and_new_placements_take_jaxs_path(
+        monkeypatch):
+    """A jitted program whose only effect is jaxring's runs JAX's dispatch path once per
+    placement of its arguments, then the executable that path found (runtime_tokens'
+    _remembered_runs). Fresh values each call, checked against float64, prove that nothing but
+    the executable is reused; an argument on other devices and a program with a Python callback
+    take JAX's path; a deleted argument still raises JAX's error."""
+    import jax._src.pjit as jax_pjit
+
+    calls = []
+    jax_impl = jax_pjit._pjit_call_impl_python
+
+    def counted(*args, **kwargs):
+        calls.append(kwargs["name"])
+        return jax_impl(*args, **kwargs)
+
+    monkeypatch.setattr(jax_pjit, "_pjit_call_impl_python", counted)
+    n = 4
+    m = mesh(n)
+    rng = np.random.default_rng(11)
+    f = shmap(lambda v: jaxring.all_reduce(v, "i"), m, out_specs=P())
+
+    def check(out, x):
+        assert_close(np.asarray(out), x.astype(np.float64).reshape(n, 7).sum(0), np.float32,
+                     count=n)
+
+    xs = [random_array(rng, (n * 7,), np.float32) for _ in range(4)]
+    for x in xs:
+        check(f(shard(x, m)), x)
+    assert len(calls) == 1, calls  # the first call only
+    # The same type on other devices: not the remembered executable's, which would run it on
+    # the first four devices, but JAX's path, which refuses it.
+    elsewhere = jax.make_mesh((n,), ("i",), devices=jax.devices()[n:2 * n])
+    with pytest.raises(ValueError, match="incompatible devices"):
+        f(shard(xs[0], elsewhere))
+    assert len(calls) == 2, calls
+
+    seen = []
+
+    def with_callback(v):
+        total = jaxring.all_reduce(v, "i")
+        jax.debug.callback(lambda t: seen.append(np.asarray(t)), total)
+        return total
+
+    g = shmap(with_callback, m, out_specs=P())
+    for x in xs[:3]:
+        check(g(shard(x, m)), x)
+    assert len(calls) == 5, calls  # another effect: JAX's path every time
+    jax.effects_barrier()
+    assert len(seen) == 3 * n
+
+    gone = shard(xs[0], m)
+    gone.delete()
+    with pytest.raises(RuntimeError, match="deleted"):
+        f(gone)
+    check(f(shard(xs[3], m)), xs[3])
+
+
 _PIPELINED = textwrap.dedent("""
     import faulthandler, os, sys
     os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
