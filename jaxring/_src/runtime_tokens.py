@@ -51,6 +51,7 @@ import os
 import jax
 import numpy as np
 from jax._src import array, config, core, dispatch, tree_util
+from jax._src import util as jax_util
 from jax._src import pjit as jax_pjit
 from jax._src.interpreters import pxla
 from jax._src.lib import xla_client as xc
@@ -109,14 +110,22 @@ def _expected_signatures() -> bool:
     try:
         get = inspect.signature(dispatch.RuntimeTokenSet.get_token_input).parameters
         handle = inspect.signature(pxla.ExecuteReplicated._handle_token_bufs).parameters
-        run = inspect.signature(jax_pjit._run_python_pjit).parameters
     except (AttributeError, TypeError, ValueError):
         return False
     return (list(get) == ["self", "eff", "devices"]
             and list(handle) == ["self", "token_bufs", "sharded_token"]
-            and list(run) == ["p", "args_flat", "fun", "args", "kwargs"]
             and hasattr(dispatch.runtime_tokens, "current_tokens")
             and hasattr(dispatch.runtime_tokens, "output_runtime_tokens"))
+
+
+def _expected_run() -> bool:
+    """Whether pjit._run_python_pjit is what _remembered_runs stands in for."""
+    try:
+        run = inspect.signature(jax_pjit._run_python_pjit).parameters
+    except (AttributeError, TypeError, ValueError):
+        return False
+    return list(run) == ["p", "args_flat", "fun", "args", "kwargs"] and hasattr(
+        jax_pjit, "_pjit_call_impl_python")
 
 
 def install(effect_type: type) -> bool:
@@ -153,7 +162,8 @@ def install(effect_type: type) -> bool:
     pxla.ExecuteReplicated._handle_token_bufs = handle_token_bufs
     if _expected_call():
         pxla.ExecuteReplicated.__call__ = _fast_call(pxla.ExecuteReplicated.__call__, effect_type)
-        jax_pjit._run_python_pjit = _remembered_runs(jax_pjit._run_python_pjit, effect_type)
+        if _expected_run():
+            jax_pjit._run_python_pjit = _remembered_runs(jax_pjit._run_python_pjit, effect_type)
     _installed = True
     return True
 
@@ -192,8 +202,10 @@ def _fast_call(jax_call, effect_type: type):
     return call
 
 
-# How many (traced program, argument placement) pairs _remembered_runs keeps, oldest dropped first.
-_REMEMBERED_RUNS = 64
+# How many (traced program, argument placement) pairs _remembered_runs keeps; past that it starts
+# afresh. Its entries hold what JAX's own caches hold too (traces and executables), and
+# jax.clear_caches() empties it with them.
+_REMEMBERED_RUNS = 256
 
 
 def _only_effect(compiled, effect_type: type) -> bool:
@@ -230,6 +242,19 @@ def _run_key(p, args_flat) -> tuple | None:
     return tuple(key)
 
 
+class _Remembered(dict):
+    """_remembered_runs' entries, cleared with JAX's caches (the interface of util.cache's)."""
+
+    def cache_clear(self):
+        self.clear()
+
+    def cache_info(self):
+        return f"{len(self)} of {_REMEMBERED_RUNS} entries"
+
+    def cache_keys(self):
+        return list(self)
+
+
 def _remembered_runs(jax_run, effect_type: type):
     """pjit._run_python_pjit (what a jitted call runs once JAX's C++ fast path declined it) that
     remembers, for programs whose only effect is `effect_type`, the executable and sharded
@@ -238,7 +263,9 @@ def _remembered_runs(jax_run, effect_type: type):
     trace for the function, the arguments' types and the trace context (config and mesh), so a
     call that JAX would trace or compile afresh finds no entry. Every other call, and the first of
     each kind, goes through `jax_run`."""
-    runs: dict = {}
+    runs = _Remembered()
+    if hasattr(jax_util, "register_cache"):  # jax.clear_caches() empties it with JAX's own
+        jax_util.register_cache(runs, "jaxring's remembered runs")
 
     def run(p, args_flat, fun, args, kwargs):
         key = _run_key(p, args_flat)
@@ -251,8 +278,8 @@ def _remembered_runs(jax_run, effect_type: type):
         result = jax_run(p, args_flat, fun, args, kwargs)
         if key is not None and len(result) == 8 and result[6] is None and _only_effect(
                 result[5], effect_type):
-            while len(runs) >= _REMEMBERED_RUNS:
-                runs.pop(next(iter(runs)), None)
+            if len(runs) >= _REMEMBERED_RUNS:
+                runs.clear()
             runs[key] = (p, result[5], result[7])
         return result
 
