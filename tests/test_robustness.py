@@ -238,9 +238,9 @@ def test_repeated_calls_run_the_remembered_executable_and_new_placements_take_ja
     with pytest.raises(RuntimeError, match="deleted"):
         f(gone)
     check(f(shard(xs[3], m)), xs[3])
-    assert jax_pjit._run_python_pjit.remembered
+    assert jax_pjit._run_python_pjit.remembered.entries
     jax.clear_caches()  # forgets them with JAX's caches
-    assert not jax_pjit._run_python_pjit.remembered
+    assert not jax_pjit._run_python_pjit.remembered.entries
 
 
 _PIPELINED = textwrap.dedent("""

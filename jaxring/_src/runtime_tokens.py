@@ -242,17 +242,21 @@ def _run_key(p, args_flat) -> tuple | None:
     return tuple(key)
 
 
-class _Remembered(dict):
-    """_remembered_runs' entries, cleared with JAX's caches (the interface of util.cache's)."""
+class _Remembered:
+    """_remembered_runs' entries, registered with JAX's caches (util.cache's interface), so that
+    jax.clear_caches() empties them too."""
+
+    def __init__(self):
+        self.entries: dict = {}
 
     def cache_clear(self):
-        self.clear()
+        self.entries.clear()
 
     def cache_info(self):
-        return f"{len(self)} of {_REMEMBERED_RUNS} entries"
+        return f"{len(self.entries)} of {_REMEMBERED_RUNS} entries"
 
     def cache_keys(self):
-        return list(self)
+        return list(self.entries)
 
 
 def _remembered_runs(jax_run, effect_type: type):
@@ -263,9 +267,10 @@ def _remembered_runs(jax_run, effect_type: type):
     trace for the function, the arguments' types and the trace context (config and mesh), so a
     call that JAX would trace or compile afresh finds no entry. Every other call, and the first of
     each kind, goes through `jax_run`."""
-    runs = _Remembered()
-    if hasattr(jax_util, "register_cache"):  # jax.clear_caches() empties it with JAX's own
-        jax_util.register_cache(runs, "jaxring's remembered runs")
+    remembered = _Remembered()
+    if hasattr(jax_util, "register_cache"):
+        jax_util.register_cache(remembered, "jaxring's remembered runs")
+    runs = remembered.entries
 
     def run(p, args_flat, fun, args, kwargs):
         key = _run_key(p, args_flat)
@@ -283,5 +288,5 @@ def _remembered_runs(jax_run, effect_type: type):
             runs[key] = (p, result[5], result[7])
         return result
 
-    run.remembered, run.jax_run = runs, jax_run  # for tests and benchmarks/overhead.py
+    run.remembered, run.jax_run = remembered, jax_run  # for tests and benchmarks/overhead.py
     return run
