@@ -212,12 +212,18 @@ def test_repeated_calls_run_the_remembered_executable_and_new_placements_take_ja
     for x in xs:
         check(f(shard(x, m)), x)
     assert len(calls) == 1, calls  # the first call only
+    # An argument the program does not use: XLA drops it, so only the kept ones go in.
+    unused = shmap(lambda v, w: jaxring.all_reduce(v, "i"), m, in_specs=(P("i"), P("i")),
+                   out_specs=P())
+    for x in xs[:3]:
+        check(unused(shard(x, m), shard(xs[3], m)), x)
+    assert len(calls) == 2, calls
     # The same type on other devices: not the remembered executable's, which would run it on
     # the first four devices, but JAX's path, which refuses it.
     elsewhere = jax.make_mesh((n,), ("i",), devices=jax.devices()[n:2 * n])
     with pytest.raises(ValueError, match="incompatible devices"):
         f(shard(xs[0], elsewhere))
-    assert len(calls) == 2, calls
+    assert len(calls) == 3, calls
 
     seen = []
 
@@ -229,7 +235,7 @@ def test_repeated_calls_run_the_remembered_executable_and_new_placements_take_ja
     g = shmap(with_callback, m, out_specs=P())
     for x in xs[:3]:
         check(g(shard(x, m)), x)
-    assert len(calls) == 5, calls  # another effect: JAX's path every time
+    assert len(calls) == 6, calls  # another effect: JAX's path every time
     jax.effects_barrier()
     assert len(seen) == 3 * n
 

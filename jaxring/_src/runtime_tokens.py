@@ -191,15 +191,22 @@ def _fast_call(jax_call, effect_type: type):
             usable = False
             return jax_call(self, *args)
         input_bufs = self.in_handler([x for i, x in enumerate(args) if i in self.kept_var_idx])
-        tokens = dispatch.runtime_tokens
-        token = tokens.get_token_input(effects[0], self._local_devices)
-        results = self.xla_executable.execute_sharded([token._buf, *input_bufs])
-        token_out, *out = results.consume_with_handlers(
-            [token_handler, *self.out_handler.handlers])
-        tokens.current_tokens[effects[0]] = core.Token(token_out)
-        return out
+        return _run_with_token(self, token_handler, input_bufs)
 
     return call
+
+
+def _run_with_token(call, token_handler, input_bufs):
+    """Runs ExecuteReplicated `call`, whose only effect is jaxring's, on `input_bufs` (what its
+    in_handler made of the kept arguments): the token in first, the returned token kept for the
+    next program."""
+    effect = call.ordered_effects[0]
+    tokens = dispatch.runtime_tokens
+    token = tokens.get_token_input(effect, call._local_devices)
+    results = call.xla_executable.execute_sharded([token._buf, *input_bufs])
+    token_out, *out = results.consume_with_handlers([token_handler, *call.out_handler.handlers])
+    tokens.current_tokens[effect] = core.Token(token_out)
+    return out
 
 
 # How many (traced program, argument placement) pairs _remembered_runs keeps; past that it starts
@@ -266,7 +273,9 @@ def _remembered_runs(jax_run, effect_type: type):
     (`_run_key`), and runs them directly when the same call comes again. `p` is JAX's own cached
     trace for the function, the arguments' types and the trace context (config and mesh), so a
     call that JAX would trace or compile afresh finds no entry. Every other call, and the first of
-    each kind, goes through `jax_run`."""
+    each kind, goes through `jax_run`. A remembered call runs the program as `_fast_call` does;
+    where the second call's arguments came out of the program's in_handler unchanged (already
+    on the program's devices, shardings and layouts), later ones skip it."""
     remembered = _Remembered()
     if hasattr(jax_util, "register_cache"):
         jax_util.register_cache(remembered, "jaxring's remembered runs")
@@ -276,16 +285,29 @@ def _remembered_runs(jax_run, effect_type: type):
         key = _run_key(p, args_flat)
         hit = runs.get(key) if key is not None else None
         if hit is not None and hit[0] is p:  # an entry holds its p, so no other p has its id
-            _, compiled, const_args = hit
-            out_flat = compiled.unsafe_call(*const_args, *args_flat)
+            _, compiled, const_args, token_handler, passes = hit
+            call = compiled.unsafe_call
+            kept = [x for i, x in enumerate((*const_args, *args_flat)) if i in call.kept_var_idx]
+            if passes:  # the arguments are what the program takes, as they were the last time
+                input_bufs = kept
+            else:
+                input_bufs = call.in_handler(kept)
+                if passes is None:  # the key fixes what in_handler does with them
+                    passes = all(b is a for a, b in zip(input_bufs, kept))
+                    runs[key] = (*hit[:4], passes)
+            out_flat = _run_with_token(call, token_handler, input_bufs)
             return (tree_util.tree_unflatten(p.out_tree, out_flat), out_flat, p.out_tree,
                     args_flat, p.params["jaxpr"], compiled, None, const_args)
         result = jax_run(p, args_flat, fun, args, kwargs)
         if key is not None and len(result) == 8 and result[6] is None and _only_effect(
                 result[5], effect_type):
+            try:
+                token_handler = _token_handler(tuple(result[5].unsafe_call._local_devices))
+            except TypeError:  # as in _fast_call, which then leaves the program to JAX
+                return result
             if len(runs) >= _REMEMBERED_RUNS:
                 runs.clear()
-            runs[key] = (p, result[5], result[7])
+            runs[key] = (p, result[5], result[7], token_handler, None)
         return result
 
     run.remembered, run.jax_run = remembered, jax_run  # for tests and benchmarks/overhead.py
