@@ -181,10 +181,7 @@ def _fast_call(jax_call, effect_type: type):
 
     def call(self, *args):
         nonlocal usable
-        effects = self.ordered_effects
-        if (not usable or len(effects) != 1 or not isinstance(effects[0], effect_type)
-                or self.has_unordered_effects or self.has_host_callbacks
-                or self.mut is not None or self.pgle_profiler is not None
+        if (not usable or not _only_effect(self, effect_type)
                 or config.no_execution.value or dispatch.needs_check_special()):
             return jax_call(self, *args)
         try:
@@ -217,12 +214,11 @@ def _run_with_token(call, token_handler, input_bufs):
 _REMEMBERED_RUNS = 256
 
 
-def _only_effect(compiled, effect_type: type) -> bool:
-    """Whether `compiled` (what JAX's path ran) is a program whose only effect is `effect_type`,
-    run by `_fast_call`'s kind of ExecuteReplicated."""
-    call = getattr(compiled, "unsafe_call", None)
-    return (isinstance(compiled, pxla.MeshExecutable) and isinstance(call, pxla.ExecuteReplicated)
-            and len(call.ordered_effects) == 1 and isinstance(call.ordered_effects[0], effect_type)
+def _only_effect(call, effect_type: type) -> bool:
+    """Whether ExecuteReplicated `call` runs a program whose only effect is `effect_type`, with no
+    mutable state or PGLE profiling in play: the programs `_fast_call` runs itself."""
+    effects = call.ordered_effects
+    return (len(effects) == 1 and isinstance(effects[0], effect_type)
             and not call.has_unordered_effects and not call.has_host_callbacks
             and call.mut is None and call.pgle_profiler is None)
 
@@ -231,9 +227,8 @@ def _run_key(p, args_flat) -> tuple | None:
     """What JAX's path decides a jitted call's executable by, past the traced program `p`: each
     argument's sharding, commitment and layout. None where the call must take JAX's path: an
     argument that is not a plain jax.Array (JAX checks and converts those) or was deleted, inside
-    a trace, or
-    with a debugging mode on that JAX's path serves (key reuse, NaN checks, PGLE profiling,
-    distributed debug logging, no execution)."""
+    a trace, or with a debugging mode on that JAX's path serves (key reuse, NaN checks, PGLE
+    profiling, distributed debug logging, no execution)."""
     if (not core.trace_state_clean() or config.debug_key_reuse.value
             or config.enable_pgle.value or config.distributed_debug.value
             or config.no_execution.value or dispatch.needs_check_special()):
@@ -301,15 +296,17 @@ def _remembered_runs(jax_run, effect_type: type):
             return (tree_util.tree_unflatten(p.out_tree, out_flat), out_flat, p.out_tree,
                     args_flat, p.params["jaxpr"], compiled, None, const_args)
         result = jax_run(p, args_flat, fun, args, kwargs)
-        if key is not None and len(result) == 8 and result[6] is None and _only_effect(
-                result[5], effect_type):
+        compiled = result[5] if len(result) == 8 and result[6] is None else None
+        call = getattr(compiled, "unsafe_call", None)
+        if (key is not None and isinstance(compiled, pxla.MeshExecutable)
+                and isinstance(call, pxla.ExecuteReplicated) and _only_effect(call, effect_type)):
             try:
-                token_handler = _token_handler(tuple(result[5].unsafe_call._local_devices))
+                token_handler = _token_handler(tuple(call._local_devices))
             except TypeError:  # as in _fast_call, which then leaves the program to JAX
                 return result
             if len(runs) >= _REMEMBERED_RUNS:
                 runs.clear()
-            runs[key] = (p, result[5], result[7], token_handler, None)
+            runs[key] = (p, compiled, result[7], token_handler, None)
         return result
 
     run.remembered, run.jax_run = remembered, jax_run  # for tests and benchmarks/overhead.py
