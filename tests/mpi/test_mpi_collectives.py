@@ -418,6 +418,50 @@ def test_a_rank_that_comes_after_its_peers_gave_up_raises_too(call):
     MPI_COMM.Barrier()
 
 
+@pytest.mark.skipif(COMM.size < 2, reason="needs two ranks")
+@pytest.mark.parametrize("size", [4096, 300_001], ids=["tree", "chain"])
+def test_a_rank_that_takes_a_broadcast_after_its_sender_gave_up_raises(size):
+    """The last rank stalls once its header exchange is done, past its sender's 1 s timeout. MPI
+    sends these messages (16 KiB whole, or 256 KiB slices) by rendezvous: the sender's gave-up
+    sends stay matchable (MPI cannot cancel them), so the stalled rank still received them when it
+    woke, read out of the sender's output after XLA had freed it, and returned those bytes while
+    its sender reported the broadcast failed. Now it looks for its senders' notices once its
+    data is in, and raises, quoting its sender's timeout. Every other rank raises or returns the
+    root's data."""
+    sub = COMM.split(0, key=COMM.rank)  # a fresh communicator: an error leaves it unusable
+    if sub.transport != "mpi":
+        pytest.skip("shared memory stages every message in its own segment, which outlives a "
+                    "rank's call")
+    late = COMM.size - 1
+    f = jax.jit(lambda v: jaxring.broadcast(v, sub, 0))
+    x = np.arange(size, dtype=np.float32) + COMM.rank
+    f.lower(x).compile()
+    ext, _ = jaxring.mpi._mpi_extension()
+    MPI_COMM.Barrier()
+    if COMM.rank == late:
+        ext.stall_next_data(2.5)
+    try:
+        with jaxring.config.override(timeout_seconds=30.0 if COMM.rank == late else 1.0):
+            try:
+                y = np.asarray(f(x))
+                error = None
+            except Exception as raised:  # noqa: BLE001 - checked below, on every rank
+                error = str(raised)
+                jaxring.reset_after_error()
+    finally:
+        ext.stall_next_data(0)
+    if COMM.rank == late:
+        assert error is not None, "the stalled rank returned a broadcast its sender gave up on"
+        assert re.search(r"rank \d+ gave up on this communicator .* The error on rank \d+: "
+                         r".*timed out after 1 s waiting for rank\(s\) \[" + str(late) + r"\] "
+                         r"to receive the broadcast", error), error
+    elif error is None:
+        np.testing.assert_array_equal(y, np.arange(size, dtype=np.float32))
+    else:
+        assert re.search(r"timed out after 1 s|gave up on this communicator", error), error
+    MPI_COMM.Barrier()
+
+
 @pytest.mark.skipif(COMM.transport != "hierarchical", reason="a hierarchical communicator")
 def test_a_failure_on_one_node_reaches_the_other_nodes_at_once():
     """The ranks of node 0 disagree on a large all-reduce, which fails at once in its node-level

@@ -215,6 +215,36 @@ def test_a_receiver_that_comes_after_an_in_place_sender_gave_up_gets_an_error_no
 
 
 @pytest.mark.skipif(N < 2, reason="needs two ranks")
+def test_a_receiver_stalled_after_saying_it_is_ready_gets_an_error_not_a_freed_buffer():
+    """Rank 1 says it is ready for rank 0's 1 MiB in-place payload, then stalls past rank 0's
+    1 s timeout. The payload was under way from rank 0's buffer, and MPI cannot cancel that send,
+    so rank 1 still received it when it woke, after XLA had freed that buffer, and returned it.
+    Now rank 1 looks for rank 0's notice once the payload is in, and raises, quoting rank 0's
+    timeout."""
+    sub = COMM.split(0 if COMM.rank < 2 else 1, key=COMM.rank)
+    if COMM.rank < 2:
+        x = np.arange(1 << 18, dtype=np.float32) + COMM.rank  # far above p2p_eager_bytes
+        send = jax.jit(lambda v: jaxring.ppermute(v, sub, [(0, 1)]))
+        send.lower(x).compile()
+        ext, _ = jaxring.mpi._mpi_extension()
+        sub.mpi_comm.Barrier()
+        if COMM.rank == 1:
+            ext.stall_next_data(2.5)
+        timed_out = (r"timed out after 1 s waiting for rank\(s\) \[1\] to receive this rank's "
+                     r"message")
+        expected = (timed_out if COMM.rank == 0 else
+                    rf"rank 0 gave up .* The error on rank 0: .*{timed_out}")
+        try:
+            with jaxring.config.override(timeout_seconds=1.0 if COMM.rank == 0 else 20.0):
+                with pytest.raises(Exception, match=expected):
+                    np.asarray(send(x))
+        finally:
+            ext.stall_next_data(0)
+        jaxring.reset_after_error()
+    MPI_COMM.Barrier()
+
+
+@pytest.mark.skipif(N < 2, reason="needs two ranks")
 def test_missing_sender_times_out_naming_it():
     sub = COMM.split(0, key=COMM.rank)
     if COMM.rank == 0:  # rank 1 never sends

@@ -75,6 +75,11 @@ NB_MODULE(_jaxring_mpi, m) {
     return std::string(text, length);
   }, "MPI_Get_library_version of the MPI library this module is linked with.");
 
+  m.def("stall_next_data", &jaxring::StallNextDataForTest, nb::arg("seconds"),
+        "For tests: the next collective of this process's MPI transports sleeps `seconds` after "
+        "its header exchange, and the next in-place point-to-point receive after its ready "
+        "message (transports/mpi.h, StallNextDataForTest).");
+
   m.def("cuda_aware", &CudaAware,
         "(whether the MPI library takes CUDA device pointers, how that was determined).");
 

@@ -1,6 +1,7 @@
 #include "transports/mpi.h"
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cstring>
 #include <set>
@@ -26,6 +27,27 @@ constexpr size_t kNoticeBytes = 1024;
 // Waits look for a gave-up notice once every this many polls (a wait that ends sooner never
 // looks).
 constexpr int64_t kPollsPerNoticeProbe = 64;
+// A message of at least this many bytes may be read out of its sender's buffer only as its
+// receiver takes it (MPI's rendezvous), so after its sender has given up and XLA has freed that
+// buffer. With MPICH 5 from PyPI on one node (whose shared-memory path then reads the sender's
+// memory with process_vm_readv), a send of 8192 bytes waited for its receiver and one of 8100
+// completed without it.
+constexpr size_t kRendezvousBytes = 8192;
+// MPI_Improbe looks at what MPI has already taken in before it makes progress, one message at a
+// time, so a notice that came while this rank was out of MPI shows only on a later look: in
+// tests/mpi, the second with 2 ranks, the third with 3 and 4 (one message more came first).
+constexpr int kLooksForNotice = 3;
+// How long a wait whose requests MPI failed looks for a notice that explains why.
+constexpr double kNoticeAfterFailureSeconds = 0.1;
+
+// StallNextDataForTest's stall, in microseconds (0: disarmed).
+std::atomic<int64_t> stall_next_data{0};
+
+void StallIfArmed() {
+  if (stall_next_data.load(std::memory_order_relaxed) == 0) return;
+  const int64_t microseconds = stall_next_data.exchange(0);
+  if (microseconds > 0) std::this_thread::sleep_for(std::chrono::microseconds(microseconds));
+}
 
 // MPI counts are ints: larger messages travel as several pieces of at most this many bytes.
 constexpr size_t kMaxPiece = size_t{1} << 30;
@@ -225,6 +247,12 @@ Status MpiTransport::Wait(const Header& h, Requests* r, int index, const Deadlin
     return TimedOut(h, deadline, missing, what);
   }
   if (!sending.ok()) return sending;
+  if (code == MPI_SUCCESS) return Status();
+  // A peer that gave up may have left MPI to read a buffer XLA has since freed (SendersStayed):
+  // its own error says more than MPI's. Its notice may come after messages that MPI still has to
+  // take in (each failing as it does), so the look goes on for a while.
+  Status gave_up;
+  if (PeerGaveUpLooking(h, notices_from, &gave_up, kNoticeAfterFailureSeconds)) return gave_up;
   if (code != MPI_ERR_IN_STATUS) return Call(h, code, what);
   // Some requests failed (a peer's process died, say): name their ranks and MPI's errors.
   std::ostringstream s;
@@ -277,6 +305,20 @@ bool MpiTransport::PeerGaveUpEvery(int64_t* polls, const Header& h, int source, 
   return ++*polls % kPollsPerNoticeProbe == 0 && PeerGaveUp(h, source, error);
 }
 
+bool MpiTransport::PeerGaveUpLooking(const Header& h, int source, Status* error,
+                                     double seconds) {
+  const Deadline deadline(seconds);
+  for (int look = 0; look < kLooksForNotice || !deadline.Expired(); ++look)
+    if (PeerGaveUp(h, source, error)) return true;
+  return false;
+}
+
+Status MpiTransport::SendersStayed(const Header& h, size_t largest_received, int source) {
+  Status error;
+  if (largest_received >= kRendezvousBytes && PeerGaveUpLooking(h, source, &error)) return error;
+  return Status();
+}
+
 Status MpiTransport::Fail(Status status) {
   broken_ = status.message();
   if (!told_) {
@@ -310,7 +352,8 @@ Status MpiTransport::Fail(Status status) {
   // tests/mpi/test_mpi_collectives.py). Such a send may still read its buffer if that peer
   // comes, and its peer is in this call too: a collective's, whose peers exchanged headers with
   // this rank before any data moved, or a point-to-point payload, posted only once its receiver
-  // was ready.
+  // was ready. That peer then finds this rank's notice (SendersStayed) rather than return what it
+  // read.
   std::vector<MPI_Request*> active;
   for (Requests* r : pending)
     for (size_t i = 0; i < r->requests.size(); ++i)
@@ -354,6 +397,7 @@ Status MpiTransport::RunCollective(const Header& h, const CollectiveBuffers& b,
   sends_.Clear();
   recvs_.Clear();
   Status status = ExchangeHeaders(h, deadline);
+  if (status.ok()) StallIfArmed();
   if (status.ok() && h.kind != Collective::kBarrier) {
     const size_t width = ByteWidth(h.dtype);
     if (size_ == 1) {
@@ -612,6 +656,12 @@ Status MpiTransport::Ring(const Header& h, const CollectiveBuffers& b, const Dea
     }
   }
   if (status.ok()) status = Wait(h, &sends_, -1, deadline, "receive this rank's data");
+  // Left sends from its output (the all-gather's slices), which XLA frees once left gives up.
+  size_t received = 0;  // bytes of the largest slice received
+  for (const RingStep& s : mine)
+    if (s.from_left)
+      received = std::max<size_t>(received, std::min(slice, s.count) * element(s.source));
+  if (status.ok()) status = SendersStayed(h, received);
   if (status.ok()) {
     sends_.Clear();
     recvs_.Clear();
@@ -630,6 +680,7 @@ Status MpiTransport::Broadcast(const Header& h, const CollectiveBuffers& b,
   char* out = static_cast<char*>(b.output);
   if (v == 0 && bytes > 0 && b.input != b.output) std::memcpy(out, b.input, bytes);
   Status status;
+  size_t received = bytes;  // the largest message a rank other than the root receives
   if (static_cast<int64_t>(bytes) <= config_.mpi_ring_threshold_bytes) {
     int mask = 1;
     for (; mask < n; mask <<= 1) {
@@ -647,6 +698,7 @@ Status MpiTransport::Broadcast(const Header& h, const CollectiveBuffers& b,
     const size_t slice =
         std::max<int64_t>(1, std::min<int64_t>(config_.pipeline_slice_bytes, kMaxPiece));
     const size_t pieces = (bytes + slice - 1) / slice;
+    received = std::min(slice, bytes);
     for (size_t k = 0; v > 0 && k < pieces && status.ok(); ++k)
       status = Irecv(h, out + k * slice, std::min(slice, bytes - k * slice), (rank_ + n - 1) % n,
                      kDataTag, &recvs_);
@@ -658,6 +710,8 @@ Status MpiTransport::Broadcast(const Header& h, const CollectiveBuffers& b,
     }
   }
   if (status.ok()) status = Wait(h, &sends_, -1, deadline, "receive the broadcast");
+  // Every rank sends from its output, which XLA frees once that rank gives up.
+  if (status.ok() && v > 0) status = SendersStayed(h, received);
   if (status.ok()) {
     sends_.Clear();
     recvs_.Clear();
@@ -817,7 +871,10 @@ Status MpiTransport::Receive(int source, const Header& expected, void* out, size
     recvs_.Clear();
     status = Irecv(expected, out, bytes, source, kPayloadTag, &recvs_);
     if (status.ok()) status = Isend(expected, &ready_, 1, source, kReadyTag, &recvs_);
+    if (status.ok()) StallIfArmed();
     if (status.ok()) status = Wait(expected, &recvs_, -1, deadline, "send its data", source);
+    // The payload came straight from the caller's buffer, which XLA frees once the sender gives up.
+    if (status.ok()) status = SendersStayed(expected, bytes, source);
     recvs_.Clear();
     return status.ok() ? status : Fail(status);
   }
@@ -825,6 +882,10 @@ Status MpiTransport::Receive(int source, const Header& expected, void* out, size
     return Fail(Status::Error(Where(expected) + ": a message of the wrong size arrived"));
   if (bytes > 0) std::memcpy(out, message_.data() + sizeof(wire), bytes);
   return Status();
+}
+
+void StallNextDataForTest(double seconds) {
+  stall_next_data.store(static_cast<int64_t>(seconds * 1e6));
 }
 
 }  // namespace jaxring

@@ -91,6 +91,18 @@ class MpiTransport final : public ProcessTransport {
   bool PeerGaveUp(const Header& h, int source, Status* error);
   // PeerGaveUp on every kPollsPerNoticeProbe-th call, counted in *polls: a wait's poll.
   bool PeerGaveUpEvery(int64_t* polls, const Header& h, int source, Status* error);
+  // PeerGaveUp, looking kLooksForNotice times (enough for a notice that came while this rank was
+  // out of MPI) and until `seconds` have passed.
+  bool PeerGaveUpLooking(const Header& h, int source, Status* error, double seconds = 0);
+  // After every receive of a call has completed: the error of PeerGaveUp if `source` (any rank
+  // by default) gave up, where the largest message received was large enough for MPI to read it
+  // out of its sender's buffer only as this rank took it (kRendezvousBytes). A sender gives up,
+  // frees its sends (they cannot be cancelled) and sends its notice before its call returns and
+  // XLA frees the buffers those sends read, so a receiver that took such a message late (stalled
+  // past its sender's timeout) may have read freed memory, and then finds the notice here
+  // instead of returning those bytes. Messages that came from memory the transport owns (the
+  // recursive doubling's) need no look, nor do smaller ones, which MPI copies as they are sent.
+  Status SendersStayed(const Header& h, size_t largest_received, int source = MPI_ANY_SOURCE);
   Status Broken(const Header& h) const;
   // Frees eager sends that have been received; with `block`, first waits for the oldest.
   Status ReapEager(const Header& h, bool block);
@@ -138,5 +150,10 @@ class MpiTransport final : public ProcessTransport {
   int in_place_pending_ = 0;
   char ready_ = 0;  // the ready message this rank sends
 };
+
+// For tests: the next collective of this process's MPI transports sleeps `seconds` once its
+// header exchange has completed, and the next in-place point-to-point receive once it has told
+// its sender to send, as a rank does that the scheduler (or a debugger) stops there; 0 disarms it.
+void StallNextDataForTest(double seconds);
 
 }  // namespace jaxring
