@@ -187,40 +187,18 @@ def test_an_in_place_send_nobody_receives_times_out_and_is_cancelled():
 
 
 @pytest.mark.skipif(N < 2, reason="needs two ranks")
-def test_a_receiver_that_comes_after_an_in_place_sender_gave_up_gets_an_error_not_its_buffer():
-    """Rank 0 sends 1 MiB in place to rank 1 and gives up after 1 s; rank 1 comes at 2.5 s.
-    Rank 0's payload once went out at once, and MPICH cannot cancel a send nobody has received:
-    rank 1 then received it, from a buffer XLA had freed when rank 0's call failed (here still
-    the right bytes, by luck). Now the payload goes out only once its receiver says it is
-    ready, which rank 0 never heard, and rank 1 fails at once on rank 0's notice that it gave
-    up, quoting rank 0's error (before the notice, it timed out waiting for the payload)."""
-    sub = COMM.split(0 if COMM.rank < 2 else 1, key=COMM.rank)
-    if COMM.rank < 2:
-        x = np.arange(1 << 18, dtype=np.float32) + COMM.rank  # far above p2p_eager_bytes
-        send = jax.jit(lambda v: jaxring.ppermute(v, sub, [(0, 1)]))
-        send.lower(x).compile()
-        if COMM.rank == 1:
-            time.sleep(2.5)
-        timed_out = (r"timed out after 1 s waiting for rank\(s\) \[1\] to receive this rank's "
-                     r"message")
-        expected = (timed_out if COMM.rank == 0 else
-                    rf"rank 0 gave up .* The error on rank 0: .*{timed_out}")
-        start = time.monotonic()
-        with jaxring.config.override(timeout_seconds=1.0 if COMM.rank == 0 else 20.0):
-            with pytest.raises(Exception, match=expected):
-                np.asarray(send(x))
-        assert time.monotonic() - start < 10, "the late receiver waited for its own timeout"
-        jaxring.reset_after_error()
-    MPI_COMM.Barrier()
-
-
-@pytest.mark.skipif(N < 2, reason="needs two ranks")
-def test_a_receiver_stalled_after_saying_it_is_ready_gets_an_error_not_a_freed_buffer():
-    """Rank 1 says it is ready for rank 0's 1 MiB in-place payload, then stalls past rank 0's
-    1 s timeout. The payload was under way from rank 0's buffer, and MPI cannot cancel that send,
-    so rank 1 still received it when it woke, after XLA had freed that buffer, and returned it.
-    Now rank 1 looks for rank 0's notice once the payload is in, and raises, quoting rank 0's
-    timeout."""
+@pytest.mark.parametrize("late", ["before its call", "after its ready message"])
+def test_a_late_receiver_of_an_in_place_message_gets_an_error_not_its_senders_buffer(late):
+    """Rank 0 sends 1 MiB in place to rank 1 and gives up after 1 s; rank 1 is 2.5 s late, before
+    its call, or stalled in it once it has said it is ready for the payload. Before its call:
+    rank 0's payload once went out at once, and MPICH cannot cancel a send nobody has received,
+    so rank 1 received it from a buffer XLA had freed when rank 0's call failed (here still the
+    right bytes, by luck); now the payload goes out only once its receiver says it is ready,
+    which rank 0 never heard, and rank 1 fails at once on rank 0's notice that it gave up (before
+    the notice, it timed out waiting for the payload). After its ready message: the payload was
+    under way, so rank 1 still received it when it woke, after XLA had freed that buffer, and
+    returned it; now it looks for rank 0's notice once the payload is in. Either way rank 1
+    raises, quoting rank 0's error."""
     sub = COMM.split(0 if COMM.rank < 2 else 1, key=COMM.rank)
     if COMM.rank < 2:
         x = np.arange(1 << 18, dtype=np.float32) + COMM.rank  # far above p2p_eager_bytes
@@ -228,18 +206,22 @@ def test_a_receiver_stalled_after_saying_it_is_ready_gets_an_error_not_a_freed_b
         send.lower(x).compile()
         ext, _ = jaxring.mpi._mpi_extension()
         sub.mpi_comm.Barrier()
-        if COMM.rank == 1:
+        if COMM.rank == 1 and late == "before its call":
+            time.sleep(2.5)
+        elif COMM.rank == 1:
             ext.stall_next_data(2.5)
         timed_out = (r"timed out after 1 s waiting for rank\(s\) \[1\] to receive this rank's "
                      r"message")
         expected = (timed_out if COMM.rank == 0 else
                     rf"rank 0 gave up .* The error on rank 0: .*{timed_out}")
+        start = time.monotonic()
         try:
             with jaxring.config.override(timeout_seconds=1.0 if COMM.rank == 0 else 20.0):
                 with pytest.raises(Exception, match=expected):
                     np.asarray(send(x))
         finally:
             ext.stall_next_data(0)
+        assert time.monotonic() - start < 10, "the late receiver waited for its own timeout"
         jaxring.reset_after_error()
     MPI_COMM.Barrier()
 
