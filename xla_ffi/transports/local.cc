@@ -4,13 +4,13 @@
 #include <chrono>
 #include <cstdlib>
 #include <cstring>
-#include <deque>
 #include <map>
 #include <mutex>
 #include <sstream>
 #include <thread>
-#include <tuple>
 #include <unordered_map>
+#include <utility>
+#include <vector>
 
 namespace jaxring {
 
@@ -67,50 +67,94 @@ inline void StallIfArmed(uint64_t comm, int rank) {
   stalls_taken.fetch_add(1);
 }
 
-using MeetingKey = std::tuple<uint64_t, int64_t, int64_t, uint64_t>;  // comm, group, run, seq
-using SequenceKey = std::tuple<uint64_t, int64_t, int, int64_t>;      // comm, group, rank, run
-
-// Where ranks find each other. Meetings leave the registry once everyone has arrived; the
-// sequence counters of old runs are evicted oldest first.
-class Registry {
+// The calls of one group of one communicator: the call each rank makes next in each of its
+// recent XLA runs, and the meetings that not every rank has reached yet. Each group has its own
+// lock, which only its ranks take, and no call allocates here once a group's ranks have called.
+class GroupCalls {
  public:
-  static Registry& Get() {
-    static Registry* registry = new Registry();  // never destroyed: device threads may outlive exit
-    return *registry;
+  // Returns the meeting for `rank`'s next call in run `run_id`, and its place in the run.
+  std::shared_ptr<Meeting> Enter(int size, int64_t run_id, int rank, uint64_t* sequence) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (static_cast<size_t>(rank) >= ranks_.size()) ranks_.resize(rank + 1);
+    *sequence = ranks_[rank].Next(run_id);
+    for (const Open& open : open_)
+      if (open.run_id == run_id && open.sequence == *sequence) return open.meeting;
+    open_.push_back({run_id, *sequence, std::make_shared<Meeting>(size)});
+    return open_.back().meeting;
   }
 
-  // Returns the meeting for this rank's next call, and whether the rank was already there.
-  std::shared_ptr<Meeting> Enter(const CommunicatorId& comm, int64_t run_id, int rank,
-                                 uint64_t* sequence) {
+  // Once every rank holds the meeting, it leaves the group.
+  void Leave(int64_t run_id, uint64_t sequence) {
     std::lock_guard<std::mutex> lock(mutex_);
-    SequenceKey seq_key{comm.comm, comm.group, rank, run_id};
-    auto [it, inserted] = sequences_.try_emplace(seq_key, 0);
-    if (inserted) {
-      order_.push_back(seq_key);
-      if (order_.size() > kMaxSequences) {
-        sequences_.erase(order_.front());
-        order_.pop_front();
-      }
+    for (Open& open : open_) {
+      if (open.run_id != run_id || open.sequence != sequence) continue;
+      open = std::move(open_.back());
+      open_.pop_back();
+      return;
     }
-    *sequence = it->second++;
-    MeetingKey key{comm.comm, comm.group, run_id, *sequence};
-    auto& slot = meetings_[key];
-    if (!slot) slot = std::make_shared<Meeting>(comm.size);
-    return slot;
-  }
-
-  void Leave(const CommunicatorId& comm, int64_t run_id, uint64_t sequence) {
-    std::lock_guard<std::mutex> lock(mutex_);
-    meetings_.erase(MeetingKey{comm.comm, comm.group, run_id, sequence});
   }
 
  private:
-  static constexpr size_t kMaxSequences = 1 << 14;
+  // A rank's calls in its last kRuns runs. A device runs one program at a time (jaxring's token
+  // hands a program to the devices once the previous one has finished), so a rank is in one or
+  // two runs at once; the runs it left long ago are forgotten, the oldest first.
+  struct RankRuns {
+    static constexpr int kRuns = 16;
+    int64_t run_ids[kRuns];
+    uint64_t calls[kRuns];
+    int used = 0;
+    int oldest = 0;
+
+    uint64_t Next(int64_t run_id) {
+      for (int i = 0; i < used; ++i)
+        if (run_ids[i] == run_id) return calls[i]++;
+      int slot = used < kRuns ? used++ : std::exchange(oldest, (oldest + 1) % kRuns);
+      run_ids[slot] = run_id;
+      calls[slot] = 1;
+      return 0;
+    }
+  };
+  struct Open {
+    int64_t run_id;
+    uint64_t sequence;
+    std::shared_ptr<Meeting> meeting;
+  };
+
   std::mutex mutex_;
-  std::map<MeetingKey, std::shared_ptr<Meeting>> meetings_;
-  std::map<SequenceKey, uint64_t> sequences_;
-  std::deque<SequenceKey> order_;
+  std::vector<RankRuns> ranks_;
+  // Few: the calls in progress, and the ones a rank gave up on, which stay until their last rank
+  // arrives (so that every late rank finds them and fails at once, not after a timeout of its own
+  // in a fresh meeting), or for good if it never comes.
+  std::vector<Open> open_;
 };
+
+// Where ranks find each other: every group's calls, by (comm, group). Groups live for good, so
+// each device thread keeps the last one it used and takes the registry's lock only to change it.
+GroupCalls& Calls(const CommunicatorId& comm) {
+  struct Last {
+    uint64_t comm;
+    int64_t group;
+    GroupCalls* calls = nullptr;
+  };
+  thread_local Last last;
+  if (last.calls != nullptr && last.comm == comm.comm && last.group == comm.group)
+    return *last.calls;
+  struct KeyHash {
+    size_t operator()(const std::pair<uint64_t, int64_t>& key) const {
+      return std::hash<uint64_t>()(key.first ^
+                                   (static_cast<uint64_t>(key.second) * 0x9e3779b97f4a7c15ULL));
+    }
+  };
+  static std::mutex mutex;
+  // Never destroyed: device threads may outlive exit.
+  static auto* groups =
+      new std::unordered_map<std::pair<uint64_t, int64_t>, std::unique_ptr<GroupCalls>, KeyHash>();
+  std::lock_guard<std::mutex> lock(mutex);
+  std::unique_ptr<GroupCalls>& calls = (*groups)[{comm.comm, comm.group}];
+  if (!calls) calls = std::make_unique<GroupCalls>();
+  last = {comm.comm, comm.group, calls.get()};
+  return *calls;
+}
 
 }  // namespace
 
@@ -122,7 +166,8 @@ std::unique_ptr<LocalTransport> LocalTransport::Join(const CommunicatorId& comm,
                                                      double timeout_seconds,
                                                      int64_t spin_iterations) {
   uint64_t sequence = 0;
-  std::shared_ptr<Meeting> meeting = Registry::Get().Enter(comm, run_id, rank, &sequence);
+  GroupCalls& calls = Calls(comm);
+  std::shared_ptr<Meeting> meeting = calls.Enter(comm.size, run_id, rank, &sequence);
   PeerSlot& me = meeting->peers[rank];
   me.header = header;
   const size_t input_bytes = header.count * ByteWidth(header.dtype);
@@ -137,11 +182,8 @@ std::unique_ptr<LocalTransport> LocalTransport::Join(const CommunicatorId& comm,
   me.output_uncached = sequence == 0 && output_uncached();
   me.scratch = scratch;
   me.arrived.store(true, std::memory_order_release);
-  // Once everyone holds the meeting it leaves the registry. One a rank gave up on stays there
-  // until the last rank arrives, so that every late rank finds it and fails at once (not after
-  // a timeout of its own in a fresh meeting); if that rank never comes, it stays for good.
   if ((meeting->arrivals.Add(1) & ~Flag::kAbandoned) == static_cast<uint32_t>(comm.size))
-    Registry::Get().Leave(comm, run_id, sequence);
+    calls.Leave(run_id, sequence);
   return std::unique_ptr<LocalTransport>(
       new LocalTransport(comm, rank, header, std::move(meeting), timeout_seconds, spin_iterations));
 }
