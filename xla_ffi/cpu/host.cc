@@ -50,9 +50,12 @@ std::string CommName(const JaxringHostCall& c) {
 }
 
 // jaxring.mpi marks its communicators' keys with this bit and mesh axes' keys never carry it
-// (common.PROCESS_KEY_BIT), so a call on a process communicator that no longer exists fails at
-// once instead of waiting, as if in-process, for peers that are in other processes.
+// (common.PROCESS_KEY_BIT). So an in-process call looks up no process communicator (each lookup
+// takes a lock that every device thread takes), and a call on a process communicator that no
+// longer exists fails at once instead of waiting, as if in-process, for peers that are in other
+// processes.
 constexpr uint64_t kProcessKeyBit = uint64_t{1} << 62;
+bool OfProcesses(const JaxringHostCall& c) { return (c.comm & kProcessKeyBit) != 0; }
 
 Status ProcessCommunicatorGone(const JaxringHostCall& c, const Header& header) {
   return Status::Error(Where(header, CommName(c), c.rank, c.size) +
@@ -87,17 +90,20 @@ HostResult RunCollectiveCall(const JaxringHostCall& c, const Header& header,
                              HostCompletion* complete) {
   const Config config = CurrentConfig();
   const CollectiveBuffers buffers{c.input, c.output, c.output_count};
-  if (auto processes = ShmCommunicator::Find(c.comm)) {
-    Status status = CheckProcess(*processes, header, c.rank, c.size);
-    return {status.ok() ? FailLinked(c, RunStaged(*processes, header, buffers, config)) : status};
+  if (OfProcesses(c)) {
+    if (auto processes = ShmCommunicator::Find(c.comm)) {
+      Status status = CheckProcess(*processes, header, c.rank, c.size);
+      return {status.ok() ? FailLinked(c, RunStaged(*processes, header, buffers, config))
+                          : status};
+    }
+    if (auto processes = ProcessTransport::Find(c.comm)) {
+      Status status = CheckProcess(*processes, header, c.rank, c.size);
+      if (!status.ok()) return {status};
+      std::lock_guard<std::mutex> lock(processes->mutex());
+      return {FailLinked(c, processes->RunCollective(header, buffers, config))};
+    }
+    return {ProcessCommunicatorGone(c, header)};
   }
-  if (auto processes = ProcessTransport::Find(c.comm)) {
-    Status status = CheckProcess(*processes, header, c.rank, c.size);
-    if (!status.ok()) return {status};
-    std::lock_guard<std::mutex> lock(processes->mutex());
-    return {FailLinked(c, processes->RunCollective(header, buffers, config))};
-  }
-  if (c.comm & kProcessKeyBit) return {ProcessCommunicatorGone(c, header)};
   const Algorithm algorithm = ChooseAlgorithm(header, c.size, config);
   ScratchLease scratch = ScratchLease::Acquire(ScratchBytes(header, c.size, algorithm));
   CommunicatorId comm{c.comm, c.group, c.size, CommName(c)};
@@ -143,7 +149,7 @@ Status RunAgreeCall(const JaxringHostCall& c, const Header& header) {
     std::lock_guard<std::mutex> lock(processes->mutex());
     return FailLinked(c, processes->Agree(header, config));
   }
-  if (c.comm & kProcessKeyBit) return ProcessCommunicatorGone(c, header);
+  if (OfProcesses(c)) return ProcessCommunicatorGone(c, header);
   return Status::Error(Where(header, CommName(c), c.rank, c.size) +
                        ": a header exchange needs a process communicator (jaxring.mpi)");
 }
@@ -178,17 +184,19 @@ HostResult RunPointToPointCall(const JaxringHostCall& c, const Header& header,
         return Receive(transport, header, source, output, bytes);
     }
   };
-  if (auto processes = ProcessTransport::Find(c.comm)) {
-    Status status = CheckProcess(*processes, header, c.rank, c.size);
-    if (!status.ok()) return {status};
-    std::lock_guard<std::mutex> lock(processes->mutex());
-    processes->Configure(config);
-    return {FailLinked(c, run(*processes))};
+  if (OfProcesses(c)) {
+    if (auto processes = ProcessTransport::Find(c.comm)) {
+      Status status = CheckProcess(*processes, header, c.rank, c.size);
+      if (!status.ok()) return {status};
+      std::lock_guard<std::mutex> lock(processes->mutex());
+      processes->Configure(config);
+      return {FailLinked(c, run(*processes))};
+    }
+    if (auto processes = ShmCommunicator::Find(c.comm))
+      return {Status::Error(processes->Where(header) + ": this process communicator has no "
+                            "point-to-point transport (jaxring was built without MPI)")};
+    return {ProcessCommunicatorGone(c, header)};
   }
-  if (auto processes = ShmCommunicator::Find(c.comm))
-    return {Status::Error(processes->Where(header) + ": this process communicator has no "
-                          "point-to-point transport (jaxring was built without MPI)")};
-  if (c.comm & kProcessKeyBit) return {ProcessCommunicatorGone(c, header)};
   auto transport = std::make_shared<LocalPointToPoint>(
       CommunicatorId{c.comm, c.group, c.size, CommName(c)}, c.rank, config.timeout_seconds,
       config.spin_iterations);

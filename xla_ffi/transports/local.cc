@@ -69,7 +69,8 @@ inline void StallIfArmed(uint64_t comm, int rank) {
 
 // The calls of one group of one communicator: the call each rank makes next in each of its
 // recent XLA runs, and the meetings that not every rank has reached yet. Each group has its own
-// lock, which only its ranks take, and no call allocates here once a group's ranks have called.
+// lock, which only its ranks take; once they have all called, a call allocates nothing here but
+// its meeting.
 class GroupCalls {
  public:
   // Returns the meeting for `rank`'s next call in run `run_id`, and its place in the run.

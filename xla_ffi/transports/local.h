@@ -1,5 +1,5 @@
 // The local transport: the devices of one process meet in shared memory. Each collective call is
-// one Meeting, found in a registry keyed by (communicator, group, XLA run id, call sequence).
+// one Meeting, which the ranks of a communicator group find by (XLA run id, call sequence).
 // Peers publish a header and their buffer pointers; algorithms then read and write peers' buffers
 // directly (no staging copy) and hand off work through per-rank progress flags.
 //
