@@ -274,6 +274,42 @@ _PIPELINED = textwrap.dedent("""
 """)
 
 
+def test_calls_of_many_runs_at_once_meet_the_calls_of_their_own_run():
+    """A rank's calls on an in-process communicator are matched with its peers' by XLA run and
+    by their place in the run. Here 32 runs are under way at once on one communicator (a thread
+    per rank and run, each making three calls, each rank starting its runs in another order):
+    every call must come out as the sum of its own run's inputs for that call, on both ranks."""
+    n, runs, calls, count = 2, 32, 3, 64
+    rng = np.random.default_rng(29)
+    inputs = rng.standard_normal((runs, calls, n, count), dtype=np.float32)
+    outputs = np.full((runs, calls, n, count), np.nan, np.float32)
+    errors = []
+    key = int(rng.integers(1 << 40, 1 << 50))  # a fresh in-process communicator
+    sum_f32 = (common.COLLECTIVE_CODES["all_reduce"], common.REDUCE_OPS["sum"],
+               common.DTYPE_CODES[np.dtype(np.float32)])
+
+    def calls_of(rank, run):
+        for call in range(calls):
+            error = native.extension.collective_on_host(
+                key, "many runs test", rank, n, *sum_f32, inputs[run, call, rank],
+                outputs[run, call, rank], run_id=1000 + run, op_id=call)
+            if error:
+                errors.append(error)
+
+    orders = [range(runs), reversed(range(runs))]
+    threads = [threading.Thread(target=calls_of, args=(rank, run))
+               for rank in range(n) for run in orders[rank]]
+    with jaxring.config.override(timeout_seconds=30):
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    assert not errors, errors[:3]
+    expected = inputs[:, :, 0] + inputs[:, :, 1]  # two float32 terms: the same sum either way
+    for rank in range(n):
+        np.testing.assert_array_equal(outputs[:, :, rank], expected)
+
+
 def test_programs_dispatched_back_to_back_do_not_starve_the_device_threads():
     """300 programs with compute around an all-reduce, dispatched without waiting: PJRT CPU holds
     a pool thread per device for a whole program, so programs that overlap on the devices can

@@ -98,9 +98,10 @@ class GroupCalls {
  private:
   // A rank's calls in its last kRuns runs. A device runs one program at a time (jaxring's token
   // hands a program to the devices once the previous one has finished), so a rank is in one or
-  // two runs at once; the runs it left long ago are forgotten, the oldest first.
+  // two runs at once (more only where several threads dispatch programs at once); the runs it
+  // left long ago are forgotten, the oldest first.
   struct RankRuns {
-    static constexpr int kRuns = 16;
+    static constexpr int kRuns = 64;
     int64_t run_ids[kRuns];
     uint64_t calls[kRuns];
     int used = 0;
