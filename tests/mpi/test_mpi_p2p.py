@@ -239,3 +239,34 @@ def test_missing_sender_times_out_naming_it():
             np.asarray(jax.jit(lambda v: jaxring.recv(v, sub, [(1, 0)]))(np.ones(4)))
         jaxring.reset_after_error()
     MPI_COMM.Barrier()
+
+
+@pytest.mark.skipif(N < 2, reason="needs two ranks")
+def test_eager_messages_outlive_their_senders_communicator():
+    """Rank 0 sends eager messages (copied into buffers its transport owns) that rank 1 receives
+    only after rank 0 has dropped the communicator: its transport then waits 1 s for them and
+    frees their requests, which leaves MPI sending them when rank 1 comes. Their bytes once went
+    with the transport, so rank 1 received whatever rank 0 allocated there next (here arrays
+    filled with -1), or rank 0 crashed; now rank 1 receives every message exactly as sent."""
+    sub = jaxring.mpi.Communicator(MPI_COMM.Split(0 if COMM.rank < 2 else 1, key=COMM.rank),
+                                   label="outlived", transport="mpi")
+    if COMM.rank < 2:
+        count, size = 48, 15_000  # 60 KB each, under p2p_eager_bytes (64 KiB): eager
+        messages = [np.arange(size, dtype=np.float32) + 1000 * i for i in range(count)]
+        permute = jax.jit(lambda v: jaxring.ppermute(v, sub, [(0, 1)]))
+        with jaxring.config.override(timeout_seconds=1.0 if COMM.rank == 0 else 30.0):
+            if COMM.rank == 0:  # rank 0 receives nothing, so each call returns once it is sent
+                for m in messages:
+                    permute(m).block_until_ready()
+                jaxring.mpi._detach(sub.key)  # the transport goes, its sends still in flight
+                churn = [np.full(size + 64, -1.0, np.float32) for _ in range(4 * count)]
+                sub.mpi_comm.Barrier()
+                sub.mpi_comm.Barrier()  # keeps MPI's progress going while rank 1 receives
+                del churn
+            else:
+                sub.mpi_comm.Barrier()
+                got = [np.asarray(permute(np.zeros(size, np.float32))) for _ in messages]
+                sub.mpi_comm.Barrier()
+                for i, (g, m) in enumerate(zip(got, messages)):
+                    np.testing.assert_array_equal(g, m, err_msg=f"message {i}")
+    MPI_COMM.Barrier()

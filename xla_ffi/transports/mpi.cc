@@ -4,6 +4,7 @@
 #include <atomic>
 #include <chrono>
 #include <cstring>
+#include <mutex>
 #include <set>
 #include <sstream>
 #include <thread>
@@ -140,7 +141,12 @@ MpiTransport::~MpiTransport() {
   int finalized = 0;
   MPI_Finalized(&finalized);
   if (finalized) return;
-  // Eager sends are the receivers' data: give them a bounded time to be picked up.
+  // Eager sends are the receivers' data: give them a bounded time to be picked up. One still
+  // under way after that (a large one MPI sends only once its receiver comes, or one queued
+  // behind a full FIFO) is freed as a request but keeps running, and reads its bytes whenever
+  // the receiver comes: those bytes stay allocated for the life of the process.
+  static std::mutex stranded_mutex;
+  static auto* stranded = new std::vector<std::vector<char>>();  // never freed, on purpose
   const Deadline deadline(std::min(config_.timeout_seconds, 10.0));
   for (Eager& message : eager_) {
     Requests& r = message.requests;
@@ -153,6 +159,8 @@ MpiTransport::~MpiTransport() {
     if (Poll(done, deadline, 0)) continue;
     for (MPI_Request& request : r.requests)
       if (request != MPI_REQUEST_NULL) MPI_Request_free(&request);
+    std::lock_guard<std::mutex> lock(stranded_mutex);
+    stranded->push_back(std::move(message.bytes));
   }
   eager_.clear();
   // A communicator on which a rank failed (this one, or a peer whose notice is here) is left
