@@ -71,19 +71,23 @@ HUGE_PAGE_BYTES = 8 << 20  # jaxring.config's huge_page_bytes when a result file
 
 
 # The first run of allreduce.py (the number in its --name) made with jaxring's in-process
-# collectives as they are now: 81, the first after reduce_scatter and all_gather of copied inputs
-# (up to copy_input_bytes) again left without waiting for their peers to finish
-# (xla_ffi/ring/algorithms.cc). Before that 78, the first after each communicator group began to
-# keep its own calls, under its own lock, instead of every call taking one process-wide registry's
-# lock twice and inserting into its map of 16384 (xla_ffi/transports/local.cc); 76, the first after
-# a repeated jitted call began to skip the program's input handler where it passed the arguments
-# through (24-55 us less a lone call); 74, the first after such a call began to run the executable
-# JAX's dispatch path found for it (README, "Dispatch"), 60-120 us less, the loop's passes as they
-# were; 49, the first after the direct all-gather began to read each input once where its outputs
-# stream (xla_ffi/ring/algorithms.cc); and 32, the first after a program's first collective began to
-# stream into outputs the cache does not hold (README, "Cold outputs"). Whoever changes how those
-# collectives perform raises it, so that the summary also judges the current code on its own.
-CURRENT_IN_PROCESS_SINCE = 81
+# collectives as they are now, timed as they are now: 84, the first in which the override that
+# allreduce.py enters around every timed call costs nothing where it changes nothing (most cases:
+# jaxring.config.update returns at once), where before its 40-100 us of Python let the device
+# threads fall asleep before each timed collective (benchmarks/TARGETS.md). Before that 81, the
+# first after reduce_scatter and all_gather of copied inputs (up to copy_input_bytes) again left
+# without waiting for their peers to finish (xla_ffi/ring/algorithms.cc); 78, the first after each
+# communicator group began to keep its own calls, under its own lock, instead of every call taking
+# one process-wide registry's lock twice and inserting into its map of 16384
+# (xla_ffi/transports/local.cc); 76, the first after a repeated jitted call began to skip the
+# program's input handler where it passed the arguments through (24-55 us less a lone call); 74, the
+# first after such a call began to run the executable JAX's dispatch path found for it (README,
+# "Dispatch"), 60-120 us less, the loop's passes as they were; 49, the first after the direct
+# all-gather began to read each input once where its outputs stream (xla_ffi/ring/algorithms.cc);
+# and 32, the first after a program's first collective began to stream into outputs the cache does
+# not hold (README, "Cold outputs"). Whoever changes how those collectives perform raises it, so
+# that the summary also judges the current code on its own.
+CURRENT_IN_PROCESS_SINCE = 84
 
 # Runs whose timed jaxring calls carried a cost of the benchmark's own making, left out of the
 # current code's verdicts (every-run verdicts keep them). From commit 04a2dda to the fix after
