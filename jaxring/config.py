@@ -165,7 +165,7 @@ def update(**changes) -> Config:
     if all(type(value) is type(getattr(_current, field, None)) and value == getattr(_current, field)
            for field, value in changes.items()):
         # Nothing changes (an override of a field to its value, or its restoring): no programs to
-        # wait for, nothing to hand on. Such an override cost about 100 us around each timed call
+        # wait for, nothing to hand on. Such an override cost 40-100 us around each timed call
         # of benchmarks/allreduce.py, in which the devices' threads fell asleep.
         return _current
     new = _validate(dataclasses.replace(_current, **changes))
