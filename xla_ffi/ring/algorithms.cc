@@ -75,14 +75,6 @@ Status DirectReduceScatter(LocalTransport& t, const CollectiveBuffers& b) {
   const Header& h = t.header();
   const int n = t.size();
   const size_t width = ByteWidth(h.dtype);
-  // Rank r's pieces cut its output block (block r of every input).
-  const int per_rank = PiecesPerRank(b.output_count * static_cast<int64_t>(width));
-  const Partition pieces{b.output_count, per_rank, AlignElements(h.dtype)};
-  // Streaming stores by the all-reduce's rule (all the ranks' outputs together). Against plain
-  // stores, lone reduce-scatters of 16 MiB took 0.88-0.91x the time with them on 2 devices and
-  // 0.96-0.99x on 4 (two rounds in turns; on 8 one round gained 6%, the other lost 4%), and
-  // 0.95-1.02x inside a loop.
-  const bool streaming = StreamingPays(b.output_count * static_cast<int64_t>(width) * n);
   std::vector<Operand> srcs(n);
   if (t.inputs_copied()) {
     // A small message: every rank reduces its own block from the copies, folding the ranks in
@@ -93,6 +85,14 @@ Status DirectReduceScatter(LocalTransport& t, const CollectiveBuffers& b) {
     Reduce(h.dtype, h.op, srcs.data(), n, &dst, 1, b.output_count, n);
     return Status();
   }
+  // Rank r's pieces cut its output block (block r of every input).
+  const int per_rank = PiecesPerRank(b.output_count * static_cast<int64_t>(width));
+  const Partition pieces{b.output_count, per_rank, AlignElements(h.dtype)};
+  // Streaming stores by the all-reduce's rule (all the ranks' outputs together). Against plain
+  // stores, lone reduce-scatters of 16 MiB took 0.88-0.91x the time with them on 2 devices and
+  // 0.96-0.99x on 4 (two rounds in turns; on 8 one round gained 6%, the other lost 4%), and
+  // 0.95-1.02x inside a loop.
+  const bool streaming = StreamingPays(b.output_count * static_cast<int64_t>(width) * n);
   return t.Share(per_rank, [&](int owner, int part) {
     const int64_t begin = pieces.Begin(part);
     for (int peer = 0; peer < n; ++peer)
