@@ -284,6 +284,72 @@ def test_a_receiver_later_than_its_in_place_senders_timeout_does_not_read_the_fr
     np.testing.assert_array_equal(np.asarray(out), np.roll(np.asarray(x), 50_000))
 
 
+def _permute_lent_by_a_failing_sender(ranks_late, on_rank2=None):
+    """Three devices, perm [(0, 1), (2, 0)], 200 KiB a device lent in place: device 0 lends a
+    temporary (which XLA frees once device 0 fails) to device 1, which comes late, and its own
+    receive from device 2 fails. Returns the program and the devices that got through their
+    ppermute."""
+    m = mesh(3)
+    perm = [(0, 1), (2, 0)]
+    received = []
+
+    def permute_and_record(v):
+        full = lambda v: jaxring.ppermute(jnp.sin(v), "i", perm)  # noqa: E731
+        out = lax.cond(lax.axis_index("i") == 2, on_rank2 or full, full, v)
+        jax.debug.callback(lambda o, rank: received.append(int(rank)), out, lax.axis_index("i"))
+        return out
+
+    def f(v):
+        def sleep(v, rank):
+            time.sleep(ranks_late.get(int(rank), 0.0))
+            return v
+        v = jax.pure_callback(sleep, jax.ShapeDtypeStruct(v.shape, v.dtype), v,
+                              lax.axis_index("i"))
+        return permute_and_record(v)
+    g = jax.jit(jax.shard_map(f, mesh=m, in_specs=P("i"), out_specs=P("i"), check_vma=False))
+    return m, g, received
+
+
+def _check_three_device_recovery(m):
+    jaxring.reset_after_error()
+    x = shard(np.arange(3 * 50_000, dtype=np.float32), m)
+    ring = [(0, 1), (1, 2), (2, 0)]
+    out = shmap(lambda v: jaxring.ppermute(v, "i", ring), m)(x)
+    np.testing.assert_array_equal(np.asarray(out), np.roll(np.asarray(x), 50_000))
+
+
+def test_a_sender_whose_receive_times_out_takes_back_the_buffer_it_lent():
+    """Device 0 times out after 0.5 s waiting for device 2's message (its receive handed off to
+    a jaxring thread); devices 1 and 2 come 1.5 s late. Device 0 once returned without taking
+    back the buffer it had lent device 1, which then copied the freed buffer and went on as if
+    nothing had happened. Device 1 must fail too."""
+    m, g, received = _permute_lent_by_a_failing_sender({1: 1.5, 2: 1.5})
+    x = shard(np.arange(3 * 50_000, dtype=np.float32), m)
+    with jaxring.config.override(timeout_seconds=0.5, p2p_eager_bytes=0):
+        with pytest.raises(Exception, match=r"timed out after 0.5 s waiting for rank \[2\] "
+                                            r"to send"):
+            np.asarray(g(x))
+    time.sleep(1.5)  # devices 1 and 2 have made their calls by now
+    assert received == [], received
+    _check_three_device_recovery(m)
+
+
+def test_a_sender_whose_receive_is_mismatched_takes_back_the_buffer_it_lent():
+    """As above, without a timeout: device 2 sends device 0 a shorter message than device 0
+    expects, so device 0's receive fails at once; device 1 comes 1 s late for device 0's loan."""
+    short = lambda v: jnp.concatenate(  # noqa: E731
+        [jaxring.ppermute(jnp.sin(v[:1]), "i", [(0, 1), (2, 0)]), v[1:]])
+    m, g, received = _permute_lent_by_a_failing_sender({1: 1.0}, on_rank2=short)
+    x = shard(np.arange(3 * 50_000, dtype=np.float32), m)
+    with jaxring.config.override(timeout_seconds=30.0, p2p_eager_bytes=0):
+        with pytest.raises(Exception, match=r"mismatched point-to-point calls: rank 0 expected "
+                                            r"ppermute op \d+ float32\[50000\] from rank 2"):
+            np.asarray(g(x))
+    time.sleep(1.5)  # device 1 has made its call by now
+    assert received == [], received
+    _check_three_device_recovery(m)
+
+
 def test_reset_after_error_waits_for_every_device_of_the_failed_program():
     """Device 1 computes for over a second before a swap whose timeout is 0.5 s, so device 0's
     error reaches Python while device 1 has yet to make its call. reset_after_error once emptied

@@ -217,18 +217,17 @@ HostResult RunPointToPointCall(const JaxringHostCall& c, const Header& header,
   bool in_place = false;
   Status status =
       PostPermute(*transport, header, dest, source, input, output, bytes, config, &in_place);
-  if (!status.ok()) return {status};
-  auto wait_read = [transport, dest] { return transport->WaitSent(dest); };
+  if (!status.ok()) return {status};  // nothing was lent
   if (!copy && source >= 0 && !transport->MessageReady(source, hand_off)) {
     return GoOnElsewhere(complete, [=] {
-      Status received = ReceivePermute(*transport, header, dest, source, output, bytes);
-      return received.ok() && in_place ? wait_read() : received;
+      return SettleLent(*transport, dest, in_place,
+                        ReceivePermute(*transport, header, dest, source, output, bytes));
     });
   }
   status = ReceivePermute(*transport, header, dest, source, output, bytes);
-  if (!status.ok() || !in_place) return {status};
-  if (!transport->SentRead(hand_off)) return GoOnElsewhere(complete, wait_read);
-  return {wait_read()};
+  if (status.ok() && in_place && !transport->SentRead(hand_off))
+    return GoOnElsewhere(complete, [transport, dest] { return transport->WaitSent(dest); });
+  return {SettleLent(*transport, dest, in_place, status)};
 }
 
 }  // namespace

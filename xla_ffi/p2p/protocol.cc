@@ -44,9 +44,16 @@ Status Permute(PointToPoint& transport, const Header& header, int dest, int sour
   bool in_place = false;
   Status status = PostPermute(transport, header, dest, source, input, output, bytes, config,
                               &in_place);
-  if (status.ok()) status = ReceivePermute(transport, header, dest, source, output, bytes);
-  if (!status.ok() || !in_place) return status;
-  return transport.WaitSent(dest);
+  if (!status.ok()) return status;  // nothing was lent
+  return SettleLent(transport, dest, in_place,
+                    ReceivePermute(transport, header, dest, source, output, bytes));
+}
+
+Status SettleLent(PointToPoint& transport, int dest, bool in_place, Status received) {
+  if (!in_place) return received;
+  if (received.ok()) return transport.WaitSent(dest);
+  transport.WithdrawSent(dest);
+  return received;
 }
 
 }  // namespace jaxring

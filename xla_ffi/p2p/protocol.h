@@ -28,6 +28,10 @@ Status PostPermute(PointToPoint& transport, const Header& header, int dest, int 
                    bool* in_place);
 Status ReceivePermute(PointToPoint& transport, const Header& header, int dest, int source,
                       void* output, size_t bytes);
+// The last step after ReceivePermute's `received`: for a message lent in place, wait until `dest`
+// has read it or, where the receive failed, take the buffer back (WithdrawSent), since the call
+// returns its error at once and XLA may then free the buffer.
+Status SettleLent(PointToPoint& transport, int dest, bool in_place, Status received);
 
 // The two halves of a permutation as separate calls. A send never waits for its receiver, so a
 // stage can send, compute, then receive without deadlocking a cycle of stages.

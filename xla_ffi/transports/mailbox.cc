@@ -146,19 +146,26 @@ Status LocalPointToPoint::SendInPlace(int dest, const Header& header, const void
   return Post(dest, header, data, bytes, /*in_place=*/true);
 }
 
+bool LocalPointToPoint::TakeBack() {
+  Slot& slot = in_place_mailbox_->slots[in_place_sequence_ % kSlots];
+  const uint32_t done = RoundFlag(in_place_sequence_ / kSlots);
+  // A late receiver must not read a buffer XLA is about to reclaim: mark the slot abandoned,
+  // then let a copy that began before the mark finish (a memcpy, not a wait for anyone).
+  slot.read.Abandon();
+  std::atomic_thread_fence(std::memory_order_seq_cst);
+  while (slot.copying.load(std::memory_order_seq_cst) == done) YieldCore();
+  if ((slot.read.Load() & ~Flag::kAbandoned) != done) return false;
+  slot.read.Store(done);  // the receiver took the message after all
+  return true;
+}
+
+void LocalPointToPoint::WithdrawSent(int) { TakeBack(); }
+
 Status LocalPointToPoint::WaitSent(int dest) {
   Slot& slot = in_place_mailbox_->slots[in_place_sequence_ % kSlots];
   const uint32_t done = RoundFlag(in_place_sequence_ / kSlots);
   if (!slot.read.WaitUntilEqual(done, deadline_, spin_iterations_)) {
-    // A late receiver must not read a buffer XLA is about to reclaim: mark the slot abandoned,
-    // then let a copy that began before the mark finish (a memcpy, not a wait for anyone).
-    slot.read.Abandon();
-    std::atomic_thread_fence(std::memory_order_seq_cst);
-    while (slot.copying.load(std::memory_order_seq_cst) == done) YieldCore();
-    if ((slot.read.Load() & ~Flag::kAbandoned) == done) {
-      slot.read.Store(done);  // the receiver took the message after all
-      return Status();
-    }
+    if (TakeBack()) return Status();
     std::ostringstream s;
     s << Where(slot.header) << ": timed out after " << deadline_.seconds()
       << " s waiting for rank [" << dest << "] to receive this rank's message";
@@ -222,8 +229,8 @@ Status LocalPointToPoint::Receive(int source, const Header& expected, void* out,
     if (slot.read.Load() & Flag::kAbandoned) {
       slot.copying.store(0, std::memory_order_seq_cst);
       return Status::Error(Where(expected) + ": rank " + std::to_string(source) +
-                           " gave up waiting for this rank to receive its message (it timed "
-                           "out first, and its buffer is gone); see its error");
+                           " took back the message it lent this rank (it timed out waiting for "
+                           "this rank, or failed, first, and its buffer is gone); see its error");
     }
   }
   std::memcpy(out, slot.pointer, bytes);

@@ -29,6 +29,7 @@ class LocalPointToPoint final : public PointToPoint {
   Status SendCopy(int dest, const Header& header, const void* data, size_t bytes) override;
   Status SendInPlace(int dest, const Header& header, const void* data, size_t bytes) override;
   Status WaitSent(int dest) override;
+  void WithdrawSent(int dest) override;
   Status Receive(int source, const Header& expected, void* out, size_t bytes) override;
   std::string Where(const Header& header) const override;
 
@@ -44,6 +45,9 @@ class LocalPointToPoint final : public PointToPoint {
 
  private:
   Status Post(int dest, const Header& header, const void* data, size_t bytes, bool in_place);
+  // Marks the last in-place send's slot given up on, then lets a copy that began before the mark
+  // finish; true if the receiver had read the message all the same (the mark is then undone).
+  bool TakeBack();
 
   CommunicatorId comm_;
   int rank_;

@@ -24,9 +24,14 @@ class PointToPoint {
   // Copies `bytes` out of `data` for `dest` and returns without waiting for the receiver (unless
   // it has fallen a whole mailbox of messages behind).
   virtual Status SendCopy(int dest, const Header& header, const void* data, size_t bytes) = 0;
-  // Lets `dest` copy straight out of `data`; `data` must not change until WaitSent(dest).
+  // Lets `dest` copy straight out of `data`; `data` must not change until WaitSent(dest), or
+  // WithdrawSent(dest) where the call fails in between.
   virtual Status SendInPlace(int dest, const Header& header, const void* data, size_t bytes) = 0;
   virtual Status WaitSent(int dest) = 0;
+  // Takes back what SendInPlace lent, without waiting for `dest`: once this returns, `dest` never
+  // starts reading `data` (it fails instead), and a copy it had begun has ended. For a call that
+  // failed after lending its buffer, which XLA may free once the call returns.
+  virtual void WithdrawSent(int dest) = 0;
   // Receives the next message from `source` into `out`, after checking its header.
   virtual Status Receive(int source, const Header& expected, void* out, size_t bytes) = 0;
 
