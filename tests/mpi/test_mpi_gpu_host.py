@@ -173,6 +173,29 @@ def test_the_cuda_aware_algorithm_names_a_missing_rank(count):
     MPI_COMM.Barrier()
 
 
+@pytest.mark.skipif(COMM.size < 2, reason="needs two ranks")
+def test_a_late_receiver_of_a_root_that_gave_up_fails_and_the_messages_stay_failed():
+    """The root's broadcast (300000 elements: MPI's rendezvous sends, which read the root's
+    buffer only once a receiver comes) times out after 1 s; the other ranks come 2 s late. They
+    once posted their receives, matched the root's send (freed, not cancelled) and returned its
+    buffer's bytes, by then freed memory, as a success. They must fail, naming the root's error,
+    and so must every later exchange on these messages, on every rank."""
+    import time
+
+    ops = message_ops()
+    x = np.arange(300_000, dtype=np.float32)
+    if COMM.rank == 0:
+        with pytest.raises(RuntimeError, match=r"timed out after 1 s waiting for rank\(s\) \["):
+            direct(ops, BROADCAST, "sum", x, x.size, timeout=1.0)
+    else:
+        time.sleep(2.0)
+        with pytest.raises(RuntimeError, match=r"rank 0 gave up on direct test \(timed out"):
+            direct(ops, BROADCAST, "sum", x, x.size, timeout=10.0)
+    with pytest.raises(RuntimeError, match="an earlier exchange on direct test failed"):
+        direct(ops, ALL_GATHER, "sum", x[:4], 4 * COMM.size, timeout=10.0)
+    MPI_COMM.Barrier()
+
+
 # ---- cuda-ipc's steps (gpu/ipc_steps.h), on host memory shared between the processes ----------
 
 class SharedSlots:

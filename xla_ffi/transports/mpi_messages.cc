@@ -13,12 +13,17 @@
 namespace jaxring {
 namespace {
 
-constexpr int kTag = 0x6a75;                     // apart from the MPI transport's tags
+constexpr int kTag = 0x6a75;         // apart from the MPI transport's tags
+constexpr int kGaveUpTag = 0x6a76;   // a rank's notice that it gave up on these messages
+constexpr size_t kNoticeBytes = 1024;
 constexpr size_t kMaxPiece = size_t{1} << 30;  // MPI counts are ints
 
 struct MpiMessages {
   MPI_Comm comm;
+  int rank = 0;
+  int size = 0;
   std::string name;
+  std::string broken;  // why this rank gave up (then every later exchange fails at once)
   std::vector<MPI_Request> requests;
   std::vector<int> peers;
   std::vector<bool> sending;
@@ -47,9 +52,54 @@ int MpiFailure(int code, const char* what, char* error, size_t error_bytes) {
               std::string("MPI failed to ") + what + ": " + std::string(text, length));
 }
 
+// A rank that gives up (a timeout, an MPI error) returns its buffers to XLA while MPI may still
+// read a send of its, since a send under way is only freed, never cancelled (WaitAll). So it
+// tells every peer, and a peer that then finds the notice fails: before it posts a receive that
+// could match such a send, while it waits, and after its receives completed (data that may have
+// come from freed memory), as the MPI transport's notices and SendersStayed do. The notice's
+// text is left allocated: MPI may still be sending it after this call returns.
+std::string GiveUp(MpiMessages* m, std::string why) {
+  if (!m->broken.empty()) return why;
+  m->broken = why;
+  const std::string* notice = new std::string(why.substr(0, kNoticeBytes));
+  for (int peer = 0; peer < m->size; ++peer) {
+    if (peer == m->rank) continue;
+    MPI_Request request;
+    if (MPI_Isend(notice->data(), static_cast<int>(notice->size()), MPI_CHAR, peer, kGaveUpTag,
+                  m->comm, &request) == MPI_SUCCESS)
+      MPI_Request_free(&request);
+  }
+  return why;
+}
+
+// Takes in `peer`'s notice that it gave up, if one has come, and says why. MPICH may need more
+// than one probe to take in a message that has arrived, so it looks `looks` times (as the MPI
+// transport's PeerGaveUpLooking).
+bool PeerGaveUp(MpiMessages* m, int peer, std::string* why, int looks = 3) {
+  int flag = 0;
+  MPI_Message message = MPI_MESSAGE_NULL;
+  MPI_Status status;
+  for (int look = 0; look < looks && !flag; ++look)
+    if (MPI_Improbe(peer, kGaveUpTag, m->comm, &flag, &message, &status) != MPI_SUCCESS)
+      return false;
+  if (!flag) return false;
+  int length = 0;
+  if (MPI_Get_count(&status, MPI_CHAR, &length) != MPI_SUCCESS || length < 0) length = 0;
+  std::string text(static_cast<size_t>(length), '\0');
+  if (MPI_Mrecv(text.data(), length, MPI_CHAR, &message, MPI_STATUS_IGNORE) != MPI_SUCCESS)
+    text = "its notice could not be received";
+  *why = "rank " + std::to_string(peer) + " gave up on " + m->name + " (" + text +
+         "), so what it sent cannot be trusted";
+  return true;
+}
+
 template <typename Start>
 int Post(MpiMessages* m, size_t bytes, int peer, bool sending, const char* what, char* error,
          size_t error_bytes, Start start) {
+  if (!m->broken.empty())
+    return Fail(error, error_bytes, "an earlier exchange on " + m->name + " failed: " + m->broken);
+  std::string why;
+  if (PeerGaveUp(m, peer, &why)) return Fail(error, error_bytes, GiveUp(m, why));
   size_t done = 0;
   do {  // a zero-byte message is still one message
     const size_t piece = std::min(bytes - done, kMaxPiece);
@@ -83,17 +133,45 @@ int PostReceive(void* context, void* data, size_t bytes, int peer, char* error,
               });
 }
 
+// Receives are cancelled, sends only freed: cancelling a large send under way crashed MPICH's
+// UCX device (MpiTransport::Fail).
+void Drop(MpiMessages* m) {
+  for (size_t i = 0; i < m->requests.size(); ++i) {
+    MPI_Request& request = m->requests[i];
+    if (request == MPI_REQUEST_NULL) continue;
+    if (!m->sending[i]) MPI_Cancel(&request);
+    MPI_Request_free(&request);
+  }
+  m->Clear();
+}
+
+// The peers this rank exchanges with in the current wait (those it receives from with `only_from`).
+std::set<int> Peers(const MpiMessages& m, bool only_from) {
+  std::set<int> peers;
+  for (size_t i = 0; i < m.peers.size(); ++i)
+    if (!only_from || !m.sending[i]) peers.insert(m.peers[i]);
+  return peers;
+}
+
 // Polls with a back-off (yield, then naps up to 50 us): MPI offers nothing to sleep on.
 int WaitAll(void* context, double timeout_seconds, char* error, size_t error_bytes) {
   auto* m = static_cast<MpiMessages*>(context);
   const Deadline deadline(timeout_seconds);
   auto nap = std::chrono::microseconds(1);
   int code = MPI_SUCCESS;
+  std::string why;
   for (;;) {
     int done = 0;
     code = MPI_Testall(static_cast<int>(m->requests.size()), m->requests.data(), &done,
                        MPI_STATUSES_IGNORE);
     if (code != MPI_SUCCESS || done) break;
+    if (nap.count() >= 50) {  // waiting a while: a peer that gave up will not come
+      for (int peer : Peers(*m, false)) {
+        if (!PeerGaveUp(m, peer, &why, 1)) continue;  // one look per pass
+        Drop(m);
+        return Fail(error, error_bytes, GiveUp(m, why));
+      }
+    }
     if (deadline.Expired()) {
       std::set<int> missing;
       for (size_t i = 0; i < m->requests.size(); ++i) {
@@ -101,15 +179,7 @@ int WaitAll(void* context, double timeout_seconds, char* error, size_t error_byt
         MPI_Test(&m->requests[i], &flag, MPI_STATUS_IGNORE);
         if (!flag) missing.insert(m->peers[i]);
       }
-      // Receives are cancelled, sends only freed: cancelling a large send under way crashed
-      // MPICH's UCX device (MpiTransport::Fail).
-      for (size_t i = 0; i < m->requests.size(); ++i) {
-        MPI_Request& request = m->requests[i];
-        if (request == MPI_REQUEST_NULL) continue;
-        if (!m->sending[i]) MPI_Cancel(&request);
-        MPI_Request_free(&request);
-      }
-      m->Clear();
+      Drop(m);
       std::ostringstream s;
       s << "timed out after " << timeout_seconds << " s waiting for rank(s) [";
       bool first = true;
@@ -118,13 +188,25 @@ int WaitAll(void* context, double timeout_seconds, char* error, size_t error_byt
         first = false;
       }
       s << "] to exchange data on " << m->name;
-      return Fail(error, error_bytes, s.str());
+      return Fail(error, error_bytes, GiveUp(m, s.str()));
     }
     std::this_thread::sleep_for(nap);
     nap = std::min(nap * 2, std::chrono::microseconds(50));
   }
+  if (code != MPI_SUCCESS) {
+    m->Clear();
+    const int failed = MpiFailure(code, "exchange data", error, error_bytes);
+    GiveUp(m, error_bytes > 0 ? std::string(error) : "MPI failed to exchange data");
+    return failed;
+  }
+  // What came from a peer that gave up may have been read from a buffer it has since freed.
+  for (int peer : Peers(*m, true)) {
+    if (!PeerGaveUp(m, peer, &why)) continue;
+    m->Clear();
+    return Fail(error, error_bytes, GiveUp(m, why));
+  }
   m->Clear();
-  return code == MPI_SUCCESS ? 0 : MpiFailure(code, "exchange data", error, error_bytes);
+  return 0;
 }
 
 }  // namespace
@@ -141,6 +223,8 @@ Status CreateMpiMessages(MPI_Comm parent, const std::string& name, JaxringMessag
     return Status::Error("jaxring.mpi: MPI_Comm_dup failed for " + name);
   }
   MPI_Comm_set_errhandler(messages->comm, MPI_ERRORS_RETURN);
+  MPI_Comm_rank(messages->comm, &messages->rank);
+  MPI_Comm_size(messages->comm, &messages->size);
   messages->name = name;
   *out = new JaxringMessageOps{messages, &PostSend, &PostReceive, &WaitAll};
   return Status();
