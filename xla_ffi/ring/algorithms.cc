@@ -269,8 +269,8 @@ Status RingCollective(LocalTransport& t, const Config& config, const CollectiveB
       std::max<int64_t>(1, config.pipeline_slice_bytes / static_cast<int64_t>(ByteWidth(h.dtype)));
   // Progress counts a rank's slices in 31 bits (the top one marks a give-up): a tiny
   // pipeline_slice_bytes on a huge message gets slices large enough to stay below that.
-  const int64_t most_slices =
-      std::max<int64_t>(1, ((int64_t{1} << 31) - 1) / static_cast<int64_t>(std::max<size_t>(1, steps.size())));
+  const int64_t steps_count = static_cast<int64_t>(std::max<size_t>(1, steps.size()));
+  const int64_t most_slices = std::max<int64_t>(1, ((int64_t{1} << 31) - 1) / steps_count);
   const int64_t slices = std::clamp<int64_t>((chunk + slice_elements - 1) / slice_elements, 1,
                                              most_slices);
   return RunRing(t, steps, slices, n);

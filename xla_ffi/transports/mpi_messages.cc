@@ -160,13 +160,15 @@ int WaitAll(void* context, double timeout_seconds, char* error, size_t error_byt
   auto nap = std::chrono::microseconds(1);
   int code = MPI_SUCCESS;
   std::string why;
+  std::set<int> peers;  // whose notices a long wait looks for, once it is long
   for (;;) {
     int done = 0;
     code = MPI_Testall(static_cast<int>(m->requests.size()), m->requests.data(), &done,
                        MPI_STATUSES_IGNORE);
     if (code != MPI_SUCCESS || done) break;
     if (nap.count() >= 50) {  // waiting a while: a peer that gave up will not come
-      for (int peer : Peers(*m, false)) {
+      if (peers.empty()) peers = Peers(*m, false);
+      for (int peer : peers) {
         if (!PeerGaveUp(m, peer, &why, 1)) continue;  // one look per pass
         Drop(m);
         return Fail(error, error_bytes, GiveUp(m, why));
