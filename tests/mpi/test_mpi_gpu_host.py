@@ -278,10 +278,10 @@ def test_the_ipc_steps_report_a_mismatch_on_every_rank():
 
 # ---- the staged transport's pipeline (gpu/staged_steps.h), on host memory ---------------------
 
-def staged(comm, kind, op, x, output_count, chunk_bytes, root=0):
+def staged(comm, kind, op, x, output_count, chunk_bytes, root=0, fail_copy_out=-1):
     out = native.extension.staged_steps_on_host(
         comm.key, comm.name, comm.rank, comm.size, chunk_bytes, kind, OPS[op],
-        DIRECT_DTYPES[x.dtype], x.tobytes(), output_count, root, 3)
+        DIRECT_DTYPES[x.dtype], x.tobytes(), output_count, root, 3, fail_copy_out)
     return np.frombuffer(out, x.dtype)
 
 
@@ -325,3 +325,23 @@ def test_the_staged_pipeline_reports_a_later_chunks_mismatch_on_every_rank_and_e
                                            r"all_reduce\(sum\) op 3 float32\[952\] but rank 1 "
                                            r"called all_reduce\(sum\) op 3 float32\[452\]"):
         staged(sub, ALL_REDUCE, "sum", x, len(x), 4096)
+
+
+@pytest.mark.skipif(COMM.size < 2, reason="needs two ranks")
+def test_a_copy_failing_between_chunks_fails_the_peers_at_once_quoting_it():
+    """Rank 0's copy of chunk 1's result fails after every rank ran chunk 1's host call, as a CUDA
+    copy may: rank 0 leaves the host communicator (kJaxringHostLeave), so its peers, waiting for
+    it in chunk 2's, fail at once with its error instead of timing out."""
+    import time
+
+    sub = COMM.split(0, key=COMM.rank)  # the failure breaks it; COMM must stay usable
+    x = np.ones(3000, np.float32)  # three chunks of 1024 elements
+    with jaxring.config.override(timeout_seconds=20.0):
+        start = time.monotonic()
+        with pytest.raises(RuntimeError, match=r"copying result chunk 1 to the device failed "
+                                               r"\(injected\)"):
+            staged(sub, ALL_REDUCE, "sum", x, len(x), 4096,
+                   fail_copy_out=1 if COMM.rank == 0 else -1)
+        assert time.monotonic() - start < 10.0
+        with pytest.raises(RuntimeError, match=r"injected"):  # and so does every later call
+            staged(sub, ALL_REDUCE, "sum", x, len(x), 4096)

@@ -18,6 +18,12 @@ enum JaxringHostRole : uint8_t {
   // rank is an error, as for any call) and all arrive; no data moves. The GPU transports
   // (cuda/ipc.cc) synchronise their steps with it and move the data in device memory themselves.
   kJaxringHostAgree = 4,
+  // This rank leaves process communicator `comm` because one of its GPU collectives failed
+  // outside the host library (a CUDA error between the host calls of its steps or chunks): its
+  // peers, waiting in a host call of the same collective for this rank, fail at once quoting
+  // `input` (input_count bytes of text) instead of waiting out their timeout, and this rank's
+  // later calls fail. The first error stands; a rank that left already stays as it was.
+  kJaxringHostLeave = 5,
 };
 
 struct JaxringHostCall {

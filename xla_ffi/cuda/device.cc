@@ -141,7 +141,13 @@ Status GpuCommunicator::Run(cudaStream_t stream, const JaxringHostCall& call, co
   status = UseDevice(device_, where);
   if (!status.ok()) return status;
   status = RunChecked(stream, call, h, x, y, where);
-  if (!status.ok()) broken_ = status.message();
+  if (!status.ok()) {
+    broken_ = status.message();
+    // Peers may be waiting for this rank in a host call of the same collective (a CUDA error
+    // came between two of them): they fail at once, quoting this error. Failures of the host
+    // calls themselves have left the communicator already.
+    (void)RunOnHost(LeaveCall(call, rank_, broken_));
+  }
   return status;
 }
 

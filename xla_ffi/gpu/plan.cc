@@ -52,6 +52,18 @@ Header HeaderOf(const JaxringHostCall& call) {
   return header;
 }
 
+JaxringHostCall LeaveCall(const JaxringHostCall& call, int rank, const std::string& why) {
+  JaxringHostCall leave = call;
+  leave.rank = rank;
+  leave.group = 0;
+  leave.role = kJaxringHostLeave;
+  leave.input = why.data();
+  leave.input_count = static_cast<int64_t>(why.size());
+  leave.output = nullptr;
+  leave.output_count = 0;
+  return leave;
+}
+
 std::string CheckSlotBytes(Transport transport, int64_t bytes, int size) {
   const char* what = transport == Transport::kIpc ? "gpu_workspace_bytes" : "gpu_staging_bytes";
   if (bytes < kMinSlotBytes)

@@ -66,6 +66,10 @@ int64_t BlockCount(Collective kind, int64_t input_count, int size);
 // The header every rank posts for `call` (its count is the input's).
 Header HeaderOf(const JaxringHostCall& call);
 
+// The host call by which rank `rank` leaves `call`'s process communicator after one of its GPU
+// collectives failed with `why` (kJaxringHostLeave). It points into `why`.
+JaxringHostCall LeaveCall(const JaxringHostCall& call, int rank, const std::string& why);
+
 // "" when `bytes` is a usable slot/chunk size for `size` ranks, else why not.
 std::string CheckSlotBytes(Transport transport, int64_t bytes, int size);
 

@@ -130,7 +130,8 @@ class HostIpcOps final : public jaxring::gpu::IpcOps {
 // all host memory, copies are synchronous; the chunks run on the real host transport.
 class HostStagingOps final : public jaxring::gpu::StagingOps {
  public:
-  explicit HostStagingOps(int64_t chunk_bytes) {
+  // `fail_copy_out` >= 0: that result copy (counted from 0) fails, as a CUDA copy may on a GPU.
+  HostStagingOps(int64_t chunk_bytes, int fail_copy_out) : fail_copy_out_(fail_copy_out) {
     for (auto& b : to_host_) b.resize(chunk_bytes);
     for (auto& b : from_host_) b.resize(chunk_bytes);
   }
@@ -151,6 +152,9 @@ class HostStagingOps final : public jaxring::gpu::StagingOps {
   jaxring::Status CopyOut(int b, void* dst, size_t dst_pitch, size_t row_bytes,
                           size_t rows) override {
     if (row_bytes * rows > from_host_[b].size()) return Overflow();
+    if (copies_out_++ == fail_copy_out_)
+      return jaxring::Status::Error("copying result chunk " + std::to_string(fail_copy_out_) +
+                                    " to the device failed (injected)");
     return jaxring::gpu::HostCopyRows(dst, dst_pitch, from_host_[b].data(), row_bytes, row_bytes,
                                       rows);
   }
@@ -171,6 +175,8 @@ class HostStagingOps final : public jaxring::gpu::StagingOps {
   }
   std::vector<char> to_host_[2], from_host_[2];
   bool began_ = false, ended_ = false;
+  const int fail_copy_out_;
+  int copies_out_ = 0;
 };
 
 template <typename Fn>
@@ -449,17 +455,20 @@ NB_MODULE(_jaxring, m) {
       "staged_steps_on_host",
       [](uint64_t key, const std::string& name, int rank, int size, int64_t chunk_bytes,
          int kind, int op, int dtype, const nb::bytes& input, int64_t output_count, int64_t root,
-         int64_t op_id) {
+         int64_t op_id, int fail_copy_out) {
         StepsTest t(key, name, rank, size, kind, op, dtype, input, output_count, root, op_id);
         const std::string bad =
             jaxring::gpu::CheckSlotBytes(jaxring::gpu::Transport::kStaged, chunk_bytes, size);
         if (!bad.empty()) throw nb::value_error(bad.c_str());
-        HostStagingOps ops(chunk_bytes);
+        HostStagingOps ops(chunk_bytes, fail_copy_out);
         jaxring::Status status;
         {
           nb::gil_scoped_release release;
           status = jaxring::gpu::RunStagedSteps(t.header, t.call, input.c_str(), t.output.data(),
                                                 rank, size, chunk_bytes, ops);
+          // As GpuCommunicator::Run (cuda/device.cc) after a failure.
+          if (!status.ok())
+            (void)RunOnHost(jaxring::gpu::LeaveCall(t.call, rank, status.message()));
         }
         if (!ops.Ended())
           throw std::runtime_error("the staged pipeline returned without End(): " +
@@ -469,9 +478,10 @@ NB_MODULE(_jaxring, m) {
       },
       nb::arg("key"), nb::arg("name"), nb::arg("rank"), nb::arg("size"), nb::arg("chunk_bytes"),
       nb::arg("kind"), nb::arg("op"), nb::arg("dtype"), nb::arg("input"), nb::arg("output_count"),
-      nb::arg("root"), nb::arg("op_id"),
+      nb::arg("root"), nb::arg("op_id"), nb::arg("fail_copy_out") = -1,
       "Runs the staged transport's pipeline (gpu/staged_steps.h) on host memory, each chunk on "
-      "process communicator `key`'s host transport.");
+      "process communicator `key`'s host transport; result copy `fail_copy_out` (if >= 0) fails. "
+      "After a failure this rank leaves the communicator, as a GPU communicator does.");
   // For tests of what a rank that gives up leaves behind (LocalTransport::Close): one rank's call
   // on an in-process communicator, on host arrays the test owns, so that it sees whether anyone
   // wrote into this rank's output after the call returned.

@@ -186,9 +186,12 @@ void ShmCommunicator::CopyIn(void* dst, const void* src, size_t bytes, ShmStores
 }
 
 Status ShmCommunicator::BeginStep(const Header& header, const Deadline& deadline, int64_t spin) {
-  if (broken_)
-    return Status::Error(Where(header) + ": this communicator failed earlier (see the first "
-                                         "error); create a new one to continue");
+  if (broken_) {
+    const char* why = segment_->ranks[rank_].why;
+    return Status::Error(Where(header) + ": this communicator failed earlier and can no longer "
+                         "be used (create a new one to continue); the first error was: " +
+                         std::string(why, strnlen(why, kWhyBytes)));
+  }
   ++step_;
   if (step_ <= 2) return Status();
   // This parity's buffers were last used two steps ago; every peer must be done with them.
