@@ -134,14 +134,25 @@ int PostReceive(void* context, void* data, size_t bytes, int peer, char* error,
 }
 
 // Receives are cancelled, sends only freed: cancelling a large send under way crashed MPICH's
-// UCX device (MpiTransport::Fail).
+// UCX device (MpiTransport::Fail). A receive already under way may still write into its buffer,
+// which XLA reclaims once the call returns, so, as MpiTransport::Fail does, every request gets a
+// moment to complete (a cancelled receive that had not matched does at once) before what is
+// still active is freed and left running.
 void Drop(MpiMessages* m) {
-  for (size_t i = 0; i < m->requests.size(); ++i) {
-    MPI_Request& request = m->requests[i];
-    if (request == MPI_REQUEST_NULL) continue;
-    if (!m->sending[i]) MPI_Cancel(&request);
-    MPI_Request_free(&request);
+  for (size_t i = 0; i < m->requests.size(); ++i)
+    if (m->requests[i] != MPI_REQUEST_NULL && !m->sending[i]) MPI_Cancel(&m->requests[i]);
+  const Deadline grace(0.1);
+  for (bool done = false; !done && !grace.Expired();) {
+    done = true;
+    for (MPI_Request& request : m->requests) {
+      int flag = 1;
+      if (request != MPI_REQUEST_NULL) MPI_Test(&request, &flag, MPI_STATUS_IGNORE);
+      done = done && flag;
+    }
+    if (!done) std::this_thread::sleep_for(std::chrono::microseconds(20));
   }
+  for (MPI_Request& request : m->requests)
+    if (request != MPI_REQUEST_NULL) MPI_Request_free(&request);
   m->Clear();
 }
 
