@@ -103,6 +103,8 @@ def _validate(config: Config) -> Config:
         # A bool is an int to Python but no count of bytes or seconds.
         if isinstance(value, bool) or not isinstance(value, accepts):
             raise TypeError(f"jaxring.config: {field} must be {name}, got {value!r}")
+        if kind is int and not -2**63 <= value < 2**63:  # the native library's int64_t
+            raise ValueError(f"jaxring.config: {field} must be below 2**63, got {value}")
         typed[field] = kind(value)
     config = dataclasses.replace(config, **typed)
     if config.algorithm not in ("auto", "direct", "ring"):
@@ -135,7 +137,12 @@ def _from_environment() -> Config:
     values = {}
     for field, (variable, kind) in _ENV.items():
         if variable in os.environ:
-            values[field] = kind(os.environ[variable])
+            raw = os.environ[variable]
+            try:
+                values[field] = kind(raw)
+            except ValueError:
+                raise ValueError(f"jaxring.config: the environment's {variable}={raw!r} is not "
+                                 f"{_ACCEPTS[kind][1]}") from None
     return _validate(Config(**values))
 
 
@@ -162,6 +169,10 @@ def update(**changes) -> Config:
     """Changes some fields, e.g. ``jaxring.config.update(timeout_seconds=10)``, once the
     programs already dispatched have finished."""
     global _current
+    unknown = sorted(set(changes) - set(_ENV))
+    if unknown:
+        raise TypeError(f"jaxring.config: no field {', '.join(map(repr, unknown))}; the fields are "
+                        f"{', '.join(_ENV)}")
     if all(type(value) is type(getattr(_current, field, None)) and value == getattr(_current, field)
            for field, value in changes.items()):
         # Nothing changes (an override of a field to its value, or its restoring): no programs to

@@ -395,6 +395,37 @@ def test_recv_like_a_64_bit_array_receives_what_send_sends_without_x64():
         np.testing.assert_array_equal(np.asarray(out), [0, 0, 0, 0, 0, 1, 2, 3])
 
 
+@pytest.mark.parametrize("shape, spec", [((1, 4), P("data", "pipe")), ((2, 2), P("pipe"))],
+                         ids=["a size-1 axis", "invariant over the other axis"])
+def test_recv_is_typed_as_what_is_sent_on_a_2d_mesh(shape, spec):
+    """On a mesh with a second axis, recv's result varies over it as the value sent does (as
+    ppermute's result is typed as its input), so that it can be a scan's carry and leave shard_map
+    through the sent value's out_specs. Typed from the group instead, it varied over too few axes
+    (a size-1 axis is no group axis) or too many (an input replicated over the other axis), and
+    both programs were refused."""
+    from jax.sharding import NamedSharding
+
+    m = jax.make_mesh(shape, ("data", "pipe"))
+    n = shape[1]
+    ring = [(i, (i + 1) % n) for i in range(n)]
+
+    def program(move):
+        def step(carry, _):
+            return move(carry) * 2, None
+        return jax.jit(jax.shard_map(lambda v: lax.scan(step, v, None, length=3)[0], mesh=m,
+                                     in_specs=spec, out_specs=spec))
+
+    def send_recv(c):
+        jaxring.send(c, "pipe", ring)
+        return jaxring.recv(c, "pipe", ring)
+
+    x = jax.device_put(np.random.default_rng(0).standard_normal((8, 4), np.float32),
+                       NamedSharding(m, spec))
+    ours = np.asarray(program(send_recv)(x))
+    np.testing.assert_array_equal(ours, np.asarray(program(lambda c: lax.ppermute(c, "pipe",
+                                                                                   ring))(x)))
+
+
 def test_send_and_recv_refuse_vmap_at_trace_time():
     m = mesh(2)
     x = shard(np.ones((4, 3), np.float32), m)

@@ -507,6 +507,14 @@ def test_unsupported_dtype_is_refused_with_allowed_values(dtype):
         shmap(lambda v: jaxring.all_reduce(v, "i"), m)(shard(np.zeros(4, dtype), m))
 
 
+def test_an_extended_dtype_is_refused_with_allowed_values():
+    m = mesh(2)
+    with pytest.raises(TypeError, match=r"unsupported dtype key<fry>; allowed: float32"):
+        # a PRNG key's dtype has no NumPy twin
+        shmap(lambda v: (jaxring.all_reduce(jax.random.key(0), "i"), v)[1], m)(
+            shard(np.zeros(4, np.float32), m))
+
+
 def test_unsupported_op_and_bad_arguments():
     m = mesh(4)
     x = shard(np.zeros((8, 3), np.float32), m)
@@ -530,8 +538,11 @@ def test_unsupported_op_and_bad_arguments():
         shmap(lambda v: jaxring.ppermute(v, "i", [(0.7, 1)]), m)(x)
     with pytest.raises(ValueError, match="not a device mesh axis"):
         shmap(jax.vmap(lambda v: jaxring.all_reduce(v, "v"), axis_name="v"), m)(x)
-    with pytest.raises(ValueError, match="a vmap axis named like mesh axis 'i' hides it"):
-        shmap(jax.vmap(lambda v: jaxring.all_reduce(v, "i"), axis_name="i"), m)(x)
+    for hidden in (lambda v: jaxring.all_reduce(v, "i"),
+                   lambda v: (jaxring.barrier("i"), v)[1],  # before, it waited out the timeout
+                   lambda v: jaxring.recv(v, "i", [(0, 1)])):
+        with pytest.raises(ValueError, match="a vmap axis named like mesh axis 'i' hides it"):
+            shmap(jax.vmap(hidden, axis_name="i"), m)(x)
     with pytest.raises(ValueError, match=r"axis names repeat in \('i', 'i'\)"):
         shmap(lambda v: jaxring.all_reduce(v, ("i", "i")), m)(x)
     with pytest.raises(ValueError, match="algorithm must be"):
@@ -764,6 +775,13 @@ def test_config_override_restores_and_reaches_native():
             jaxring.config.update(**{field: value})
         assert jaxring.config.get() == before
         assert native.extension.get_config()[field] == getattr(before, field)
+    # An int the native library's int64_t cannot hold, and a field that does not exist.
+    with pytest.raises(ValueError, match=r"ring_threshold_bytes must be below 2\*\*63"):
+        jaxring.config.update(ring_threshold_bytes=2**63)
+    for value in (None, 1):
+        with pytest.raises(TypeError, match="no field 'bogus'; the fields are timeout_seconds"):
+            jaxring.config.update(bogus=value)
+    assert jaxring.config.get() == before
     # NumPy's scalars are numbers too, and become Python's.
     with jaxring.config.override(pipeline_slice_bytes=np.int64(8192),
                                  timeout_seconds=np.float32(2.5)) as config:
@@ -891,6 +909,12 @@ def test_config_from_environment():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
                          check=True).stdout.split()
     assert out == ["12.5", "ring"]
+    for variable, value, kind in (("JAXRING_RING_THRESHOLD_BYTES", "1e9", "an int"),
+                                  ("JAXRING_TIMEOUT_SECONDS", "", "a number")):
+        failed = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                                env=dict(os.environ, **{variable: value}))
+        assert failed.returncode != 0
+        assert f"the environment's {variable}={value!r} is not {kind}" in failed.stderr
 
 
 # ---- kernels: 16-bit conversions, exhaustively -------------------------------------------------

@@ -44,7 +44,10 @@ def _lowering(ctx, rank, group, *, comm, op_id):
 
 
 def _batching(args, dims, *, comm, op_id):
-    # Under vmap there is still one barrier per device.
+    # A barrier has no data operand: vmap batches it only when its rank or group is batched, by a
+    # vmap axis named like a mesh axis, which check_unbatched refuses (a batched rank would make
+    # the custom call take one example's index for the device's).
+    common.check_unbatched(comm, *dims)
     rank, group = args
     return barrier_p.bind(rank, group, comm=comm, op_id=op_id), []
 

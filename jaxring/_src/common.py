@@ -43,8 +43,8 @@ DTYPE_CODES: dict[np.dtype, int] = {np.dtype(jnp.dtype(name)): code
 
 
 def check_dtype(name: str, x) -> None:
-    dtype = np.dtype(x.dtype)
-    if dtype not in SUPPORTED_DTYPES:
+    dtype = x.dtype
+    if jax.dtypes.issubdtype(dtype, jax.dtypes.extended) or np.dtype(dtype) not in SUPPORTED_DTYPES:
         allowed = ", ".join(str(d) for d in SUPPORTED_DTYPES)
         raise TypeError(f"jaxring.{name}: unsupported dtype {dtype}; allowed: {allowed}")
 

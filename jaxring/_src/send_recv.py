@@ -57,9 +57,17 @@ def recv(like, axis_name, perm):
         pairs = common.check_perm("recv", perm, comm.size, comm.name)
         rank, group = comm.rank_and_group()
         return recv_p.bind(rank, group, aval=aval, comm=comm, perm=pairs,
-                           op_id=common.next_op_id(comm))
+                           op_id=common.next_op_id(comm), like_varying=_varying_of(leaf))
 
     return jax.tree.map(recv_leaf, like)
+
+
+def _varying_of(like):
+    """The mesh axes a traced `like` varies over (its vma), or None where `like` carries no such
+    type (a ShapeDtypeStruct, a NumPy array, a Python scalar)."""
+    if isinstance(like, core.Tracer) and common.vma_checking():
+        return common.varying_axes(like.aval)
+    return None
 
 
 # ---- abstract evaluation -----------------------------------------------------------------------
@@ -69,13 +77,16 @@ def _send_abstract_eval(rank, group, x, *, comm, perm, op_id):
     return [], {common.collective_effect}
 
 
-def _recv_abstract_eval(rank, group, *, aval, comm, perm, op_id):
-    # What arrives differs from device to device (like ppermute's result): it varies over the
-    # communicator's axes and the group's, so take the device context from the rank operand.
+def _recv_abstract_eval(rank, group, *, aval, comm, perm, op_id, like_varying):
+    # What arrives differs from device to device along the communicator's axes (like ppermute's
+    # result). Over the other mesh axes it varies as what was sent, which a traced `like` tells,
+    # as ppermute's result is typed as its input; otherwise as the group does. The device context
+    # comes from the rank operand.
     out = rank.update(shape=aval.shape, dtype=aval.dtype, weak_type=False)
     if common.vma_checking():
-        varying = frozenset(comm.axes) | common.varying_axes(rank) | common.varying_axes(group)
-        out = common.with_varying_axes(out, varying)
+        if like_varying is None:
+            like_varying = common.varying_axes(rank) | common.varying_axes(group)
+        out = common.with_varying_axes(out, frozenset(comm.axes) | like_varying)
     return out, {common.collective_effect}
 
 
@@ -87,7 +98,7 @@ def _send_lowering(ctx, rank, group, x, *, comm, perm, op_id):
                                    perm=common.perm_attribute(perm))
 
 
-def _recv_lowering(ctx, rank, group, *, aval, comm, perm, op_id):
+def _recv_lowering(ctx, rank, group, *, aval, comm, perm, op_id, like_varying):
     return common.lower_collective("jaxring_recv", ctx, rank, group, comm=comm, op_id=op_id,
                                    perm=common.perm_attribute(perm))
 
@@ -102,6 +113,14 @@ def _send_batching(args, dims, *, comm, perm, op_id):
         "jaxring.send and jaxring.recv do not work under vmap (the matching recv cannot see the "
         "batch); send and receive the whole batch outside vmap, or use jaxring.ppermute, which "
         "does")
+
+
+def _recv_batching(args, dims, *, comm, **params):
+    # recv has no data operand: vmap batches it only when its rank or group is batched, by a vmap
+    # axis named like a mesh axis, which check_unbatched refuses.
+    common.check_unbatched(comm, *dims)
+    raise AssertionError("check_unbatched refuses a batched rank or group")
+
 
 # ---- differentiation ---------------------------------------------------------------------------
 
@@ -122,4 +141,5 @@ recv_p.def_effectful_abstract_eval(_recv_abstract_eval)
 common.register_lowering_rule(send_p, _send_lowering)
 common.register_lowering_rule(recv_p, _recv_lowering)
 batching.primitive_batchers[send_p] = _send_batching
+batching.primitive_batchers[recv_p] = _recv_batching
 ad.primitive_jvps[send_p] = _send_jvp
