@@ -227,6 +227,81 @@ def test_a_late_receiver_of_an_in_place_message_gets_an_error_not_its_senders_bu
 
 
 @pytest.mark.skipif(N < 2, reason="needs two ranks")
+def test_a_receive_that_times_out_leaves_nothing_to_write_into_its_freed_output():
+    """Ranks 0 and 1 swap 1 MiB in place. Rank 1 says it is ready for rank 0's payload, then
+    stalls 2.5 s before sending its own; rank 0, which gives up after 1 s, had posted its receive
+    of rank 1's payload into its output. That receive was once dropped from the failure path's
+    list before the path cancelled what the list held, so it stayed active: when rank 1 woke and
+    sent, MPI wrote 1 MiB into memory XLA had freed, which rank 0 had since handed to new arrays
+    (or that was no longer mapped). Now it is cancelled, and those arrays keep their -1s."""
+    sub = COMM.split(0 if COMM.rank < 2 else 1, key=COMM.rank)
+    if COMM.rank < 2:
+        x = np.arange(1 << 18, dtype=np.float32) + COMM.rank  # far above p2p_eager_bytes
+        swap = jax.jit(lambda v: jaxring.ppermute(v, sub, [(0, 1), (1, 0)]))
+        swap.lower(x).compile()
+        ext, _ = jaxring.mpi._mpi_extension()
+        sub.mpi_comm.Barrier()
+        if COMM.rank == 1:
+            ext.stall_next_data(2.5)
+        try:
+            with jaxring.config.override(timeout_seconds=1.0 if COMM.rank == 0 else 20.0):
+                with pytest.raises(Exception, match="timed out" if COMM.rank == 0 else "gave up"):
+                    np.asarray(swap(x))
+        finally:
+            ext.stall_next_data(0)
+        jaxring.reset_after_error()
+        if COMM.rank == 0:
+            fresh = [np.full(1 << 18, -1.0, np.float32) for _ in range(64)]
+        sub.mpi_comm.Barrier()  # rank 1 has failed: its payload may have gone out
+        for _ in range(20):  # MPI's progress, in which an active receive would match it
+            sub.mpi_comm.Iprobe()
+            time.sleep(0.05)
+        sub.mpi_comm.Barrier()
+        if COMM.rank == 0:
+            for i, a in enumerate(fresh):
+                assert (a == -1.0).all(), f"array {i} was written into"
+    MPI_COMM.Barrier()
+
+
+@pytest.mark.skipif(N < 2, reason="needs two ranks")
+def test_messages_of_several_pieces_arrive_whole():
+    """MPI messages travel as pieces of at most 1 GiB (MPI's counts are ints); the test makes them
+    pieces of 4 KiB. A copied message that no longer fits one piece with its header (an eager
+    ppermute, any send) then follows its header as pieces: it was once announced as in place,
+    so its receiver told the sender it was ready and waited for a payload that never came, until
+    its timeout. In-place messages and the collectives' slices then also come in many pieces."""
+    from helpers import assert_close
+
+    ext, _ = jaxring.mpi._mpi_extension()
+    sub = COMM.split(0, key=COMM.rank)
+    shift = permutations()["shift"]
+    rng = np.random.default_rng([COMM.rank, 11])
+
+    def send_recv(v):
+        jaxring.send(v, sub, shift)
+        return jaxring.recv(v, sub, shift)
+
+    MPI_COMM.Barrier()
+    ext.set_max_piece(4096)
+    try:
+        with jaxring.config.override(timeout_seconds=20.0):
+            # in one piece with its header, just over one, and in place (40 pieces)
+            for size in (900, 1100, 40_000):
+                x = rng.standard_normal(size).astype(np.float32)
+                inputs = gathered(x)
+                expected = expected_permute(inputs, shift, COMM.rank)
+                for name, f in (("ppermute", lambda v: jaxring.ppermute(v, sub, shift)),
+                                ("send/recv", send_recv)):
+                    np.testing.assert_array_equal(np.asarray(jax.jit(f)(x)), expected,
+                                                  err_msg=f"{name}, {size} elements")
+                y = jax.jit(lambda v: jaxring.all_reduce(v, sub))(x)
+                assert_close(np.asarray(y), inputs.astype(np.float64).sum(0), np.float32, count=N)
+    finally:
+        MPI_COMM.Barrier()
+        ext.set_max_piece(0)
+
+
+@pytest.mark.skipif(N < 2, reason="needs two ranks")
 def test_missing_sender_times_out_naming_it():
     sub = COMM.split(0, key=COMM.rank)
     if COMM.rank == 0:  # rank 1 never sends

@@ -50,17 +50,29 @@ void StallIfArmed() {
   if (microseconds > 0) std::this_thread::sleep_for(std::chrono::microseconds(microseconds));
 }
 
-// MPI counts are ints: larger messages travel as several pieces of at most this many bytes.
+// MPI counts are ints: larger messages travel as several pieces of at most this many bytes
+// (SetMaxPieceForTest lowers it, so that tests reach the paths of messages over 1 GiB).
 constexpr size_t kMaxPiece = size_t{1} << 30;
+std::atomic<size_t> max_piece{kMaxPiece};
+size_t MaxPiece() { return max_piece.load(std::memory_order_relaxed); }
 // Ring slices in flight to the right neighbour before a rank waits for its oldest to arrive.
 constexpr size_t kRingSendsInFlight = 8;
 // Eager point-to-point sends in flight before a sender waits for its oldest to be received.
 constexpr size_t kMaxEagerInFlight = 64;
 
+// How a point-to-point message's payload travels (WireHeader::payload).
+enum Payload : uint32_t {
+  kPayloadInline = 0,    // in the header's message
+  kPayloadInPlace = 1,   // from the sender's buffer once the receiver is ready (kReadyTag, then
+                         // kPayloadTag)
+  kPayloadSeparate = 2,  // a copy too large for one message: its pieces follow the header
+                         // (kP2PTag)
+};
+
 // Prefix of every point-to-point message.
 struct WireHeader {
   Header header;
-  uint32_t in_place;  // the payload follows as separate message(s), received into place
+  uint32_t payload;  // Payload
   uint32_t reserved;
 };
 
@@ -191,14 +203,14 @@ Status MpiTransport::Call(const Header& h, int code, const char* what) {
   return Status::Error(Where(h) + ": MPI failed to " + what + ": " + ErrorText(code));
 }
 
-// Starts `bytes` as pieces of at most kMaxPiece bytes (a zero-byte message is still one
+// Starts `bytes` as pieces of at most MaxPiece() bytes (a zero-byte message is still one
 // message): start(offset, piece bytes, request) posts one and returns its MPI code.
 template <typename Start>
 Status MpiTransport::Pieces(const Header& h, size_t bytes, int peer, bool sending, Requests* r,
                             const char* what, Start start) {
   size_t done = 0;
   do {
-    const size_t piece = std::min(bytes - done, kMaxPiece);
+    const size_t piece = std::min(bytes - done, MaxPiece());
     r->requests.push_back(MPI_REQUEST_NULL);
     r->peers.push_back(peer);
     r->sending.push_back(sending);
@@ -561,9 +573,9 @@ Status MpiTransport::Ring(const Header& h, const CollectiveBuffers& b, const Dea
   const std::vector<RingStep> mine = schedule(rank_);
   const std::vector<RingStep> theirs = schedule(right);
   const int steps = static_cast<int>(mine.size());
-  // Slices within one MPI message (kMaxPiece), so that each slice is one request in Wait.
+  // Slices within one MPI message (MaxPiece()), so that each slice is one request in Wait.
   const int64_t slice = std::max<int64_t>(
-      1, std::min<int64_t>(config_.pipeline_slice_bytes, kMaxPiece) / acc_width);
+      1, std::min<int64_t>(config_.pipeline_slice_bytes, MaxPiece()) / acc_width);
   int64_t largest = 0;
   for (const RingStep& s : mine) largest = std::max(largest, s.reduce ? s.count : 0);
   char* scratch = h.kind == Collective::kAllGather ? nullptr : Scratch(0, h.count * acc_width);
@@ -704,7 +716,7 @@ Status MpiTransport::Broadcast(const Header& h, const CollectiveBuffers& b,
     }
   } else {
     const size_t slice =
-        std::max<int64_t>(1, std::min<int64_t>(config_.pipeline_slice_bytes, kMaxPiece));
+        std::max<int64_t>(1, std::min<int64_t>(config_.pipeline_slice_bytes, MaxPiece()));
     const size_t pieces = (bytes + slice - 1) / slice;
     received = std::min(slice, bytes);
     for (size_t k = 0; v > 0 && k < pieces && status.ok(); ++k)
@@ -755,16 +767,17 @@ Status MpiTransport::Post(int dest, const Header& header, const void* data, size
   if (!broken_.empty()) return Broken(header);
   Status status = ReapEager(header, eager_.size() >= kMaxEagerInFlight);
   if (!status.ok()) return Fail(status);
-  // A copy too large for one MPI message travels as pieces after its header, like in-place.
-  const bool separate = in_place || sizeof(WireHeader) + bytes > kMaxPiece;
+  const Payload payload = in_place ? kPayloadInPlace
+                          : sizeof(WireHeader) + bytes > MaxPiece() ? kPayloadSeparate
+                                                                     : kPayloadInline;
   Eager message;
   message.bytes.resize(sizeof(WireHeader) + (in_place ? 0 : bytes));
-  const WireHeader wire{header, separate ? 1u : 0u, 0};
+  const WireHeader wire{header, payload, 0};
   std::memcpy(message.bytes.data(), &wire, sizeof(wire));
   if (!in_place && bytes > 0) std::memcpy(message.bytes.data() + sizeof(wire), data, bytes);
-  const size_t first = separate ? sizeof(wire) : message.bytes.size();
+  const size_t first = payload == kPayloadInline ? message.bytes.size() : sizeof(wire);
   status = Isend(header, message.bytes.data(), first, dest, kP2PTag, &message.requests);
-  if (status.ok() && separate && !in_place)
+  if (status.ok() && payload == kPayloadSeparate)
     status = Isend(header, message.bytes.data() + sizeof(wire), bytes, dest, kP2PTag,
                    &message.requests);
   if (status.ok() && in_place) {
@@ -884,22 +897,32 @@ Status MpiTransport::Receive(int source, const Header& expected, void* out, size
       << Describe(wire.header) << " but this rank expected " << Describe(expected) << ".";
     return Fail(Status::Error(s.str()));
   }
-  if (wire.in_place) {
+  if (wire.payload == kPayloadInPlace || wire.payload == kPayloadSeparate) {
+    // The pieces of a separate copy follow its header; an in-place payload comes once this rank
+    // says it is ready.
+    const bool in_place = wire.payload == kPayloadInPlace;
     recvs_.Clear();
-    status = Irecv(expected, out, bytes, source, kPayloadTag, &recvs_);
-    if (status.ok()) status = Isend(expected, &ready_, 1, source, kReadyTag, &recvs_);
+    status = Irecv(expected, out, bytes, source, in_place ? kPayloadTag : kP2PTag, &recvs_);
+    if (status.ok() && in_place) status = Isend(expected, &ready_, 1, source, kReadyTag, &recvs_);
     if (status.ok()) StallIfArmed();
     if (status.ok()) status = Wait(expected, &recvs_, -1, deadline, "send its data", source);
-    // The payload came straight from the caller's buffer, which XLA frees once the sender gives up.
-    if (status.ok()) status = SendersStayed(expected, bytes, source);
+    // An in-place payload came straight from the caller's buffer, which XLA frees once the
+    // sender gives up.
+    if (status.ok() && in_place) status = SendersStayed(expected, bytes, source);
+    if (!status.ok()) return Fail(status);  // which cancels the receive into `out`
     recvs_.Clear();
-    return status.ok() ? status : Fail(status);
+    return status;
   }
+  if (wire.payload != kPayloadInline)
+    return Fail(Status::Error(Where(expected) + ": a malformed message arrived from rank " +
+                              std::to_string(source)));
   if (static_cast<size_t>(length) != sizeof(wire) + bytes)
     return Fail(Status::Error(Where(expected) + ": a message of the wrong size arrived"));
   if (bytes > 0) std::memcpy(out, message_.data() + sizeof(wire), bytes);
   return Status();
 }
+
+void SetMaxPieceForTest(size_t bytes) { max_piece.store(bytes > 0 ? bytes : kMaxPiece); }
 
 void StallNextDataForTest(double seconds) {
   stall_next_data.store(static_cast<int64_t>(seconds * 1e6));

@@ -156,5 +156,9 @@ class MpiTransport final : public ProcessTransport {
 // header exchange has completed, and the next in-place point-to-point receive once it has told
 // its sender to send, as a rank does that the scheduler (or a debugger) stops there; 0 disarms it.
 void StallNextDataForTest(double seconds);
+// For tests: this process's MPI transports split messages into pieces of at most `bytes` (0:
+// back to 1 GiB, as MPI's int counts need), so that small messages take the paths of large ones.
+// Every rank must set the same, between calls.
+void SetMaxPieceForTest(size_t bytes);
 
 }  // namespace jaxring
