@@ -177,11 +177,21 @@ class Communicator:
             gpu_levels = dict(gpu_transport=gpu_options.transport,
                               gpu_workspace_bytes=gpu_options.workspace_bytes,
                               gpu_staging_bytes=gpu_options.staging_bytes)
-            self.levels = (
-                Communicator(node, label=f"{label} node", transport="shm", slot_bytes=slot_bytes,
-                             **gpu_levels),
-                Communicator(across, label=f"{label} across nodes", transport="mpi",
-                             **gpu_levels))
+            # Each level on every rank before the next: a rank whose node level failed (say, its
+            # node's /dev/shm is full) must not leave the other nodes' ranks waiting for it in
+            # the set-up of the level across nodes.
+            def level(make):
+                return common.set_up_on_every_rank(mpi_comm, make, self.rank, self.name)
+
+            try:
+                node_level = level(lambda: Communicator(
+                    node, label=f"{label} node", transport="shm", slot_bytes=slot_bytes,
+                    **gpu_levels))
+                self.levels = (node_level, level(lambda: Communicator(
+                    across, label=f"{label} across nodes", transport="mpi", **gpu_levels)))
+            except RuntimeError:
+                _detach(self.key)
+                raise
             # A failed call on any of the three makes this rank leave the other two, so that its
             # peers there (on other nodes too) fail at once instead of after a timeout.
             native.extension.link_failures([self.key] + [level.key for level in self.levels])
@@ -202,21 +212,20 @@ class Communicator:
         path = f"/jaxring-{self.key:016x}"
         # Rank 0 creates the segment, then the others map it; errors are shared so that no rank
         # is left waiting for one that failed.
-        for creating in (True, False):
-            error = None
+        def attach(creating):
             if (self.rank == 0) == creating:
-                try:
-                    native.extension.shm_attach(self.key, path, creating, self.rank, self.size,
-                                                slot_bytes, self.name)
-                except RuntimeError as e:
-                    error = f"rank {self.rank}: {e}"
-            errors = [e for e in self.mpi_comm.allgather(error) if e]
-            if errors:
-                if self.rank == 0:
-                    native.extension.shm_unlink(path)
-                _detach(self.key)
-                raise RuntimeError("jaxring.mpi: cannot set up " + self.name + ": " +
-                                   "; ".join(errors))
+                native.extension.shm_attach(self.key, path, creating, self.rank, self.size,
+                                            slot_bytes, self.name)
+
+        try:
+            for creating in (True, False):
+                common.set_up_on_every_rank(self.mpi_comm, lambda: attach(creating), self.rank,
+                                            self.name)
+        except RuntimeError:
+            if self.rank == 0:
+                native.extension.shm_unlink(path)
+            _detach(self.key)
+            raise
         if self.rank == 0:
             native.extension.shm_unlink(path)  # every rank has it mapped; nothing to clean up
 

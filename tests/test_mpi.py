@@ -71,6 +71,33 @@ def test_a_rank_that_exits_right_after_dispatch_still_takes_part(transport):
     assert "rank 1 got the sum" in result.stdout
 
 
+def test_a_level_that_fails_on_one_node_fails_every_rank_of_a_hierarchical_communicator():
+    """Two pretend nodes of two ranks; the second node cannot set up its shared memory (as when
+    its /dev/shm is full). Its ranks raised while the first node's went on to set up the level
+    across nodes and waited there for ever for them (mpi4py's collectives have no timeout); now
+    every rank raises, quoting the failure."""
+    result = run_script(4, timeout=120, source="""
+        import jaxring.mpi
+        from jaxring._src import native
+        from mpi4py import MPI
+        rank = MPI.COMM_WORLD.Get_rank()
+        if rank >= 2:
+            def full(*args):
+                raise RuntimeError("no room in /dev/shm (test)")
+            native.extension.shm_attach = full
+        try:
+            jaxring.mpi.Communicator(MPI.COMM_WORLD.Dup(), transport="hierarchical",
+                                     ranks_per_node=2)
+            print(f"rank {rank} set up", flush=True)
+        except RuntimeError as error:
+            print(f"rank {rank} raised: {error}", flush=True)
+    """)
+    assert result.returncode == 0, result.stdout + result.stderr
+    for rank in range(4):
+        assert re.search(rf"rank {rank} raised: jaxring.mpi: cannot set up .*no room in /dev/shm "
+                         r"\(test\)", result.stdout), result.stdout
+
+
 @pytest.mark.parametrize("transport", ["auto", "mpi"])
 @pytest.mark.parametrize("when", ["before", "during"])
 def test_a_killed_rank_is_named_instead_of_hanging(tmp_path, transport, when):

@@ -166,6 +166,21 @@ def perm_attribute(perm: tuple[tuple[int, int], ...]) -> np.ndarray:
     return np.asarray(perm, np.int64).reshape(-1)
 
 
+def set_up_on_every_rank(mpi_comm, step, rank: int, what: str):
+    """Runs `step()` (a part of setting up `what` that returns a result or raises) on every rank
+    of `mpi_comm`; if any rank failed, every rank raises one error naming each failure, so that
+    none goes on to wait in the next collective of the set-up for a peer that failed (mpi4py's
+    collectives have no timeout)."""
+    try:
+        result, error = step(), None
+    except Exception as e:  # noqa: BLE001 - reported on every rank below
+        result, error = None, f"rank {rank}: {e}"
+    errors = [e for e in mpi_comm.allgather(error) if e]
+    if errors:
+        raise RuntimeError(f"jaxring.mpi: cannot set up {what}: " + "; ".join(errors))
+    return result
+
+
 # ---- op ids ------------------------------------------------------------------------------------
 
 _op_ids = itertools.count(1)

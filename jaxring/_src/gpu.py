@@ -22,7 +22,7 @@ import dataclasses
 import functools
 import os
 
-from jaxring._src import native
+from jaxring._src import common, native
 
 GPU_TRANSPORTS = ("auto", "ipc", "staged", "host")
 CUDA_AWARE_CHOICES = ("auto", "0", "1")
@@ -138,20 +138,6 @@ def _library():
     return library
 
 
-def _collective(mpi_comm, step, what: str, name: str, rank: int):
-    """Runs `step()` (returns a result or raises) on every rank; if any rank failed, every rank
-    raises one error naming each failure, so that none waits for a failed peer."""
-    try:
-        result, error = step(), None
-    except Exception as e:  # noqa: BLE001 - reported on every rank below
-        result, error = None, f"rank {rank}: {e}"
-    errors = [e for e in mpi_comm.allgather(error) if e]
-    if errors:
-        raise RuntimeError(f"jaxring.mpi: cannot set up the {what} GPU transport of {name}: " +
-                           "; ".join(errors))
-    return result
-
-
 def _check(code: int, error: ctypes.Array) -> None:
     if code != 0:
         raise RuntimeError(error.value.decode(errors="replace"))
@@ -183,21 +169,23 @@ def attach(mpi_comm, key: int, rank: int, size: int, name: str, options: GpuOpti
                                                     error, _ERROR_BYTES), error)
                 return handles.raw
 
-            mine = _collective(mpi_comm, create, "cuda-ipc", name, rank)
+            what = f"the cuda-ipc GPU transport of {name}"
+            mine = common.set_up_on_every_rank(mpi_comm, create, rank, what)
             everyone = b"".join(mpi_comm.allgather(mine))
-            _collective(mpi_comm, lambda: _check(library.JaxringCudaIpcOpen(
-                key, everyone, error, _ERROR_BYTES), error), "cuda-ipc", name, rank)
+            common.set_up_on_every_rank(mpi_comm, lambda: _check(library.JaxringCudaIpcOpen(
+                key, everyone, error, _ERROR_BYTES), error), rank, what)
         else:
             # A CUDA-aware MPI gets device pointers, over messages of its own (collective).
+            what = f"the staged GPU transport of {name}"
             messages = None
             if aware and extension is not None:
                 from mpi4py import MPI
 
-                messages = _collective(mpi_comm, lambda: extension.message_ops(
-                    MPI._addressof(mpi_comm), name), "staged", name, rank)
-            _collective(mpi_comm, lambda: _check(library.JaxringCudaStagedCreate(
+                messages = common.set_up_on_every_rank(mpi_comm, lambda: extension.message_ops(
+                    MPI._addressof(mpi_comm), name), rank, what)
+            common.set_up_on_every_rank(mpi_comm, lambda: _check(library.JaxringCudaStagedCreate(
                 key, rank, size, local_device(), options.staging_bytes, messages, encoded,
-                error, _ERROR_BYTES), error), "staged", name, rank)
+                error, _ERROR_BYTES), error), rank, what)
     except Exception:
         library.JaxringCudaDetach(key)
         raise
