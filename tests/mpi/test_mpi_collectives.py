@@ -319,6 +319,24 @@ def test_mismatched_shapes_raise_on_every_rank_naming_both_sides():
 
 
 @pytest.mark.skipif(COMM.size < 2, reason="needs two ranks")
+def test_ranks_whose_config_shapes_messages_differently_raise_instead_of_pairing_them():
+    """Rank 1 alone sets mpi_ring_threshold_bytes to 0, so over MPI it runs the ring where the
+    others run their small-message algorithm: rank 0 once received one of rank 1's ring slices as
+    a whole message and returned a sum of stale scratch, silently. The headers now carry a digest
+    of those settings, and every rank raises before any data moves."""
+    sub = jaxring.mpi.Communicator(MPI_COMM.Dup(), label="config digest", transport="mpi")
+    x = np.ones(1000, np.float32)
+    with jaxring.config.override(timeout_seconds=30.0,
+                                 mpi_ring_threshold_bytes=0 if COMM.rank == 1 else 1 << 20):
+        with pytest.raises(Exception, match=r"rank 1 called all_reduce\(sum\) op \d+ "
+                                            r"float32\[1000\]\. .* These two calls agree, but the "
+                                            r"ranks' jaxring.config settings for collectives "
+                                            r"between processes .* differ"):
+            np.asarray(jax.jit(lambda v: jaxring.all_reduce(v, sub))(x))
+    jaxring.reset_after_error()
+
+
+@pytest.mark.skipif(COMM.size < 2, reason="needs two ranks")
 def test_a_communicator_made_while_tracing_lives_as_long_as_the_program():
     """The split communicator has no reference left once tracing returns: the traced program
     keeps it alive (before, it was collected and the call waited out the timeout)."""

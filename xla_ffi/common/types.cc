@@ -58,8 +58,8 @@ const char* CollectiveName(Collective kind) {
 }
 
 bool operator==(const Header& a, const Header& b) {
-  return a.kind == b.kind && a.op == b.op && a.dtype == b.dtype && a.op_id == b.op_id &&
-         a.count == b.count && a.root == b.root;
+  return a.kind == b.kind && a.op == b.op && a.dtype == b.dtype && a.plan == b.plan &&
+         a.op_id == b.op_id && a.count == b.count && a.root == b.root;
 }
 
 bool SameMessage(const Header& a, const Header& b) {
@@ -89,6 +89,14 @@ Status CheckHeadersAgree(const std::function<std::string()>& where, int size,
     s << where() << ": mismatched collectives: rank 0 called " << Describe(reference) << " but rank "
       << peer << " called " << Describe(other)
       << ". Every rank must make the same collective calls in the same order.";
+    if (reference.plan != other.plan) {
+      Header same = other;
+      same.plan = reference.plan;
+      if (same == reference)
+        s << " These two calls agree, but the ranks' jaxring.config settings for collectives "
+             "between processes (algorithm, mpi_ring_threshold_bytes, pipeline_slice_bytes) "
+             "differ, so their messages would not match: set the same on every rank.";
+    }
     if ((reference.root ^ other.root) & kGpuStepTag)
       s << " One of them ran it on a GPU transport and the other on the host: on a communicator "
            "with a GPU transport every rank must run its collectives on its GPU.";

@@ -91,6 +91,17 @@ bool Poll(Done done, const Deadline& deadline, int64_t spin) {
   return true;
 }
 
+// Header::plan: a digest (FNV-1a) of the configuration that shapes a collective's messages.
+uint32_t Plan(const Config& config) {
+  const int64_t fields[] = {static_cast<int64_t>(config.algorithm),
+                            config.mpi_ring_threshold_bytes, config.pipeline_slice_bytes};
+  uint32_t digest = 2166136261u;
+  for (int64_t field : fields)
+    for (int byte = 0; byte < 8; ++byte)
+      digest = (digest ^ static_cast<uint8_t>(field >> (8 * byte))) * 16777619u;
+  return digest;
+}
+
 std::string ErrorText(int code) {
   char text[MPI_MAX_ERROR_STRING];
   int length = 0;
@@ -416,7 +427,9 @@ Status MpiTransport::RunCollective(const Header& h, const CollectiveBuffers& b,
   const Deadline deadline(config.timeout_seconds);
   sends_.Clear();
   recvs_.Clear();
-  Status status = ExchangeHeaders(h, deadline);
+  Header mine = h;
+  mine.plan = Plan(config);
+  Status status = ExchangeHeaders(mine, deadline);
   if (status.ok()) StallIfArmed();
   if (status.ok() && h.kind != Collective::kBarrier) {
     const size_t width = ByteWidth(h.dtype);
