@@ -104,7 +104,7 @@ def _validate(config: Config) -> Config:
         if isinstance(value, bool) or not isinstance(value, accepts):
             raise TypeError(f"jaxring.config: {field} must be {name}, got {value!r}")
         if kind is int and not -2**63 <= value < 2**63:  # the native library's int64_t
-            raise ValueError(f"jaxring.config: {field} must be below 2**63, got {value}")
+            raise ValueError(f"jaxring.config: {field} must be in [-2**63, 2**63), got {value}")
         typed[field] = kind(value)
     config = dataclasses.replace(config, **typed)
     if config.algorithm not in ("auto", "direct", "ring"):

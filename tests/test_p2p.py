@@ -395,19 +395,22 @@ def test_recv_like_a_64_bit_array_receives_what_send_sends_without_x64():
         np.testing.assert_array_equal(np.asarray(out), [0, 0, 0, 0, 0, 1, 2, 3])
 
 
-@pytest.mark.parametrize("shape, spec", [((1, 4), P("data", "pipe")), ((2, 2), P("pipe"))],
-                         ids=["a size-1 axis", "invariant over the other axis"])
-def test_recv_is_typed_as_what_is_sent_on_a_2d_mesh(shape, spec):
-    """On a mesh with a second axis, recv's result varies over it as the value sent does (as
-    ppermute's result is typed as its input), so that it can be a scan's carry and leave shard_map
-    through the sent value's out_specs. Typed from the group instead, it varied over too few axes
-    (a size-1 axis is no group axis) or too many (an input replicated over the other axis), and
-    both programs were refused."""
+@pytest.mark.parametrize("shape", [(1, 4), (2, 2)], ids=["a size-1 axis", "two axes"])
+def test_recv_is_typed_as_varying_over_every_manual_axis(shape):
+    """recv cannot see what was sent, so inside shard_map its result is typed as varying over
+    every manual axis of the mesh, whatever `like` is (here a fresh constant): sound where the
+    value sent varies over the other axis, and the same type as an input split over both, so
+    that it can replace a scan's carry. Typed from the group's axes, it left out a size-1 axis,
+    and the scan over a (1, 4) mesh was refused."""
     from jax.sharding import NamedSharding
 
+    from jaxring._src import common
+
     m = jax.make_mesh(shape, ("data", "pipe"))
+    spec = P("data", "pipe")
     n = shape[1]
     ring = [(i, (i + 1) % n) for i in range(n)]
+    types = []
 
     def program(move):
         def step(carry, _):
@@ -417,13 +420,16 @@ def test_recv_is_typed_as_what_is_sent_on_a_2d_mesh(shape, spec):
 
     def send_recv(c):
         jaxring.send(c, "pipe", ring)
-        return jaxring.recv(c, "pipe", ring)
+        received = jaxring.recv(jnp.zeros(c.shape, c.dtype), "pipe", ring)
+        types.append(common.varying_axes(jax.typeof(received)))
+        return received
 
     x = jax.device_put(np.random.default_rng(0).standard_normal((8, 4), np.float32),
                        NamedSharding(m, spec))
     ours = np.asarray(program(send_recv)(x))
     np.testing.assert_array_equal(ours, np.asarray(program(lambda c: lax.ppermute(c, "pipe",
                                                                                    ring))(x)))
+    assert types and all(t == {"data", "pipe"} for t in types), types
 
 
 def test_send_and_recv_refuse_vmap_at_trace_time():

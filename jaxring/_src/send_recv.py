@@ -45,29 +45,34 @@ def recv(like, axis_name, perm):
     """Receives, on each destination device of `perm`, what the matching ``send`` sent.
 
     `like` gives the shape and dtype (an array or ``jax.ShapeDtypeStruct``; a pytree of them).
-    Devices that are no pair's destination get zeros, as ``lax.ppermute``.
+    Devices that are no pair's destination get zeros, as ``lax.ppermute``. Inside ``shard_map``
+    the result is typed as varying over every manual mesh axis (recv cannot see what was sent):
+    a scan carry it replaces must vary over them too (``jax.lax.pcast(x, axes, to="varying")``).
     """
 
     def recv_leaf(leaf):
         dtype = leaf.dtype if hasattr(leaf, "dtype") else jnp.result_type(leaf)  # Python scalars
+        common.check_dtype("recv", core.ShapedArray((), dtype))
         # As send's jnp.asarray does: float64 and int64 become 32-bit unless x64 is on.
         aval = core.ShapedArray(np.shape(leaf), jax.dtypes.canonicalize_dtype(dtype))
-        common.check_dtype("recv", aval)
         comm = common.point_to_point_communicator("recv", axis_name)
         pairs = common.check_perm("recv", perm, comm.size, comm.name)
         rank, group = comm.rank_and_group()
         return recv_p.bind(rank, group, aval=aval, comm=comm, perm=pairs,
-                           op_id=common.next_op_id(comm), like_varying=_varying_of(leaf))
+                           op_id=common.next_op_id(comm), varying=_result_varying(comm))
 
     return jax.tree.map(recv_leaf, like)
 
 
-def _varying_of(like):
-    """The mesh axes a traced `like` varies over (its vma), or None where `like` carries no such
-    type (a ShapeDtypeStruct, a NumPy array, a Python scalar)."""
-    if isinstance(like, core.Tracer) and common.vma_checking():
-        return common.varying_axes(like.aval)
-    return None
+def _result_varying(comm):
+    """What recv's result varies over under shard_map's vma checking (None without it): what
+    was sent differs between the communicator's devices and may differ along every other manual
+    axis, size-1 axes included (an input split over one varies over it), and recv cannot tell."""
+    if not common.vma_checking():
+        return None
+    mesh = jax.sharding.get_abstract_mesh()
+    manual = frozenset() if mesh is None or mesh.empty else frozenset(mesh.manual_axes)
+    return frozenset(comm.axes) | manual
 
 
 # ---- abstract evaluation -----------------------------------------------------------------------
@@ -77,16 +82,11 @@ def _send_abstract_eval(rank, group, x, *, comm, perm, op_id):
     return [], {common.collective_effect}
 
 
-def _recv_abstract_eval(rank, group, *, aval, comm, perm, op_id, like_varying):
-    # What arrives differs from device to device along the communicator's axes (like ppermute's
-    # result). Over the other mesh axes it varies as what was sent, which a traced `like` tells,
-    # as ppermute's result is typed as its input; otherwise as the group does. The device context
-    # comes from the rank operand.
+def _recv_abstract_eval(rank, group, *, aval, comm, perm, op_id, varying):
+    # The device context comes from the rank operand; the varying axes from _result_varying.
     out = rank.update(shape=aval.shape, dtype=aval.dtype, weak_type=False)
-    if common.vma_checking():
-        if like_varying is None:
-            like_varying = common.varying_axes(rank) | common.varying_axes(group)
-        out = common.with_varying_axes(out, frozenset(comm.axes) | like_varying)
+    if varying is not None:
+        out = common.with_varying_axes(out, varying)
     return out, {common.collective_effect}
 
 
@@ -98,7 +98,7 @@ def _send_lowering(ctx, rank, group, x, *, comm, perm, op_id):
                                    perm=common.perm_attribute(perm))
 
 
-def _recv_lowering(ctx, rank, group, *, aval, comm, perm, op_id, like_varying):
+def _recv_lowering(ctx, rank, group, *, aval, comm, perm, op_id, varying):
     return common.lower_collective("jaxring_recv", ctx, rank, group, comm=comm, op_id=op_id,
                                    perm=common.perm_attribute(perm))
 

@@ -323,16 +323,21 @@ def test_ranks_whose_config_shapes_messages_differently_raise_instead_of_pairing
     """Rank 1 alone sets mpi_ring_threshold_bytes to 0, so over MPI it runs the ring where the
     others run their small-message algorithm: rank 0 once received one of rank 1's ring slices as
     a whole message and returned a sum of stale scratch, silently. The headers now carry a digest
-    of those settings, and every rank raises before any data moves."""
+    of the choice those settings make (method and slice size), and every rank raises before any
+    data moves; where the settings make no difference, as for all_gather, the call goes on."""
     sub = jaxring.mpi.Communicator(MPI_COMM.Dup(), label="config digest", transport="mpi")
-    x = np.ones(1000, np.float32)
+    ok = jaxring.mpi.Communicator(MPI_COMM.Dup(), label="config digest, all_gather",
+                                  transport="mpi")
+    x = np.arange(1000, dtype=np.float32) + COMM.rank
     with jaxring.config.override(timeout_seconds=30.0,
                                  mpi_ring_threshold_bytes=0 if COMM.rank == 1 else 1 << 20):
-        with pytest.raises(Exception, match=r"rank 1 called all_reduce\(sum\) op \d+ "
-                                            r"float32\[1000\]\. .* These two calls agree, but the "
-                                            r"ranks' jaxring.config settings for collectives "
-                                            r"between processes .* differ"):
+        with pytest.raises(Exception, match=r"rank 0 and rank 1 both called all_reduce\(sum\) "
+                                            r"op \d+ float32\[1000\], but their jaxring.config "
+                                            r"settings .* make them move its data differently"):
             np.asarray(jax.jit(lambda v: jaxring.all_reduce(v, sub))(x))
+        # all_gather always takes the ring, whatever the threshold: the settings do not matter
+        y = jax.jit(lambda v: jaxring.all_gather(v, ok))(x)
+        np.testing.assert_array_equal(np.asarray(y), np.concatenate(MPI_COMM.allgather(x)))
     jaxring.reset_after_error()
 
 

@@ -263,6 +263,32 @@ def test_a_receive_that_times_out_leaves_nothing_to_write_into_its_freed_output(
     MPI_COMM.Barrier()
 
 
+@pytest.mark.skipif(N < 3, reason="needs three ranks")
+def test_a_rank_that_gave_up_on_a_peers_notice_passes_it_on():
+    """Rank 0 gives up receiving from rank 2, which is late; rank 1 then gives up on rank 0's
+    notice while receiving from it; rank 2, later still, receives from rank 1, and looks for
+    notices from rank 1 alone. Rank 1 once sent none of its own (it had only been told), so
+    rank 2 waited out its 20 s; now it fails at once, quoting rank 0's error."""
+    sub = COMM.split(0 if COMM.rank < 3 else 1, key=COMM.rank)
+    if COMM.rank < 3:
+        like = np.zeros(4, np.float32)
+        source = {0: 2, 1: 0, 2: 1}[COMM.rank]
+        recv = jax.jit(lambda v: jaxring.recv(v, sub, [(source, COMM.rank)]))
+        recv.lower(like).compile()
+        sub.mpi_comm.Barrier()
+        time.sleep(1.5 * COMM.rank)
+        expected = {0: r"timed out after 1 s waiting for rank\(s\) \[2\]",
+                    1: r"rank 0 gave up .* timed out after 1 s",
+                    2: r"rank 1 gave up .* rank 0 gave up .* timed out after 1 s"}[COMM.rank]
+        start = time.monotonic()
+        with jaxring.config.override(timeout_seconds=1.0 if COMM.rank == 0 else 20.0):
+            with pytest.raises(Exception, match=expected):
+                np.asarray(recv(like))
+        assert time.monotonic() - start < 10, "waited out its own timeout"
+        jaxring.reset_after_error()
+    MPI_COMM.Barrier()
+
+
 @pytest.mark.skipif(N < 2, reason="needs two ranks")
 def test_messages_of_several_pieces_arrive_whole():
     """MPI messages travel as pieces of at most 1 GiB (MPI's counts are ints); the test makes them

@@ -86,17 +86,18 @@ Status CheckHeadersAgree(const std::function<std::string()>& where, int size,
     const Header& other = header_of(peer);
     if (other == reference) continue;
     std::ostringstream s;
+    Header same_plan = other;
+    same_plan.plan = reference.plan;
+    if (same_plan == reference) {
+      s << where() << ": rank 0 and rank " << peer << " both called " << Describe(reference)
+        << ", but their jaxring.config settings for collectives between processes (algorithm, "
+           "mpi_ring_threshold_bytes, pipeline_slice_bytes) make them move its data differently, "
+           "so their messages would not match: set the same on every rank.";
+      return Status::Error(s.str());
+    }
     s << where() << ": mismatched collectives: rank 0 called " << Describe(reference) << " but rank "
       << peer << " called " << Describe(other)
       << ". Every rank must make the same collective calls in the same order.";
-    if (reference.plan != other.plan) {
-      Header same = other;
-      same.plan = reference.plan;
-      if (same == reference)
-        s << " These two calls agree, but the ranks' jaxring.config settings for collectives "
-             "between processes (algorithm, mpi_ring_threshold_bytes, pipeline_slice_bytes) "
-             "differ, so their messages would not match: set the same on every rank.";
-    }
     if ((reference.root ^ other.root) & kGpuStepTag)
       s << " One of them ran it on a GPU transport and the other on the host: on a communicator "
            "with a GPU transport every rank must run its collectives on its GPU.";

@@ -154,19 +154,6 @@ Status RunAgreeCall(const JaxringHostCall& c, const Header& header) {
                        ": a header exchange needs a process communicator (jaxring.mpi)");
 }
 
-// A GPU collective failed between its host calls (kJaxringHostLeave): this rank leaves the
-// process communicator, and the communicators linked to it, so that its peers fail at once.
-Status RunLeaveCall(const JaxringHostCall& c) {
-  const std::string why(static_cast<const char*>(c.input), static_cast<size_t>(c.input_count));
-  if (auto processes = ShmCommunicator::Find(c.comm)) processes->Abandon(why);
-  if (auto processes = ProcessTransport::Find(c.comm)) {
-    std::lock_guard<std::mutex> lock(processes->mutex());
-    processes->Abandon(why);
-  }
-  ProcessTransport::FailLinked(c.comm, why);
-  return Status();
-}
-
 // This rank's partner in `perm` (flattened (source, destination) pairs): whom it sends to, or
 // whom it receives from; -1 if none.
 int Partner(const JaxringHostCall& c, bool sending) {
@@ -246,7 +233,11 @@ HostResult RunPointToPointCall(const JaxringHostCall& c, const Header& header,
 }  // namespace
 
 HostResult RunHostCall(const JaxringHostCall& c, HostCompletion* complete) {
-  if (c.role == kJaxringHostLeave) return {RunLeaveCall(c)};
+  if (c.role == kJaxringHostLeave) {
+    ProcessTransport::Leave(
+        c.comm, std::string(static_cast<const char*>(c.input), static_cast<size_t>(c.input_count)));
+    return {};
+  }
   const Collective kind = static_cast<Collective>(c.kind);
   HostResult result = Check(c, kind);
   if (!result.status.ok()) return result;

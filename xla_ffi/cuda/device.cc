@@ -143,10 +143,7 @@ Status GpuCommunicator::Run(cudaStream_t stream, const JaxringHostCall& call, co
   status = RunChecked(stream, call, h, x, y, where);
   if (!status.ok()) {
     broken_ = status.message();
-    // Peers may be waiting for this rank in a host call of the same collective (a CUDA error
-    // came between two of them): they fail at once, quoting this error. Failures of the host
-    // calls themselves have left the communicator already.
-    (void)RunOnHost(LeaveCall(call, rank_, broken_));
+    LeaveAfterFailure(host_call, call, rank_, broken_);
   }
   return status;
 }

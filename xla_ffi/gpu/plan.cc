@@ -52,7 +52,9 @@ Header HeaderOf(const JaxringHostCall& call) {
   return header;
 }
 
-JaxringHostCall LeaveCall(const JaxringHostCall& call, int rank, const std::string& why) {
+void LeaveAfterFailure(JaxringHostCallFn host_call, const JaxringHostCall& call, int rank,
+                       const std::string& why) {
+  if (host_call == nullptr) return;
   JaxringHostCall leave = call;
   leave.rank = rank;
   leave.group = 0;
@@ -61,7 +63,8 @@ JaxringHostCall LeaveCall(const JaxringHostCall& call, int rank, const std::stri
   leave.input_count = static_cast<int64_t>(why.size());
   leave.output = nullptr;
   leave.output_count = 0;
-  return leave;
+  char error[256];
+  (void)host_call(&leave, error, sizeof(error));
 }
 
 std::string CheckSlotBytes(Transport transport, int64_t bytes, int size) {

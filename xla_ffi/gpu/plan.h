@@ -66,9 +66,12 @@ int64_t BlockCount(Collective kind, int64_t input_count, int size);
 // The header every rank posts for `call` (its count is the input's).
 Header HeaderOf(const JaxringHostCall& call);
 
-// The host call by which rank `rank` leaves `call`'s process communicator after one of its GPU
-// collectives failed with `why` (kJaxringHostLeave). It points into `why`.
-JaxringHostCall LeaveCall(const JaxringHostCall& call, int rank, const std::string& why);
+// After one of its GPU collectives failed with `why`, rank `rank` leaves `call`'s process
+// communicator through the host library's `host_call` (kJaxringHostLeave): peers waiting for it
+// in a host call of the same collective (a CUDA error came between two of them) fail at once,
+// quoting `why`. Failures of the host calls themselves have left it already; then it does nothing.
+void LeaveAfterFailure(JaxringHostCallFn host_call, const JaxringHostCall& call, int rank,
+                       const std::string& why);
 
 // "" when `bytes` is a usable slot/chunk size for `size` ranks, else why not.
 std::string CheckSlotBytes(Transport transport, int64_t bytes, int size);

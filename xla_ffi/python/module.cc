@@ -468,7 +468,7 @@ NB_MODULE(_jaxring, m) {
                                                 rank, size, chunk_bytes, ops);
           // As GpuCommunicator::Run (cuda/device.cc) after a failure.
           if (!status.ok())
-            (void)RunOnHost(jaxring::gpu::LeaveCall(t.call, rank, status.message()));
+            jaxring::gpu::LeaveAfterFailure(&JaxringRunHostCall, t.call, rank, status.message());
         }
         if (!ops.Ended())
           throw std::runtime_error("the staged pipeline returned without End(): " +

@@ -91,10 +91,28 @@ bool Poll(Done done, const Deadline& deadline, int64_t spin) {
   return true;
 }
 
-// Header::plan: a digest (FNV-1a) of the configuration that shapes a collective's messages.
-uint32_t Plan(const Config& config) {
-  const int64_t fields[] = {static_cast<int64_t>(config.algorithm),
-                            config.mpi_ring_threshold_bytes, config.pipeline_slice_bytes};
+// How a rank of `size` moves collective `h`'s data between processes under `config`.
+enum class Method : int64_t { kNone = 0, kRecursiveDoubling, kRing, kBroadcastTree, kBroadcastChain };
+
+Method MethodOf(const Header& h, int size, const Config& config) {
+  if (size == 1 || h.kind == Collective::kBarrier) return Method::kNone;
+  const int64_t bytes = h.count * static_cast<int64_t>(ByteWidth(h.dtype));
+  if (h.kind == Collective::kBroadcast)
+    return bytes <= config.mpi_ring_threshold_bytes ? Method::kBroadcastTree
+                                                    : Method::kBroadcastChain;
+  if (h.kind == Collective::kAllReduce &&
+      (config.algorithm == Algorithm::kDirect ||
+       (config.algorithm == Algorithm::kAuto && bytes <= config.mpi_ring_threshold_bytes)))
+    return Method::kRecursiveDoubling;
+  return Method::kRing;
+}
+
+// Header::plan: a digest (FNV-1a) of the method and, where it slices the data, the slice size.
+// Ranks whose configurations differ there would pair messages of different sizes.
+uint32_t Plan(Method method, const Config& config) {
+  const bool sliced = method == Method::kRing || method == Method::kBroadcastChain;
+  const int64_t fields[] = {static_cast<int64_t>(method),
+                            sliced ? config.pipeline_slice_bytes : 0};
   uint32_t digest = 2166136261u;
   for (int64_t field : fields)
     for (int byte = 0; byte < 8; ++byte)
@@ -192,9 +210,17 @@ MpiTransport::~MpiTransport() {
   // communicator's context id to the next one of the same ranks, whose receives would match
   // them: a notice sent as a hierarchical communicator's levels failed together once arrived on
   // the next split of the same ranks, and failed its first call with the old communicator's
-  // error.
+  // error. So is one with any message still unreceived (a send nobody received): the next
+  // communicator would receive it as its own, wrong data if its shape matched.
   Status unread;
-  if (broken_.empty() && !PeerGaveUp(Header{}, MPI_ANY_SOURCE, &unread)) MPI_Comm_free(&comm_);
+  if (!broken_.empty() || PeerGaveUp(Header{}, MPI_ANY_SOURCE, &unread)) return;
+  for (int look = 0; look < kLooksForNotice; ++look) {  // MPICH may need more than one probe
+    int pending = 0;
+    if (MPI_Iprobe(MPI_ANY_SOURCE, MPI_ANY_TAG, comm_, &pending, MPI_STATUS_IGNORE) !=
+            MPI_SUCCESS || pending)
+      return;
+  }
+  MPI_Comm_free(&comm_);
 }
 
 std::string MpiTransport::Where(const Header& header) const {
@@ -328,7 +354,6 @@ bool MpiTransport::PeerGaveUp(const Header& h, int source, Status* error) {
   *error = Status::Error(Where(h) + ": " + peer + " gave up on this communicator (in this "
                          "collective or an earlier one), so this call cannot complete. The error "
                          "on " + peer + ": " + why);
-  told_ = true;
   return true;
 }
 
@@ -351,10 +376,12 @@ Status MpiTransport::SendersStayed(const Header& h, size_t largest_received, int
 }
 
 Status MpiTransport::Fail(Status status) {
-  broken_ = status.message();
-  if (!told_) {
+  if (broken_.empty()) {
+    broken_ = status.message();
     // Every peer learns why, so that one still waiting, or one that comes later, fails at once
-    // (PeerGaveUp) instead of after a timeout of its own. The notice is small enough to go
+    // (PeerGaveUp) instead of after a timeout of its own. A rank that gives up because of a
+    // peer's notice passes it on too: a peer waiting for this rank alone (a point-to-point
+    // receive from it) looks only for this rank's notices. The notice is small enough to go
     // eagerly, and its text is left allocated: a communicator fails once, and MPI may still be
     // sending it when this transport is gone.
     const std::string* notice = new std::string(broken_.substr(0, kNoticeBytes));
@@ -385,26 +412,10 @@ Status MpiTransport::Fail(Status status) {
   // this rank before any data moved, or a point-to-point payload, posted only once its receiver
   // was ready. That peer then finds this rank's notice (SendersStayed) rather than return what it
   // read.
-  std::vector<MPI_Request*> active;
-  for (Requests* r : pending)
-    for (size_t i = 0; i < r->requests.size(); ++i)
-      if (r->requests[i] != MPI_REQUEST_NULL) {
-        if (!r->sending[i]) MPI_Cancel(&r->requests[i]);
-        active.push_back(&r->requests[i]);
-      }
-  const Deadline grace(0.1);
-  Poll([&] {
-    bool done = true;
-    for (MPI_Request* request : active) {
-      int flag = 1;
-      if (*request != MPI_REQUEST_NULL) MPI_Test(request, &flag, MPI_STATUS_IGNORE);
-      done = done && flag;
-    }
-    return done;
-  }, grace, 0);
-  for (MPI_Request* request : active)
-    if (*request != MPI_REQUEST_NULL) MPI_Request_free(request);
-  for (Requests* r : pending) r->Clear();
+  for (Requests* r : pending) {
+    DropRequests(&r->requests, r->sending);
+    r->Clear();
+  }
   return status;
 }
 
@@ -427,8 +438,9 @@ Status MpiTransport::RunCollective(const Header& h, const CollectiveBuffers& b,
   const Deadline deadline(config.timeout_seconds);
   sends_.Clear();
   recvs_.Clear();
+  const Method method = MethodOf(h, size_, config);
   Header mine = h;
-  mine.plan = Plan(config);
+  mine.plan = Plan(method, config);
   Status status = ExchangeHeaders(mine, deadline);
   if (status.ok()) StallIfArmed();
   if (status.ok() && h.kind != Collective::kBarrier) {
@@ -443,10 +455,7 @@ Status MpiTransport::RunCollective(const Header& h, const CollectiveBuffers& b,
       }
     } else if (h.kind == Collective::kBroadcast) {
       status = Broadcast(h, b, deadline);
-    } else if (h.kind == Collective::kAllReduce &&
-               (config.algorithm == Algorithm::kDirect ||
-                (config.algorithm == Algorithm::kAuto &&
-                 h.count * static_cast<int64_t>(width) <= config.mpi_ring_threshold_bytes))) {
+    } else if (method == Method::kRecursiveDoubling) {
       status = RecursiveDoubling(h, b, deadline);
     } else {
       status = Ring(h, b, deadline);
@@ -714,7 +723,7 @@ Status MpiTransport::Broadcast(const Header& h, const CollectiveBuffers& b,
   if (v == 0 && bytes > 0 && b.input != b.output) std::memcpy(out, b.input, bytes);
   Status status;
   size_t received = bytes;  // the largest message a rank other than the root receives
-  if (static_cast<int64_t>(bytes) <= config_.mpi_ring_threshold_bytes) {
+  if (MethodOf(h, n, config_) == Method::kBroadcastTree) {
     int mask = 1;
     for (; mask < n; mask <<= 1) {
       if (v & mask) {
@@ -935,7 +944,27 @@ Status MpiTransport::Receive(int source, const Header& expected, void* out, size
   return Status();
 }
 
-void SetMaxPieceForTest(size_t bytes) { max_piece.store(bytes > 0 ? bytes : kMaxPiece); }
+void DropRequests(std::vector<MPI_Request>* requests, const std::vector<bool>& sending) {
+  for (size_t i = 0; i < requests->size(); ++i)
+    if ((*requests)[i] != MPI_REQUEST_NULL && !sending[i]) MPI_Cancel(&(*requests)[i]);
+  const Deadline grace(0.1);
+  Poll([&] {
+    bool done = true;
+    for (MPI_Request& request : *requests) {
+      int flag = 1;
+      if (request != MPI_REQUEST_NULL) MPI_Test(&request, &flag, MPI_STATUS_IGNORE);
+      done = done && flag;
+    }
+    return done;
+  }, grace, 0);
+  for (MPI_Request& request : *requests)
+    if (request != MPI_REQUEST_NULL) MPI_Request_free(&request);
+}
+
+void SetMaxPieceForTest(size_t bytes) {
+  // Every message is at least its header; at 0, back to MPI's limit.
+  max_piece.store(bytes > 0 ? std::max(bytes, sizeof(WireHeader)) : kMaxPiece);
+}
 
 void StallNextDataForTest(double seconds) {
   stall_next_data.store(static_cast<int64_t>(seconds * 1e6));

@@ -127,7 +127,6 @@ class MpiTransport final : public ProcessTransport {
   std::string name_;
   Config config_;
   std::string broken_;  // why the communicator failed; empty while healthy
-  bool told_ = false;   // broken by a peer's notice (PeerGaveUp): no notice of its own
   std::vector<char> scratch_[3];
   std::vector<char> message_;     // the point-to-point message being received
   std::vector<Header> headers_;   // the header all-gather's
@@ -156,6 +155,13 @@ class MpiTransport final : public ProcessTransport {
 // header exchange has completed, and the next in-place point-to-point receive once it has told
 // its sender to send, as a rank does that the scheduler (or a debugger) stops there; 0 disarms it.
 void StallNextDataForTest(double seconds);
+// Gives up on `requests` (sending[i]: whether request i is a send): cancels the receives, gives
+// every request 0.1 s to complete (a cancelled receive that had not matched does at once, one
+// under way finishes), then frees what is still active, which leaves it running. Sends are never
+// cancelled (MpiTransport::Fail says why). Receives under way past that may still write into
+// their buffers.
+void DropRequests(std::vector<MPI_Request>* requests, const std::vector<bool>& sending);
+
 // For tests: this process's MPI transports split messages into pieces of at most `bytes` (0:
 // back to 1 GiB, as MPI's int counts need), so that small messages take the paths of large ones.
 // Every rank must set the same, between calls.

@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "common/wait.h"
+#include "transports/mpi.h"
 
 namespace jaxring {
 namespace {
@@ -133,26 +134,10 @@ int PostReceive(void* context, void* data, size_t bytes, int peer, char* error,
               });
 }
 
-// Receives are cancelled, sends only freed: cancelling a large send under way crashed MPICH's
-// UCX device (MpiTransport::Fail). A receive already under way may still write into its buffer,
-// which XLA reclaims once the call returns, so, as MpiTransport::Fail does, every request gets a
-// moment to complete (a cancelled receive that had not matched does at once) before what is
-// still active is freed and left running.
+// Receives are cancelled and given a moment to finish, sends only freed (DropRequests): a
+// receive under way could write into an output XLA reclaims once the call returns.
 void Drop(MpiMessages* m) {
-  for (size_t i = 0; i < m->requests.size(); ++i)
-    if (m->requests[i] != MPI_REQUEST_NULL && !m->sending[i]) MPI_Cancel(&m->requests[i]);
-  const Deadline grace(0.1);
-  for (bool done = false; !done && !grace.Expired();) {
-    done = true;
-    for (MPI_Request& request : m->requests) {
-      int flag = 1;
-      if (request != MPI_REQUEST_NULL) MPI_Test(&request, &flag, MPI_STATUS_IGNORE);
-      done = done && flag;
-    }
-    if (!done) std::this_thread::sleep_for(std::chrono::microseconds(20));
-  }
-  for (MPI_Request& request : m->requests)
-    if (request != MPI_REQUEST_NULL) MPI_Request_free(&request);
+  DropRequests(&m->requests, m->sending);
   m->Clear();
 }
 
@@ -167,6 +152,10 @@ std::set<int> Peers(const MpiMessages& m, bool only_from) {
 // Polls with a back-off (yield, then naps up to 50 us): MPI offers nothing to sleep on.
 int WaitAll(void* context, double timeout_seconds, char* error, size_t error_bytes) {
   auto* m = static_cast<MpiMessages*>(context);
+  if (!m->broken.empty()) {  // a post failed (it found a peer's notice): drop what was posted
+    Drop(m);
+    return Fail(error, error_bytes, "an earlier exchange on " + m->name + " failed: " + m->broken);
+  }
   const Deadline deadline(timeout_seconds);
   auto nap = std::chrono::microseconds(1);
   int code = MPI_SUCCESS;
@@ -207,7 +196,7 @@ int WaitAll(void* context, double timeout_seconds, char* error, size_t error_byt
     nap = std::min(nap * 2, std::chrono::microseconds(50));
   }
   if (code != MPI_SUCCESS) {
-    m->Clear();
+    Drop(m);
     const int failed = MpiFailure(code, "exchange data", error, error_bytes);
     GiveUp(m, error_bytes > 0 ? std::string(error) : "MPI failed to exchange data");
     return failed;

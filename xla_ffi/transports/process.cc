@@ -16,6 +16,16 @@ std::map<uint64_t, std::vector<uint64_t>>& Links() {  // each key's linked keys,
   static auto* links = new std::map<uint64_t, std::vector<uint64_t>>();
   return *links;
 }
+
+// This rank leaves the communicators under `key` (shared memory's, a process transport's) with
+// `why`. A process transport whose mutex is held runs a call, and is skipped (process.h).
+void AbandonKey(uint64_t key, const std::string& why) {
+  if (auto shm = ShmCommunicator::Find(key)) shm->Abandon(why);
+  if (auto transport = ProcessTransport::Find(key)) {
+    std::unique_lock<std::mutex> lock(transport->mutex(), std::try_to_lock);
+    if (lock.owns_lock()) transport->Abandon(why);
+  }
+}
 }  // namespace
 
 void ProcessTransport::Register(uint64_t key, std::unique_ptr<ProcessTransport> transport) {
@@ -58,14 +68,13 @@ void ProcessTransport::FailLinked(uint64_t key, const std::string& why) {
     if (it == Links().end()) return;
     linked = it->second;
   }
-  for (uint64_t other : linked) {
-    if (other == key) continue;
-    if (auto shm = ShmCommunicator::Find(other)) shm->Abandon(why);
-    if (auto transport = Find(other)) {
-      std::unique_lock<std::mutex> lock(transport->mutex(), std::try_to_lock);
-      if (lock.owns_lock()) transport->Abandon(why);
-    }
-  }
+  for (uint64_t other : linked)
+    if (other != key) AbandonKey(other, why);
+}
+
+void ProcessTransport::Leave(uint64_t key, const std::string& why) {
+  AbandonKey(key, why);
+  FailLinked(key, why);
 }
 
 }  // namespace jaxring

@@ -51,6 +51,9 @@ class ProcessTransport : public PointToPoint {
   static void LinkFailures(const std::vector<uint64_t>& keys);
   static void UnlinkFailures(uint64_t key);
   static void FailLinked(uint64_t key, const std::string& why);
+  // This rank leaves communicator `key` and those linked to it with `why`, between calls (a GPU
+  // collective failed outside the host library: kJaxringHostLeave).
+  static void Leave(uint64_t key, const std::string& why);
 
  private:
   std::mutex mutex_;
