@@ -135,12 +135,9 @@ Status GpuCommunicator::Run(cudaStream_t stream, const JaxringHostCall& call, co
     return Status::Error(where + ": this communicator failed earlier and can no longer be used; "
                          "the first error was: " + broken_);
   Status status = CheckCall(call, size_, where);
-  if (!status.ok()) return status;
-  status = CheckStreamDevice(stream, where);
-  if (!status.ok()) return status;
-  status = UseDevice(device_, where);
-  if (!status.ok()) return status;
-  status = RunChecked(stream, call, h, x, y, where);
+  if (status.ok()) status = CheckStreamDevice(stream, where);
+  if (status.ok()) status = UseDevice(device_, where);
+  if (status.ok()) status = RunChecked(stream, call, h, x, y, where);
   if (!status.ok()) {
     broken_ = status.message();
     LeaveAfterFailure(host_call, call, rank_, broken_);

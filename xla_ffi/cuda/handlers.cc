@@ -64,11 +64,6 @@ Staging& staging() {
   return *s;
 }
 
-ffi::Error CudaFailure(cudaError_t error, const char* what) {
-  return ffi::Error::Internal(std::string("jaxring (CUDA): ") + what + ": " +
-                              cudaGetErrorString(error));
-}
-
 bool HasGpuTransport(const JaxringHostCall& call) {
   if (call.role != kJaxringHostCollective) return false;
   switch (static_cast<Collective>(call.kind)) {
@@ -89,12 +84,20 @@ ffi::Error HostStaged(cudaStream_t stream, JaxringHostCall call, ffi::AnyBuffer 
                                 "jaxring's host library; import jaxring to register it");
   const size_t in_bytes = x != nullptr ? x->size_bytes() : 0;
   const size_t out_bytes = y != nullptr ? y->size_bytes() : 0;
+  // A CUDA failure on this side of the host call leaves a process communicator, so that peers
+  // waiting for this rank in it fail at once (gpu::LeaveAfterFailure).
+  auto fail = [&](cudaError_t error, const char* what) {
+    const std::string why = std::string("jaxring (CUDA): ") + what + ": " +
+                            cudaGetErrorString(error);
+    gpu::LeaveAfterFailure(gpu::HostCall(), call, call.rank, why);
+    return ffi::Error::Internal(why);
+  };
   Staging& s = staging();
   std::lock_guard<std::mutex> lock(s.mutex);
   cudaError_t error = s.ids.Reserve(2 * sizeof(int32_t));
   if (error == cudaSuccess) error = s.input.Reserve(std::max<size_t>(in_bytes, 1));
   if (error == cudaSuccess) error = s.output.Reserve(std::max<size_t>(out_bytes, 1));
-  if (error != cudaSuccess) return CudaFailure(error, "allocating pinned staging memory");
+  if (error != cudaSuccess) return fail(error, "allocating pinned staging memory");
   int32_t* ids = reinterpret_cast<int32_t*>(s.ids.data());
   error = cudaMemcpyAsync(&ids[0], rank.untyped_data(), sizeof(int32_t),
                           cudaMemcpyDeviceToHost, stream);
@@ -105,7 +108,7 @@ ffi::Error HostStaged(cudaStream_t stream, JaxringHostCall call, ffi::AnyBuffer 
     error = cudaMemcpyAsync(s.input.data(), x->untyped_data(), in_bytes,
                             cudaMemcpyDeviceToHost, stream);
   if (error == cudaSuccess) error = cudaStreamSynchronize(stream);
-  if (error != cudaSuccess) return CudaFailure(error, "copying the input to the host");
+  if (error != cudaSuccess) return fail(error, "copying the input to the host");
 
   call.rank = ids[0];
   call.group = ids[1];
@@ -119,7 +122,7 @@ ffi::Error HostStaged(cudaStream_t stream, JaxringHostCall call, ffi::AnyBuffer 
                             cudaMemcpyHostToDevice, stream);
     // The staging buffer is reused by the next call: the copy must be done with it.
     if (error == cudaSuccess) error = cudaStreamSynchronize(stream);
-    if (error != cudaSuccess) return CudaFailure(error, "copying the result to the device");
+    if (error != cudaSuccess) return fail(error, "copying the result to the device");
   }
   return ffi::Error::Success();
 }

@@ -92,7 +92,13 @@ bool Poll(Done done, const Deadline& deadline, int64_t spin) {
 }
 
 // How a rank of `size` moves collective `h`'s data between processes under `config`.
-enum class Method : int64_t { kNone = 0, kRecursiveDoubling, kRing, kBroadcastTree, kBroadcastChain };
+enum class Method : int64_t {
+  kNone = 0,
+  kRecursiveDoubling,
+  kRing,
+  kBroadcastTree,
+  kBroadcastChain,
+};
 
 Method MethodOf(const Header& h, int size, const Config& config) {
   if (size == 1 || h.kind == Collective::kBarrier) return Method::kNone;
