@@ -228,12 +228,13 @@ def test_a_late_receiver_of_an_in_place_message_gets_an_error_not_its_senders_bu
 
 @pytest.mark.skipif(N < 2, reason="needs two ranks")
 def test_a_receive_that_times_out_leaves_nothing_to_write_into_its_freed_output():
-    """Ranks 0 and 1 swap 1 MiB in place. Rank 1 says it is ready for rank 0's payload, then
-    stalls 2.5 s before sending its own; rank 0, which gives up after 1 s, had posted its receive
-    of rank 1's payload into its output. That receive was once dropped from the failure path's
-    list before the path cancelled what the list held, so it stayed active: when rank 1 woke and
-    sent, MPI wrote 1 MiB into memory XLA had freed, which rank 0 had since handed to new arrays
-    (or that was no longer mapped). Now it is cancelled, and those arrays keep their -1s."""
+    """Ranks 0 and 1 swap 1 MiB in place. Rank 1 posts its half, then stalls 2.5 s before its
+    receive, so it neither sends its payload nor says it is ready for rank 0's; rank 0, which gives
+    up after 1 s, had posted its receive of rank 1's payload into its output. When rank 1 wakes it
+    finds rank 0's ready message and sends. Rank 0's receive was once dropped from the failure
+    path's list before the path cancelled what the list held, so it stayed active: MPI wrote the
+    1 MiB into memory XLA had freed, which rank 0 had since handed to new arrays (or that was no
+    longer mapped). Now it is cancelled, and those arrays keep their -1s."""
     sub = COMM.split(0 if COMM.rank < 2 else 1, key=COMM.rank)
     if COMM.rank < 2:
         x = np.arange(1 << 18, dtype=np.float32) + COMM.rank  # far above p2p_eager_bytes
@@ -242,13 +243,13 @@ def test_a_receive_that_times_out_leaves_nothing_to_write_into_its_freed_output(
         ext, _ = jaxring.mpi._mpi_extension()
         sub.mpi_comm.Barrier()
         if COMM.rank == 1:
-            ext.stall_next_data(2.5)
+            ext.stall_next_receive(2.5)
         try:
             with jaxring.config.override(timeout_seconds=1.0 if COMM.rank == 0 else 20.0):
                 with pytest.raises(Exception, match="timed out" if COMM.rank == 0 else "gave up"):
                     np.asarray(swap(x))
         finally:
-            ext.stall_next_data(0)
+            ext.stall_next_receive(0)
         jaxring.reset_after_error()
         if COMM.rank == 0:
             fresh = [np.full(1 << 18, -1.0, np.float32) for _ in range(64)]

@@ -80,6 +80,10 @@ NB_MODULE(_jaxring_mpi, m) {
         "its header exchange, and the next in-place point-to-point receive after its ready "
         "message (transports/mpi.h, StallNextDataForTest).");
 
+  m.def("stall_next_receive", &jaxring::StallNextReceiveForTest, nb::arg("seconds"),
+        "For tests: the next point-to-point receive of this process's MPI transports sleeps "
+        "`seconds` before it looks for its message (transports/mpi.h).");
+
   m.def("set_max_piece", &jaxring::SetMaxPieceForTest, nb::arg("bytes"),
         "For tests: MPI messages travel as pieces of at most `bytes` (0: 1 GiB, the default), "
         "so that small messages take the paths of those over 1 GiB. Set the same on every rank.");

@@ -41,12 +41,13 @@ constexpr int kLooksForNotice = 3;
 // How long a wait whose requests MPI failed looks for a notice that explains why.
 constexpr double kNoticeAfterFailureSeconds = 0.1;
 
-// StallNextDataForTest's stall, in microseconds (0: disarmed).
+// StallNextDataForTest's and StallNextReceiveForTest's stalls, in microseconds (0: disarmed).
 std::atomic<int64_t> stall_next_data{0};
+std::atomic<int64_t> stall_next_receive{0};
 
-void StallIfArmed() {
-  if (stall_next_data.load(std::memory_order_relaxed) == 0) return;
-  const int64_t microseconds = stall_next_data.exchange(0);
+void StallIfArmed(std::atomic<int64_t>& stall = stall_next_data) {
+  if (stall.load(std::memory_order_relaxed) == 0) return;
+  const int64_t microseconds = stall.exchange(0);
   if (microseconds > 0) std::this_thread::sleep_for(std::chrono::microseconds(microseconds));
 }
 
@@ -884,6 +885,7 @@ void MpiTransport::WithdrawSent(int dest) {
 
 Status MpiTransport::Receive(int source, const Header& expected, void* out, size_t bytes) {
   if (!broken_.empty()) return Broken(expected);
+  StallIfArmed(stall_next_receive);
   const Deadline deadline(config_.timeout_seconds);
   MPI_Message message = MPI_MESSAGE_NULL;
   MPI_Status probe;
@@ -970,6 +972,10 @@ void DropRequests(std::vector<MPI_Request>* requests, const std::vector<bool>& s
 void SetMaxPieceForTest(size_t bytes) {
   // Every message is at least its header; at 0, back to MPI's limit.
   max_piece.store(bytes > 0 ? std::max(bytes, sizeof(WireHeader)) : kMaxPiece);
+}
+
+void StallNextReceiveForTest(double seconds) {
+  stall_next_receive.store(static_cast<int64_t>(seconds * 1e6));
 }
 
 void StallNextDataForTest(double seconds) {

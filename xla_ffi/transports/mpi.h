@@ -155,6 +155,9 @@ class MpiTransport final : public ProcessTransport {
 // header exchange has completed, and the next in-place point-to-point receive once it has told
 // its sender to send, as a rank does that the scheduler (or a debugger) stops there; 0 disarms it.
 void StallNextDataForTest(double seconds);
+// For tests: the next point-to-point receive of this process's MPI transports sleeps `seconds`
+// before it looks for its message (after its own call's sends were posted); 0 disarms it.
+void StallNextReceiveForTest(double seconds);
 // Gives up on `requests` (sending[i]: whether request i is a send): cancels the receives, gives
 // every request 0.1 s to complete (a cancelled receive that had not matched does at once, one
 // under way finishes), then frees what is still active, which leaves it running. Sends are never
