@@ -48,9 +48,9 @@ struct Header {
   Collective kind = Collective::kBarrier;
   ReduceOp op = ReduceOp::kSum;
   DType dtype = DType::kF32;
-  // A digest of what in this rank's configuration decides how the collective moves its data
-  // between processes (MpiTransport: algorithm, mpi_ring_threshold_bytes, pipeline_slice_bytes),
-  // since ranks that differ there would pair messages of different sizes; 0 where none does.
+  // A digest of how this rank moves the collective's data between processes, as its
+  // configuration decides (MpiTransport: the method and, where it slices, the slice size), since
+  // ranks that differ there would pair messages of different sizes; 0 where none is exchanged.
   uint32_t plan = 0;
   int64_t op_id = 0;   // static id of the call site, assigned at trace time
   int64_t count = 0;   // elements in this rank's input

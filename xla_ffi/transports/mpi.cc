@@ -461,7 +461,7 @@ Status MpiTransport::RunCollective(const Header& h, const CollectiveBuffers& b,
         Reduce(h.dtype, h.op, &in, 1, &out, 1, h.count, h.op == ReduceOp::kMean ? 1 : 0);
       }
     } else if (h.kind == Collective::kBroadcast) {
-      status = Broadcast(h, b, deadline);
+      status = Broadcast(h, b, deadline, method == Method::kBroadcastTree);
     } else if (method == Method::kRecursiveDoubling) {
       status = RecursiveDoubling(h, b, deadline);
     } else {
@@ -721,7 +721,7 @@ Status MpiTransport::Ring(const Header& h, const CollectiveBuffers& b, const Dea
 // Broadcast: a binomial tree (log2 n hops) for small messages; above the ring threshold a chain
 // from the root, in slices, so every link carries the whole message once, pipelined.
 Status MpiTransport::Broadcast(const Header& h, const CollectiveBuffers& b,
-                               const Deadline& deadline) {
+                               const Deadline& deadline, bool tree) {
   const int n = size_;
   const size_t bytes = h.count * ByteWidth(h.dtype);
   const int root = static_cast<int>(h.root);
@@ -730,7 +730,7 @@ Status MpiTransport::Broadcast(const Header& h, const CollectiveBuffers& b,
   if (v == 0 && bytes > 0 && b.input != b.output) std::memcpy(out, b.input, bytes);
   Status status;
   size_t received = bytes;  // the largest message a rank other than the root receives
-  if (MethodOf(h, n, config_) == Method::kBroadcastTree) {
+  if (tree) {
     int mask = 1;
     for (; mask < n; mask <<= 1) {
       if (v & mask) {

@@ -117,7 +117,8 @@ class MpiTransport final : public ProcessTransport {
   Status ExchangeHeaders(const Header& h, const Deadline& deadline);
   Status RecursiveDoubling(const Header& h, const CollectiveBuffers& b, const Deadline& d);
   Status Ring(const Header& h, const CollectiveBuffers& b, const Deadline& d);
-  Status Broadcast(const Header& h, const CollectiveBuffers& b, const Deadline& d);
+  // `tree`: a binomial tree of whole messages (small ones), else a pipelined chain of slices.
+  Status Broadcast(const Header& h, const CollectiveBuffers& b, const Deadline& d, bool tree);
 
   char* Scratch(int which, size_t bytes);
 

@@ -34,6 +34,8 @@ struct alignas(64) RankControl {
   Flag progress;  // 3 * step + phase, in serial-number order
   alignas(64) Header headers[2];  // by step parity
   char why[kWhyBytes];  // written once, before `progress` is marked abandoned
+
+  std::string Why() const { return std::string(why, strnlen(why, kWhyBytes)); }
 };
 
 struct ShmSegment {
@@ -186,12 +188,10 @@ void ShmCommunicator::CopyIn(void* dst, const void* src, size_t bytes, ShmStores
 }
 
 Status ShmCommunicator::BeginStep(const Header& header, const Deadline& deadline, int64_t spin) {
-  if (broken_) {
-    const char* why = segment_->ranks[rank_].why;
+  if (broken_)
     return Status::Error(Where(header) + ": this communicator failed earlier and can no longer "
                          "be used (create a new one to continue); the first error was: " +
-                         std::string(why, strnlen(why, kWhyBytes)));
-  }
+                         segment_->ranks[rank_].Why());
   ++step_;
   if (step_ <= 2) return Status();
   // This parity's buffers were last used two steps ago; every peer must be done with them.
@@ -255,8 +255,7 @@ Status ShmCommunicator::WaitFor(int peer, Phase phase, const Header& header,
 Status ShmCommunicator::PeerLeft(const Header& header, int peer) {
   // This rank leaves too, passing on the first error (not its own, which would quote it, and
   // push it out of kWhyBytes as ranks leave one after another).
-  const RankControl& left = segment_->ranks[peer];
-  const std::string first(left.why, strnlen(left.why, kWhyBytes));
+  const std::string first = segment_->ranks[peer].Why();
   Abandon(first);
   return Status::Error(Where(header) + ": rank " + std::to_string(peer) + " failed in this "
                        "collective or an earlier one and left the communicator, so this call "
