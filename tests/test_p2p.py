@@ -3,6 +3,7 @@ partial maps, self pairs), every dtype, both protocols (eager and in-place), und
 vmap and grad; and the errors: bad permutations, mismatched calls, a missing sender, a mailbox
 overrun."""
 
+import re
 import time
 
 import jax
@@ -244,6 +245,74 @@ def test_mismatched_ppermutes_name_both_sides():
     _check_recovery(m, x)
 
 
+def test_a_message_no_receive_took_is_refused_by_a_later_program():
+    """Device 0 sends device 1 a message that no recv takes (the recv's perm leaves that pair
+    out): the program finishes, and mailboxes outlive it. The next program's receive on that
+    mailbox once took the stale message as its own and returned it as its result."""
+    m = mesh(2)
+
+    def unmatched(v):
+        jaxring.send(v, "i", [(0, 1), (1, 0)])
+        return jaxring.recv(v, "i", [(1, 0)])
+
+    def matched(v):
+        jaxring.send(v, "i", [(0, 1)])
+        return jaxring.recv(v, "i", [(0, 1)])
+
+    x = shard(np.arange(8, dtype=np.float32), m)
+    np.testing.assert_array_equal(np.asarray(shmap(unmatched, m)(x)), [4, 5, 6, 7, 0, 0, 0, 0])
+    y = shard(np.arange(100, 108, dtype=np.float32), m)
+    with jaxring.config.override(timeout_seconds=30.0):
+        with pytest.raises(Exception, match=r"\(rank 1 of 2\): the next message from rank 0 "
+                                            r"\(send/recv op \d+ float32\[4\]\) was sent by an "
+                                            r"earlier program run"):
+            np.asarray(shmap(matched, m)(y))
+    _check_recovery(m, x)
+    np.testing.assert_array_equal(np.asarray(shmap(matched, m)(y)), [0, 0, 0, 0, 100, 101, 102, 103])
+
+
+@pytest.mark.parametrize("sent, expected", [(4, 0), (0, 4)], ids=["empty recv", "empty send"])
+def test_a_send_and_recv_of_different_sizes_one_of_them_empty_are_refused(sent, expected):
+    """A send's and its recv's shapes are given apart, so an empty one must still meet its
+    other half. An empty recv made no call at all: the message it should have taken, or refused,
+    stayed in the mailbox for the next program (and an empty send left its recv to time out)."""
+    m = mesh(2)
+
+    def f(v):
+        jaxring.send(v[:sent], "i", [(0, 1)])
+        received = jaxring.recv(jax.ShapeDtypeStruct((expected,), v.dtype), "i", [(0, 1)])
+        return v + received.sum()  # not empty, so that its error is raised
+
+    x = shard(np.arange(8, dtype=np.float32), m)
+    with jaxring.config.override(timeout_seconds=30.0):
+        with pytest.raises(Exception, match=rf"mismatched point-to-point calls: rank 1 expected "
+                                            rf"send/recv op \d+ float32\[{expected}\] from rank "
+                                            rf"0, but rank 0 sent send/recv op \d+ "
+                                            rf"float32\[{sent}\]"):
+            np.asarray(shmap(f, m)(x))
+    _check_recovery(m, x)
+
+
+def test_empty_sends_and_recvs_meet():
+    """Both halves empty, sliced from a value or an empty argument of the shard_map body: the
+    calls are made, on empty constants (the argument stays unused, as jaxlib 0.11.2's SPMD
+    partitioner needs), and each recv takes its empty message."""
+    m = mesh(2)
+
+    def f(v, e):
+        jaxring.send(v[:0], "i", [(0, 1)])
+        jaxring.send(e, "i", [(1, 0)])
+        return v + jaxring.recv(v[:0], "i", [(0, 1)]).sum(), jaxring.recv(e, "i", [(1, 0)])
+
+    x = shard(np.arange(8, dtype=np.float32), m)
+    empty = shard(np.zeros(0, np.float32), m)
+    with jaxring.config.override(timeout_seconds=30.0):
+        out, received = shmap(f, m, in_specs=(P("i"), P("i")), out_specs=(P("i"), P("i")))(
+            x, empty)
+    np.testing.assert_array_equal(np.asarray(out), np.arange(8))
+    assert received.shape == (0,)
+
+
 def test_missing_sender_times_out_naming_it():
     m = mesh(4)
     x = shard(np.arange(8, dtype=np.float32), m)
@@ -320,10 +389,15 @@ def test_a_sender_whose_receive_times_out_takes_back_the_buffer_it_lent():
     m, g, received = _permute_lent_by_a_failing_sender({1: 1.5, 2: 1.5})
     x = shard(np.arange(3 * 50_000, dtype=np.float32), m)
     with jaxring.config.override(timeout_seconds=0.5, p2p_eager_bytes=0):
-        with pytest.raises(Exception, match=r"timed out after 0.5 s waiting for rank \[2\] "
-                                            r"to send"):
-            np.asarray(g(x))
-    time.sleep(1.5)  # devices 1 and 2 have made their calls by now
+        errors = _errors_by_device(g(x))
+    timeout = r"\(rank 0 of 3\): timed out after 0.5 s waiting for rank \[2\] to send"
+    assert re.search(timeout, errors[0]), errors
+    # The others quote device 0's error: JAX may report any one device's error of the program.
+    quoted = r"\. The error on rank 0: .*" + timeout
+    assert re.search(r"\(rank 1 of 3\): rank 0 took back the message it lent this rank .*"
+                     + quoted, errors[1]), errors
+    assert re.search(r"\(rank 2 of 3\): rank 0 gave up on this mailbox" + quoted,
+                     errors[2]), errors
     assert received == [], received
     _check_recovery(m, x)
 
@@ -331,20 +405,34 @@ def test_a_sender_whose_receive_times_out_takes_back_the_buffer_it_lent():
 def test_a_sender_whose_receive_is_mismatched_takes_back_the_buffer_it_lent():
     """As above, without a timeout: device 2 sends device 0 a shorter message than device 0
     expects, so device 0's receive fails at once; device 1 comes 1 s late for device 0's loan.
-    Python sees device 0's error or device 2's (its message was refused), whichever JAX reports."""
+    Device 2's error (its message was refused) quotes device 0's, since JAX may report either."""
     short = lambda v: jnp.concatenate(  # noqa: E731
         [jaxring.ppermute(jnp.sin(v[:1]), "i", [(0, 1), (2, 0)]), v[1:]])
     m, g, received = _permute_lent_by_a_failing_sender({1: 1.0}, on_rank2=short)
     x = shard(np.arange(3 * 50_000, dtype=np.float32), m)
     with jaxring.config.override(timeout_seconds=30.0, p2p_eager_bytes=0):
-        with pytest.raises(Exception, match=r"mismatched point-to-point calls: rank 0 expected "
-                                            r"ppermute op \d+ float32\[50000\] from rank 2|"
-                                            r"\(rank 2 of 3\): rank 0 failed while receiving "
-                                            r"this rank's message"):
-            np.asarray(g(x))
+        errors = _errors_by_device(g(x))
+    mismatch = (r"\(rank 0 of 3\): mismatched point-to-point calls: rank 0 expected ppermute "
+                r"op \d+ float32\[50000\] from rank 2")
+    assert re.search(mismatch, errors[0]), errors
+    assert re.search(r"\(rank 2 of 3\): rank 0 failed while receiving this rank's message\. "
+                     r"The error on rank 0: .*" + mismatch, errors[2]), errors
     time.sleep(1.5)  # device 1 has made its call by now
     assert received == [], received
     _check_recovery(m, x)
+
+
+def _errors_by_device(out) -> dict[int, str | None]:
+    """Each device's error in the program that computed `out` (None where it had none), once
+    every device has finished. Python sees one of them, whichever JAX reports."""
+    errors = {}
+    for piece in out.addressable_shards:
+        try:
+            piece.data.block_until_ready()
+            errors[piece.device.id] = None
+        except Exception as error:  # noqa: BLE001 - the device's error is the result
+            errors[piece.device.id] = str(error)
+    return errors
 
 
 def test_reset_after_error_waits_for_every_device_of_the_failed_program():

@@ -402,13 +402,20 @@ def lower_collective(target: str, ctx, *operands, comm: AxisCommunicator, op_id:
             "of one process")
     token = ctx.tokens_in.get(collective_effect)
     if comm.process_rank is None and _moves_nothing(ctx):
-        # Every device of a mesh axis has the same empty shapes, so there is nothing to check or
-        # move, and no call is made. That also leaves a zero-size argument of a shard_map or pmap
-        # body unused: jaxlib 0.11.2's SPMD partitioner crashes the process compiling any use of
-        # one, `v * 2` or a custom call alike (0.10 and 0.12 compile it). Processes keep the
-        # call, whose header check names a peer that passed a different shape.
-        ctx.set_tokens_out(mlir.TokenSet({collective_effect: token}))
-        return [mlir.full_like_aval(ctx, 0, aval) for aval in ctx.avals_out]
+        # A zero-size argument of a shard_map or pmap body must stay unused: jaxlib 0.11.2's SPMD
+        # partitioner crashes the process compiling any use of one, `v * 2` or a custom call
+        # alike (0.10 and 0.12 compile it). Processes keep the call, whose header check names a
+        # peer that passed a different shape.
+        if target not in _HALVES:
+            # Every device of a mesh axis has the same empty shapes, so there is nothing to
+            # check or move, and no call is made.
+            ctx.set_tokens_out(mlir.TokenSet({collective_effect: token}))
+            return [mlir.full_like_aval(ctx, 0, aval) for aval in ctx.avals_out]
+        # A send's and its recv's shapes are given apart, so the call is made, on an empty
+        # constant: a zero-size recv must still take the message it is paired with, or refuse
+        # one that is not empty.
+        operands = [*operands[:2], *(mlir.full_like_aval(ctx, 0, aval)
+                                     for aval in ctx.avals_in[2:])]
     native.register_targets()
     aliases = {}
     if in_place and tuple(ctx.module_context.platforms) == ("cpu",):
@@ -430,6 +437,10 @@ def lower_collective(target: str, ctx, *operands, comm: AxisCommunicator, op_id:
     )
     ctx.set_tokens_out(mlir.TokenSet({collective_effect: results[0]}))
     return results[1:]
+
+
+# The targets of a send and a recv: the two halves of one message, each with its own shape.
+_HALVES = ("jaxring_send", "jaxring_recv")
 
 
 def _moves_nothing(ctx) -> bool:

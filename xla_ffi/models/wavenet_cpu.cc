@@ -1064,7 +1064,8 @@ ffi::Error WaveNetSampleImpl(ffi::AnyBuffer weights, ffi::Buffer<ffi::F32> gate_
   return WithWeights(weights, [&](const auto* w) { return Run(w, !portable, threads, call); });
 }
 
-ffi::Error WaveNetStageImpl(ffi::AnyBuffer weights, ffi::Buffer<ffi::F32> gate_bias,
+ffi::Error WaveNetStageImpl(ffi::RunId run_id, ffi::AnyBuffer weights,
+                            ffi::Buffer<ffi::F32> gate_bias,
                             ffi::Buffer<ffi::F32> local, ffi::Buffer<ffi::F32> noise,
                             ffi::Buffer<ffi::S32> token, ffi::Buffer<ffi::F32> queues,
                             ffi::Buffer<ffi::S32> first_step, ffi::Buffer<ffi::S32> rank,
@@ -1092,7 +1093,7 @@ ffi::Error WaveNetStageImpl(ffi::AnyBuffer weights, ffi::Buffer<ffi::F32> gate_b
   LocalPointToPoint transport(
       CommunicatorId{static_cast<uint64_t>(comm), group.typed_data()[0], static_cast<int>(size),
                      std::string(comm_name)},
-      stage, config.timeout_seconds, config.spin_iterations);
+      stage, run_id.run_id, config.timeout_seconds, config.spin_iterations);
   return WithWeights(weights, [&](const auto* w) {
     return RunStage(w, !portable, call, transport, op_id, stream_groups);
   });
@@ -1125,6 +1126,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxringWaveNetSampleCpu, jaxring::models::WaveNetS
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxringWaveNetStageCpu, jaxring::models::WaveNetStageImpl,
                               xla::ffi::Ffi::Bind()
+                                  .Ctx<xla::ffi::RunId>()
                                   .Arg<xla::ffi::AnyBuffer>()
                                   .Arg<xla::ffi::Buffer<xla::ffi::F32>>()
                                   .Arg<xla::ffi::Buffer<xla::ffi::F32>>()

@@ -52,7 +52,7 @@ Status Permute(PointToPoint& transport, const Header& header, int dest, int sour
 Status SettleLent(PointToPoint& transport, int dest, bool in_place, Status received) {
   if (!in_place) return received;
   if (received.ok()) return transport.WaitSent(dest);
-  transport.WithdrawSent(dest);
+  transport.WithdrawSent(dest, received.message());
   return received;
 }
 

@@ -27,6 +27,7 @@ struct alignas(64) Slot {
   // Written by the sender: header and payload first, then `ready`, all in this slot.
   Flag ready;
   Header header;
+  int64_t run_id = 0;  // the XLA run that sent it
   bool in_place = false;
   const void* pointer = nullptr;  // in-place: the sender's buffer; eager: inline or spill
   ScratchLease spill;
@@ -37,7 +38,32 @@ struct alignas(64) Slot {
   // else 0. A sender that gives up waits for a copy under way before XLA reclaims its buffer,
   // and a receiver that finds the sender gone does not start one.
   std::atomic<uint32_t> copying{0};
+  // Why the side that marked `read` abandoned gave up, for the other side's error to quote: JAX
+  // reports one device's error of a failed program, and it may be the other side's.
+  std::mutex giving_up;
+  std::string why;
 };
+
+namespace {
+
+// Marks `slot.read` abandoned, keeping the first reason given.
+void GiveUp(Slot& slot, const std::string& why) {
+  {
+    std::lock_guard<std::mutex> lock(slot.giving_up);
+    if (slot.why.empty()) slot.why = why;
+  }
+  slot.read.Abandon();
+}
+
+// The error of a rank that found `slot.read` abandoned by `peer`: `what` ("rank 2 <what>"), then
+// the peer's own error.
+std::string PeerGaveUp(Slot& slot, const std::string& where, int peer, const char* what) {
+  const std::string name = "rank " + std::to_string(peer);
+  std::lock_guard<std::mutex> lock(slot.giving_up);
+  return where + ": " + name + " " + what + ". The error on " + name + ": " + slot.why;
+}
+
+}  // namespace
 
 class Mailbox {
  public:
@@ -53,6 +79,7 @@ class Mailbox {
       slot.spill = ScratchLease();
       slot.in_place = false;
       slot.pointer = nullptr;
+      slot.why.clear();
     }
     sent = received = 0;
   }
@@ -86,10 +113,11 @@ class MailboxRegistry {
 
 }  // namespace
 
-LocalPointToPoint::LocalPointToPoint(CommunicatorId comm, int rank, double timeout_seconds,
-                                     int64_t spin_iterations)
+LocalPointToPoint::LocalPointToPoint(CommunicatorId comm, int rank, int64_t run_id,
+                                     double timeout_seconds, int64_t spin_iterations)
     : comm_(std::move(comm)),
       rank_(rank),
+      run_id_(run_id),
       deadline_(timeout_seconds),
       spin_iterations_(spin_iterations) {}
 
@@ -114,9 +142,9 @@ Status LocalPointToPoint::Post(int dest, const Header& header, const void* data,
     return Status::Error(s.str());
   }
   if (slot.read.Load() & Flag::kAbandoned)
-    return Status::Error(Where(header) + ": rank " + std::to_string(dest) +
-                         " gave up on this mailbox after an error; see its error");
+    return Status::Error(PeerGaveUp(slot, Where(header), dest, "gave up on this mailbox"));
   slot.header = header;
+  slot.run_id = run_id_;
   slot.in_place = in_place;
   if (in_place) {
     slot.pointer = data;
@@ -146,34 +174,38 @@ Status LocalPointToPoint::SendInPlace(int dest, const Header& header, const void
   return Post(dest, header, data, bytes, /*in_place=*/true);
 }
 
-bool LocalPointToPoint::TakeBack() {
+bool LocalPointToPoint::TakeBack(const std::string& why) {
   Slot& slot = in_place_mailbox_->slots[in_place_sequence_ % kSlots];
   const uint32_t done = RoundFlag(in_place_sequence_ / kSlots);
   // A late receiver must not read a buffer XLA is about to reclaim: mark the slot abandoned,
   // then let a copy that began before the mark finish (a memcpy, not a wait for anyone).
-  slot.read.Abandon();
+  GiveUp(slot, why);
   std::atomic_thread_fence(std::memory_order_seq_cst);
   while (slot.copying.load(std::memory_order_seq_cst) == done) YieldCore();
   if ((slot.read.Load() & ~Flag::kAbandoned) != done) return false;
+  {
+    std::lock_guard<std::mutex> lock(slot.giving_up);
+    slot.why.clear();
+  }
   slot.read.Store(done);  // the receiver took the message after all
   return true;
 }
 
-void LocalPointToPoint::WithdrawSent(int) { TakeBack(); }
+void LocalPointToPoint::WithdrawSent(int, const std::string& why) { TakeBack(why); }
 
 Status LocalPointToPoint::WaitSent(int dest) {
   Slot& slot = in_place_mailbox_->slots[in_place_sequence_ % kSlots];
   const uint32_t done = RoundFlag(in_place_sequence_ / kSlots);
   if (!slot.read.WaitUntilEqual(done, deadline_, spin_iterations_)) {
-    if (TakeBack()) return Status();
     std::ostringstream s;
     s << Where(slot.header) << ": timed out after " << deadline_.seconds()
       << " s waiting for rank [" << dest << "] to receive this rank's message";
+    if (TakeBack(s.str())) return Status();
     return Status::Error(s.str());
   }
   if (slot.read.Load() & Flag::kAbandoned)
-    return Status::Error(Where(slot.header) + ": rank " + std::to_string(dest) +
-                         " failed while receiving this rank's message; see its error");
+    return Status::Error(PeerGaveUp(slot, Where(slot.header), dest,
+                                    "failed while receiving this rank's message"));
   return Status();
 }
 
@@ -200,24 +232,31 @@ Status LocalPointToPoint::Receive(int source, const Header& expected, void* out,
   const uint64_t round = sequence / kSlots;
   Slot& slot = mailbox->slots[sequence % kSlots];
   if (!slot.ready.WaitUntilEqual(RoundFlag(round), deadline_, spin_iterations_)) {
-    slot.read.Abandon();  // a late sender fails instead of waiting for this rank
     std::ostringstream s;
     s << Where(expected) << ": timed out after " << deadline_.seconds()
       << " s waiting for rank [" << source << "] to send (message " << sequence
       << " from it). A peer that never makes the matching call (a rank-dependent branch, or a "
          "crashed device) cannot be waited for; raise jaxring.config timeout_seconds if it is "
          "just slow.";
+    GiveUp(slot, s.str());  // a late sender fails instead of waiting for this rank
     return Status::Error(s.str());
   }
-  if (slot.ready.Load() & Flag::kAbandoned)
-    return Status::Error(Where(expected) + ": rank " + std::to_string(source) +
-                         " gave up on this mailbox after an error; see its error");
+  if (slot.run_id != run_id_) {
+    // Mailboxes outlive programs, so a send whose receive never ran (the perms of a send and its
+    // recv differ) leaves its message for whichever later program receives from that rank next.
+    std::ostringstream s;
+    s << Where(expected) << ": the next message from rank " << source << " ("
+      << Describe(slot.header) << ") was sent by an earlier program run, in which no receive "
+      << "took it: every send needs a matching recv in the same program.";
+    GiveUp(slot, s.str());
+    return Status::Error(s.str());
+  }
   if (!SameMessage(slot.header, expected)) {
     std::ostringstream s;
     s << Where(expected) << ": mismatched point-to-point calls: rank " << rank_ << " expected "
       << Describe(expected) << " from rank " << source << ", but rank " << source << " sent "
       << Describe(slot.header) << ". Every rank must make the same calls in the same order.";
-    slot.read.Abandon();
+    GiveUp(slot, s.str());
     return Status::Error(s.str());
   }
   const bool in_place = slot.in_place;
@@ -228,9 +267,10 @@ Status LocalPointToPoint::Receive(int source, const Header& expected, void* out,
     std::atomic_thread_fence(std::memory_order_seq_cst);
     if (slot.read.Load() & Flag::kAbandoned) {
       slot.copying.store(0, std::memory_order_seq_cst);
-      return Status::Error(Where(expected) + ": rank " + std::to_string(source) +
-                           " took back the message it lent this rank (it timed out waiting for "
-                           "this rank, or failed, first, and its buffer is gone); see its error");
+      return Status::Error(PeerGaveUp(slot, Where(expected), source,
+                                      "took back the message it lent this rank (it timed out "
+                                      "waiting for this rank, or failed, first, and its buffer "
+                                      "is gone)"));
     }
   }
   std::memcpy(out, slot.pointer, bytes);

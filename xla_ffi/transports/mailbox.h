@@ -21,7 +21,9 @@ class Mailbox;
 
 class LocalPointToPoint final : public PointToPoint {
  public:
-  LocalPointToPoint(CommunicatorId comm, int rank, double timeout_seconds,
+  // `run_id`: XLA's id of the program run making the call; a message is received only by the
+  // run that sent it.
+  LocalPointToPoint(CommunicatorId comm, int rank, int64_t run_id, double timeout_seconds,
                     int64_t spin_iterations);
 
   int rank() const override { return rank_; }
@@ -29,7 +31,7 @@ class LocalPointToPoint final : public PointToPoint {
   Status SendCopy(int dest, const Header& header, const void* data, size_t bytes) override;
   Status SendInPlace(int dest, const Header& header, const void* data, size_t bytes) override;
   Status WaitSent(int dest) override;
-  void WithdrawSent(int dest) override;
+  void WithdrawSent(int dest, const std::string& why) override;
   Status Receive(int source, const Header& expected, void* out, size_t bytes) override;
   std::string Where(const Header& header) const override;
 
@@ -45,12 +47,14 @@ class LocalPointToPoint final : public PointToPoint {
 
  private:
   Status Post(int dest, const Header& header, const void* data, size_t bytes, bool in_place);
-  // Marks the last in-place send's slot given up on, then lets a copy that began before the mark
-  // finish; true if the receiver had read the message all the same (the mark is then undone).
-  bool TakeBack();
+  // Marks the last in-place send's slot given up on (`why`: this rank's error), then lets a copy
+  // that began before the mark finish; true if the receiver had read the message all the same
+  // (the mark is then undone).
+  bool TakeBack(const std::string& why);
 
   CommunicatorId comm_;
   int rank_;
+  int64_t run_id_;
   Deadline deadline_;
   int64_t spin_iterations_;
   // The slot of the last in-place send, per call (a ppermute sends at most one message).

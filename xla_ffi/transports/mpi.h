@@ -52,7 +52,7 @@ class MpiTransport final : public ProcessTransport {
   Status SendCopy(int dest, const Header& header, const void* data, size_t bytes) override;
   Status SendInPlace(int dest, const Header& header, const void* data, size_t bytes) override;
   Status WaitSent(int dest) override;
-  void WithdrawSent(int dest) override;
+  void WithdrawSent(int dest, const std::string& why) override;
   Status Receive(int source, const Header& expected, void* out, size_t bytes) override;
 
  private:

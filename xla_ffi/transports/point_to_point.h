@@ -30,8 +30,8 @@ class PointToPoint {
   virtual Status WaitSent(int dest) = 0;
   // Takes back what SendInPlace lent, without waiting for `dest`: once this returns, `dest` never
   // starts reading `data` (it fails instead), and a copy it had begun has ended. For a call that
-  // failed after lending its buffer, which XLA may free once the call returns.
-  virtual void WithdrawSent(int dest) = 0;
+  // failed after lending its buffer, which XLA may free once the call returns; `why` is its error.
+  virtual void WithdrawSent(int dest, const std::string& why) = 0;
   // Receives the next message from `source` into `out`, after checking its header.
   virtual Status Receive(int source, const Header& expected, void* out, size_t bytes) = 0;
 
