@@ -313,18 +313,26 @@ def test_the_staged_pipeline_against_float64(dtype, chunk_bytes):
 
 
 @pytest.mark.skipif(COMM.size < 2, reason="needs two ranks")
-def test_the_staged_pipeline_reports_a_later_chunks_mismatch_on_every_rank_and_ends_the_call():
-    """Chunks 0 and 1 match, and their results are queued back, before chunk 2's headers differ:
-    every rank reports the mismatch, and the pipeline still ends the call (on a GPU, End() makes
+@pytest.mark.parametrize("sizes", [(3000, 2500), (2048, 3072)],
+                         ids=["a last chunk apart", "whole chunks"])
+def test_the_staged_pipeline_reports_calls_of_different_sizes_in_the_first_chunk(sizes):
+    """Each chunk is its own host call, and chunks compare the whole call's size too: every rank
+    reports the mismatch in chunk 0, and the pipeline still ends the call (on a GPU, End() makes
     XLA's stream wait for the result copies already queued into y; staged_steps_on_host raises
-    "returned without End()" if it was skipped)."""
+    "returned without End()" if it was skipped). Chunks once compared only their own sizes: in
+    `whole chunks` rank 0's two chunks matched rank 1's first two, rank 0 returned a result mixed
+    from different calls, and rank 1 waited out its timeout in its third."""
     sub = COMM.split(0, key=COMM.rank)  # the mismatch breaks it; COMM must stay usable
-    x = np.ones(3000 if COMM.rank == 0 else 2500, np.float32)  # chunks of 1024 elements
-    with pytest.raises(RuntimeError, match=r"^(?!the staged pipeline returned without End)"
-                                           r".*mismatched collectives: rank 0 called "
-                                           r"all_reduce\(sum\) op 3 float32\[952\] but rank 1 "
-                                           r"called all_reduce\(sum\) op 3 float32\[452\]"):
-        staged(sub, ALL_REDUCE, "sum", x, len(x), 4096)
+    mine, theirs = sizes if COMM.rank == 0 else sizes[::-1]
+    x = np.ones(mine, np.float32)  # chunks of 1024 elements
+    with jaxring.config.override(timeout_seconds=20.0):
+        with pytest.raises(RuntimeError, match=rf"^(?!the staged pipeline returned without End)"
+                                               rf".*mismatched collectives: rank 0 called "
+                                               rf"all_reduce\(sum\) op 3 float32\[1024\] \(a "
+                                               rf"chunk of {sizes[0]}\) but rank 1 called "
+                                               rf"all_reduce\(sum\) op 3 float32\[1024\] \(a "
+                                               rf"chunk of {sizes[1]}\)"):
+            staged(sub, ALL_REDUCE, "sum", x, len(x), 4096)
 
 
 @pytest.mark.skipif(COMM.size < 2, reason="needs two ranks")

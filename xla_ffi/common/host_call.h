@@ -46,6 +46,9 @@ struct JaxringHostCall {
   int64_t output_count;
   const int64_t* perm;    // point-to-point: flattened (source, destination) pairs
   int64_t perm_size;
+  // A collective run in chunks, each its own call (the staged GPU transport): the input_count of
+  // the whole call, which peers compare too; 0 for a whole call.
+  int64_t whole_count;
 };
 
 // Runs `call`. Returns 0 on success; otherwise nonzero, with a NUL-terminated message (cut to

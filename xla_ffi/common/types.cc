@@ -59,7 +59,7 @@ const char* CollectiveName(Collective kind) {
 
 bool operator==(const Header& a, const Header& b) {
   return a.kind == b.kind && a.op == b.op && a.dtype == b.dtype && a.plan == b.plan &&
-         a.op_id == b.op_id && a.count == b.count && a.root == b.root;
+         a.op_id == b.op_id && a.count == b.count && a.root == b.root && a.whole == b.whole;
 }
 
 bool SameMessage(const Header& a, const Header& b) {
@@ -76,6 +76,7 @@ std::string Describe(const Header& h) {
   if (h.kind == Collective::kBroadcast) s << "(root=" << (h.root & ~kGpuStepTag) << ")";
   s << " op " << h.op_id;
   if (h.kind != Collective::kBarrier) s << " " << DTypeName(h.dtype) << "[" << h.count << "]";
+  if (h.whole != 0) s << " (a chunk of " << h.whole << ")";
   return s.str();
 }
 

@@ -55,6 +55,10 @@ struct Header {
   int64_t op_id = 0;   // static id of the call site, assigned at trace time
   int64_t count = 0;   // elements in this rank's input
   int64_t root = 0;    // broadcast root; 0 otherwise
+  // Where this call is one chunk of a collective (the staged GPU transport runs each on the
+  // host), the whole collective's input count, so that ranks whose calls differ in size fail in
+  // the first chunk, even where the shorter call's chunks all match the longer one's; else 0.
+  int64_t whole = 0;
 };
 
 // Set in `root` of the headers a GPU transport exchanges for its steps (kJaxringHostAgree), so

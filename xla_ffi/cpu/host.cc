@@ -247,6 +247,7 @@ HostResult RunHostCall(const JaxringHostCall& c, HostCompletion* complete) {
   header.dtype = static_cast<DType>(c.dtype);
   header.op_id = c.op_id;
   header.root = c.root;
+  header.whole = c.whole_count;
   if (c.role == kJaxringHostCollective || c.role == kJaxringHostAgree) {
     header.count = c.input_count;
     if (c.role == kJaxringHostAgree) {

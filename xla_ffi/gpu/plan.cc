@@ -49,6 +49,7 @@ Header HeaderOf(const JaxringHostCall& call) {
   header.op_id = call.op_id;
   header.count = call.input_count;
   header.root = call.root;
+  header.whole = call.whole_count;
   return header;
 }
 

@@ -42,6 +42,7 @@ Status RunStagedSteps(const Header& h, const JaxringHostCall& call, const void* 
     chunk.input = ops.ToHost(b);
     chunk.output = ops.FromHost(b);
     chunk.input_count = scatter ? s.count * n : s.count;
+    chunk.whole_count = call.input_count;
     chunk.output_count = gather ? s.count * n : s.count;
     status = ops.RunOnHost(chunk);
     if (!status.ok()) break;
