@@ -7,7 +7,7 @@ in gradient synchronisation, jaxring against lax.psum, measured in one run.
 For each device count n (weak scaling: a fixed number of utterances per device) it times, with
 inputs placed by device_put + NamedSharding, the full training step three ways:
 
-- jaxring: gradients fused into buckets and summed by jaxring.all_reduce (the distributed
+- jaxring: gradients fused into buckets and averaged by jaxring.all_reduce (the distributed
   optimizer of jaxring.parallel.data), as models/deepspeech/train.py runs;
 - lax.psum: the same step with gradients averaged by lax.pmean leaf by leaf;
 - no sync: the same step without gradient synchronisation (each replica keeps its own gradient),

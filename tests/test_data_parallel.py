@@ -160,11 +160,14 @@ def test_masked_moments_per_feature_masks_and_16_bit_inputs():
 
 
 @pytest.mark.parametrize("make_optimizer", [
+    lambda: optax.sgd(0.1),
     lambda: optax.chain(optax.clip_by_global_norm(0.5), optax.sgd(0.1, 0.9, nesterov=True)),
-    lambda: optax.adam(1e-2)], ids=["nesterov+clip", "adam"])
+    lambda: optax.adam(1e-2)], ids=["sgd", "nesterov+clip", "adam"])
 def test_distributed_optimizer_sees_the_global_gradient(make_optimizer):
     """Two updates through the wrapper on per-replica gradients equal two updates of the plain
-    optimizer on the replica mean, and every replica gets the same result."""
+    optimizer on the replica mean, and every replica gets the same result. Plain SGD's update
+    is proportional to the gradient, so it tells the mean from the sum; clipping (these
+    gradients' norm is above 0.5) and Adam remove the gradient's scale."""
     n = 4
     rng = np.random.default_rng(9)
     params = {"w": rng.standard_normal((3, 4)).astype(np.float32),
@@ -223,10 +226,12 @@ def random_batch(rng, batch, frames, feature_dim, label_length):
 
 
 def test_data_parallel_step_equals_single_device_step():
+    """The paper's optimiser with a clipping norm that never binds: clipping (the gradient's norm
+    here is above 1) would hide a gradient summed over the replicas instead of averaged."""
     config = configs.get_config(
         "tiny", sample_rate=1600, conv_channels=(3,), conv_kernels=((3, 5),),
         rnn_layers=2, rnn_hidden=8, dense=8, optimizer="nesterov", learning_rate=0.05,
-        grad_clip_norm=1.0, bucket_bytes=1000)
+        grad_clip_norm=1e9, bucket_bytes=1000)
     rng = np.random.default_rng(10)
     batch = random_batch(rng, 8, 12, 17, 4)
     single = train_step_result(config, 1, batch)

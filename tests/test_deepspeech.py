@@ -11,7 +11,7 @@ from flax import nnx
 
 from models.deepspeech import configs, data, decoding
 from models.deepspeech import train as training
-from models.deepspeech.model import DeepSpeech2, ctc_loss_per_utterance
+from models.deepspeech.model import DeepSpeech2, conv_padding, ctc_loss_per_utterance
 
 TINY_MODEL = dict(conv_channels=(4,), conv_kernels=((5, 7),), conv_strides=((2, 2),),
                   rnn_layers=2, rnn_hidden=12, dense=16)
@@ -41,7 +41,7 @@ def test_generation_is_deterministic_and_voices_are_held_out(tmp_path):
     again = data.generate(6, data.TRAIN_VARIANTS, seed=3 * 2, sample_rate=8000)
     cached = data.load("train", 6, seed=3, sample_rate=8000, cache_dir=tmp_path)
     for a, b, c in zip(first.features, again.features, cached.features):
-        np.testing.assert_array_equal(a, b)
+        np.testing.assert_array_equal(a, b.astype(np.float16).astype(np.float32))  # as cached
         np.testing.assert_array_equal(a, c)
     assert first.transcripts == again.transcripts == cached.transcripts
     test = data.load("test", 6, seed=3, sample_rate=8000, cache_dir=None)
@@ -73,7 +73,9 @@ def test_batches_sortagrad_then_shuffled_with_masks():
     widths = [batch.features.shape[1] for batch in first]
     assert widths == sorted(widths)  # SortaGrad: short to long in the first epoch
     later = [b.transcripts for b in data.train_batches(dataset, 4, 1, 0, 8, 6)]
-    assert sorted(map(tuple, later)) == sorted(tuple(b.transcripts) for b in first)
+    assert later == [b.transcripts for b in data.train_batches(dataset, 4, 1, 0, 8, 6)]
+    later_widths = [len(dataset.features[int(t[0][3:])]) for t in later]
+    assert later_widths != sorted(later_widths)  # shuffled
     for batch in first + list(data.eval_batches(dataset, 4, 8, 6)):
         assert batch.features.shape[1] % 8 == 0
         for row, name in enumerate(batch.transcripts):
@@ -91,6 +93,28 @@ def test_batches_sortagrad_then_shuffled_with_masks():
     assert seen == sorted(dataset.transcripts)
 
 
+def test_every_utterance_is_trained_on_within_a_few_epochs():
+    """Each epoch leaves out len % batch_size utterances, different ones each epoch (cutting the
+    length order into batches once left out the longest ones every epoch), and still cuts
+    batches of similar length: within an epoch, no two batches' length ranges overlap."""
+    dataset = random_dataset(np.random.default_rng(0), count=23)
+    lengths = [len(f) for f in dataset.features]
+    seen, left_out = set(), set()
+    for epoch in range(5):
+        names = [list(b.transcripts)
+                 for b in data.train_batches(dataset, 4, epoch, 0, 8, 6)]
+        flat = [t for batch in names for t in batch]
+        assert len(names) == 23 // 4 and all(len(batch) == 4 for batch in names)
+        assert len(set(flat)) == len(flat) and "" not in flat
+        ranges = sorted((min(lengths[int(t[3:])] for t in batch),
+                         max(lengths[int(t[3:])] for t in batch)) for batch in names)
+        assert all(high <= low for (_, high), (low, _) in zip(ranges, ranges[1:]))
+        seen |= set(flat)
+        left_out.add(frozenset(set(dataset.transcripts) - set(flat)))
+    assert seen == set(dataset.transcripts)
+    assert len(left_out) == 5
+
+
 # ---- model -------------------------------------------------------------------------------------
 
 
@@ -105,20 +129,63 @@ def test_shapes_and_output_mask():
         np.testing.assert_array_equal(out_mask.sum(1), [11, 5, 1])  # ceil(n / 2)
 
 
-def test_padding_does_not_change_real_frames():
-    """Appending padded frames (any values) to an utterance changes neither its logits nor the
-    batch-norm statistics; this covers the backward GRU, which meets the padding first."""
+# Two convolutions strided in time, one with an even kernel: the padding compounds.
+TWO_CONVS = dict(TINY_MODEL, conv_channels=(3, 4), conv_kernels=((5, 7), (4, 3)),
+                 conv_strides=((2, 2), (2, 1)))
+
+
+@pytest.mark.parametrize("layers", [TINY_MODEL, TWO_CONVS], ids=["one-conv", "two-convs"])
+def test_padding_does_not_change_real_frames(layers):
+    """Appending padded frames (any values, any number, to an odd or even length) to an
+    utterance changes neither its logits nor the batch-norm statistics, on every real frame;
+    this covers the strided convolutions, whose real frames "SAME" padding aligned by the
+    padded length's parity, and the backward GRU, which meets the padding first."""
     rng = np.random.default_rng(2)
-    features = rng.standard_normal((2, 14, 17)).astype(np.float32)
-    mask = np.ones((2, 14), np.float32)
-    padded = np.concatenate([features, 100 * rng.standard_normal((2, 10, 17))], 1)
-    padded_mask = np.concatenate([mask, np.zeros((2, 10))], 1).astype(np.float32)
-    for train in (True, False):
-        short, _ = apply(tiny_model(), jnp.asarray(features), jnp.asarray(mask), train)
-        long, out_mask = apply(tiny_model(), jnp.asarray(padded, jnp.float32),
-                               jnp.asarray(padded_mask), train)
-        np.testing.assert_allclose(long[:, :7], short, rtol=1e-4, atol=1e-5)
-        assert not np.asarray(out_mask)[:, 7:].any()
+    stride = math.prod(stride for stride, _ in layers["conv_strides"])
+    for length, padded_lengths in ((14, (24,)), (13, (24, 25, 32))):
+        features = rng.standard_normal((2, length, 17)).astype(np.float32)
+        mask = np.ones((2, length), np.float32)
+        real = -(-length // stride)
+        for train in (True, False):
+            model = DeepSpeech2(feature_size=17, num_classes=data.NUM_CLASSES,
+                                rngs=nnx.Rngs(0), **layers)
+            short, short_mask = apply(model, jnp.asarray(features), jnp.asarray(mask), train)
+            assert short.shape[1] == real and np.asarray(short_mask).all()
+            for padded_length in padded_lengths:
+                extra = padded_length - length
+                padded = np.concatenate([features, 100 * rng.standard_normal((2, extra, 17))], 1)
+                padded_mask = np.concatenate([mask, np.zeros((2, extra))], 1)
+                model = DeepSpeech2(feature_size=17, num_classes=data.NUM_CLASSES,
+                                    rngs=nnx.Rngs(0), **layers)
+                long, out_mask = apply(model, jnp.asarray(padded, jnp.float32),
+                                       jnp.asarray(padded_mask, jnp.float32), train)
+                assert long.shape[1] == -(-padded_length // stride)
+                np.testing.assert_allclose(long[:, :real], short, rtol=1e-4, atol=1e-5,
+                                           err_msg=f"{length} frames padded to {padded_length}")
+                np.testing.assert_array_equal(
+                    np.asarray(out_mask), np.tile(np.arange(long.shape[1]) < real, (2, 1)))
+
+
+def test_conv_padding_is_same_on_lengths_the_stride_divides():
+    """On what training feeds (time padded to `frame_multiple`), the fixed padding is XLA's
+    "SAME", so checkpoints trained before it keep their alignment; on every length it gives
+    "SAME"'s ceil(T / stride) outputs."""
+    rng = np.random.default_rng(5)
+    for name in ("tiny", "small", "paper"):
+        config = configs.get_config(name)
+        frequency = data.feature_size(config.sample_rate)
+        for kernel, stride in zip(config.conv_kernels, config.conv_strides):
+            weights = jnp.asarray(rng.standard_normal(tuple(kernel) + (1, 2)), jnp.float32)
+            padding = conv_padding(frequency, kernel, stride)
+            for frames in (32, 34, 33, 35):
+                x = jnp.asarray(rng.standard_normal((1, frames, frequency, 1)), jnp.float32)
+                same, fixed = (jax.lax.conv_general_dilated(
+                    x, weights, stride, pad, dimension_numbers=("NHWC", "HWIO", "NHWC"))
+                    for pad in ("SAME", padding))
+                assert fixed.shape == same.shape
+                if frames % stride[0] == 0:
+                    np.testing.assert_array_equal(fixed, same)
+            frequency = -(-frequency // stride[1])
 
 
 def ctc_brute_force(log_probs, labels):

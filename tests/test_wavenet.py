@@ -4,6 +4,8 @@ short training run whose loss falls."""
 from __future__ import annotations
 
 import dataclasses
+import functools
+import shutil
 import sys
 from pathlib import Path
 
@@ -27,6 +29,8 @@ TINY = get_config("tiny").model
 # Conditioning on, channel counts the AVX2 kernels take (multiples of 8), dilations 1, 2, 4.
 CONDITIONED = dataclasses.replace(TINY, residual_channels=16, num_layers=6, dilation_cycle=3,
                                   num_speakers=3, local_channels=8)
+# Speaker conditioning alone: the speaker's embedding is the only term without a time axis.
+SPEAKERS_ONLY = dataclasses.replace(TINY, num_speakers=3)
 # Channel counts that are not multiples of 8: the kernel's portable path.
 ODD = dataclasses.replace(TINY, residual_channels=6, skip_channels=10, output_channels=12,
                           num_layers=3)
@@ -127,6 +131,54 @@ def test_causality_and_receptive_field():
             if reach is not None and position + reach - 1 < length:
                 # The input reaches exactly receptive_field - 1 steps ahead (all past taps).
                 assert differs[position + reach - 1], "receptive field smaller than computed"
+
+
+@pytest.mark.parametrize("batch,length", [(4, 4), (3, 40)], ids=["batch=time", "batch<time"])
+def test_speaker_conditioning_without_local(batch, length):
+    """With a speaker and no local conditioning, the full forward pass equals each stream run
+    alone (batch 1: nothing to confuse the speaker axis with) and the incremental sampler's
+    logits for the same inputs, at every step; the naive sampler (the forward pass over windows)
+    draws the incremental sampler's samples."""
+    config = SPEAKERS_ONLY
+    weights = random_weights(config, seed=21)
+    speaker, _ = conditioning(config, batch, length, seed=22)
+    key = jax.random.key(23)
+    tokens, logits = sampler.sample_incremental(weights, config, key, length, batch, speaker,
+                                                return_logits=True)
+    inputs = jnp.concatenate(
+        [jnp.full((batch, 1), model.start_token(config), jnp.int32), tokens[:, :-1]], axis=1)
+    forward = jax.jit(model.forward, static_argnums=1)
+    full = np.asarray(forward(weights, config, inputs, speaker))
+    for stream in range(batch):
+        alone = forward(weights, config, inputs[stream:stream + 1], speaker[stream:stream + 1])
+        np.testing.assert_allclose(full[stream], np.asarray(alone)[0], rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(full, np.asarray(logits), rtol=LOGIT_RTOL, atol=LOGIT_ATOL)
+    naive = sampler.sample_naive(weights, config, key, length, batch, speaker,
+                                 return_logits=True)
+    assert_same_samples(naive, (tokens, logits))
+
+
+def test_no_speaker_means_no_speaker_term():
+    """A model with speaker embeddings sampled with speaker=None draws what the model without
+    the embeddings draws, in the samplers that split the conditioning from the model's code (the
+    layer-sharded one once used speaker 0's embedding)."""
+    config, batch = dataclasses.replace(SPEAKERS_ONLY, local_channels=8), 4
+    weights = random_weights(config, seed=25)
+    key = jax.random.key(26)
+    _, local = conditioning(config, batch, NUM_SAMPLES, seed=27)
+    without = dataclasses.replace(config, num_speakers=0)
+    stripped = dict(weights, layers={name: value for name, value in weights["layers"].items()
+                                     if name != "speaker_embedding"})
+    expected = sampler.sample_incremental(stripped, without, key, NUM_SAMPLES, batch, None,
+                                          local, return_logits=True)
+    stages = mesh(2, "stage")
+    for sample in (fused_sampler.sample_fused,
+                   functools.partial(pipeline_sampler.sample_layer_sharded, mesh=stages,
+                                     axis="stage"),
+                   functools.partial(pipeline_sampler.sample_layer_sharded_fused, mesh=stages,
+                                     axis="stage", chunk_steps=8)):
+        assert_same_samples(sample(weights, config, key, NUM_SAMPLES, batch, speaker=None,
+                                   local=local, return_logits=True), expected)
 
 
 def test_incremental_equals_naive(case):
@@ -272,15 +324,63 @@ def test_fused_rejects_weights_of_the_wrong_size():
             jnp.zeros((1,), jnp.int32), queues, 0, False))
 
 
+def test_data_builds_are_identical(tmp_path):
+    """Two builds of the tiny data set in fresh work directories, one after the other in this
+    process, give the same streams: espeak-ng's random numbers are seeded, and it speaks in
+    fresh processes, so what it said before changes no clip."""
+    from models.wavenet import input_pipeline
+
+    config = get_config("tiny")
+    first = input_pipeline.load_dataset(config, tmp_path / "first")
+    second = input_pipeline.load_dataset(config, tmp_path / "second")
+    for split in ("train", "test"):
+        assert len(first[split]) > config.sample_rate
+        np.testing.assert_array_equal(first[split], second[split])
+
+
+def test_speech_choices_do_not_depend_on_clip_lengths(monkeypatch):
+    """What is said, how, and each clip's noise come from the seed alone: a clip that comes out
+    longer shifts no later choice (the noise once drew as many numbers as the clip had samples)."""
+    from models import espeak
+    from models.wavenet import input_pipeline
+
+    def speech(length):
+        asked = []
+
+        def speak(requests, sample_rate):
+            asked.extend(requests)
+            return (np.full(length + i, 0.5, np.float32) for i in range(len(requests)))
+
+        monkeypatch.setattr(espeak, "speak", speak)
+        clips = input_pipeline.speech(input_pipeline.TRAIN_VOICES, 2, 8000,
+                                      np.random.default_rng(0))
+        return asked, clips
+
+    asked_short, short = speech(100)
+    asked_long, long = speech(3000)
+    assert asked_short == asked_long
+    for clip, longer in zip(short, long, strict=True):
+        np.testing.assert_array_equal(clip, longer[:len(clip)])
+
+
 def test_training_loss_falls_and_resumes(tmp_path):
+    """Two epochs, then a third resumed from the checkpoint, against three epochs in one go on
+    the same data: the resumed epoch sees the same crops, so only a restore of the weights and of
+    Adam's moments and step count gives the same losses and held-out NLL."""
     from models.wavenet import train
 
     config = get_config("tiny")
-    first = train.train_and_evaluate(config, tmp_path)
-    resumed = train.train_and_evaluate(dataclasses.replace(config, num_epochs=3), tmp_path)
+    three_epochs = dataclasses.replace(config, num_epochs=3)
+    straight = train.train_and_evaluate(three_epochs, tmp_path / "straight")
+    shutil.copytree(tmp_path / "straight" / "data", tmp_path / "resumed" / "data")
+    first = train.train_and_evaluate(config, tmp_path / "resumed")
+    resumed = train.train_and_evaluate(three_epochs, tmp_path / "resumed")
     assert [h["epoch"] for h in resumed] == [1, 2, 3]
-    assert resumed[:2] == first
+    assert first == straight[:2]
+    np.testing.assert_allclose(resumed[2]["step_losses"], straight[2]["step_losses"],
+                               rtol=1e-6)
+    np.testing.assert_allclose(resumed[2]["test_nll"], straight[2]["test_nll"], rtol=1e-6)
     steps = [loss for h in resumed for loss in h["step_losses"]]
     assert np.mean(steps[-5:]) < np.mean(steps[:5]) - 0.05
     assert resumed[-1]["test_nll"] < resumed[0]["test_nll"]
-    assert (tmp_path / "learning_curve.png").stat().st_size > 0
+    assert (tmp_path / "resumed" / "learning_curve.png").stat().st_size > 0

@@ -1,10 +1,10 @@
 """Offline speech data for Deep Speech 2: utterances synthesised with espeak-ng, with transcripts.
 
-Everything comes from the espeak-ng library and voices inside the `espeakng-loader` wheel; nothing
-is downloaded. A voice is an accent (espeak language, e.g. ``en-gb-scotland``) with a variant
-(``+f3``, ``+Alex``, ...); the test split uses variants that training never hears, so its error
-rate measures generalisation to new speakers. Generation is deterministic for a seed and cached on
-disk as log spectrograms.
+Everything comes from the espeak-ng library and voices inside the `espeakng-loader` wheel
+(`models.espeak`); nothing is downloaded. A voice is an accent (espeak language, e.g.
+``en-gb-scotland``) with a variant (``+f3``, ``+Alex``, ...); the test split uses variants that
+training never hears, so its error rate measures generalisation to new speakers. Generation is
+deterministic for a seed and cached on disk as log spectrograms.
 
 Batching follows the paper (section 3.1, SortaGrad): the first epoch goes through utterances from
 short to long, later epochs shuffle batches of similar length.
@@ -12,21 +12,16 @@ short to long, later epochs shuffle batches of similar length.
 
 from __future__ import annotations
 
-import concurrent.futures
-import ctypes
 import dataclasses
 import hashlib
 import json
-import os
-import subprocess
-import sys
 import tempfile
-import threading
 from pathlib import Path
 
 import numpy as np
-import scipy.signal
 from tqdm import tqdm
+
+from models import espeak
 
 # ---- characters --------------------------------------------------------------------------------
 
@@ -88,66 +83,6 @@ TRAIN_VARIANTS = ("m1", "m2", "m3", "m4", "m5", "m6", "f1", "f2", "f3", "f5", "A
 TEST_VARIANTS = ("m7", "f4", "max", "linda")  # never heard in training
 
 
-class Espeak:
-    """The espeak-ng library from the espeakng-loader wheel, driven through ctypes.
-
-    espeak-ng keeps global state, so there is one instance per process and a lock around it.
-    """
-
-    _instance = None
-    _lock = threading.Lock()
-    _OUTPUT_SYNCHRONOUS = 2  # espeak_AUDIO_OUTPUT: synthesise into our callback, return when done
-    _RATE, _PITCH, _RANGE = 1, 3, 4  # espeak_PARAMETER
-    _POS_CHARACTER, _CHARS_UTF8 = 1, 1
-
-    @classmethod
-    def get(cls) -> Espeak:
-        with cls._lock:
-            if cls._instance is None:
-                cls._instance = cls()
-            return cls._instance
-
-    def __init__(self):
-        import espeakng_loader
-
-        self._lib = ctypes.CDLL(espeakng_loader.get_library_path())
-        self.sample_rate = self._lib.espeak_Initialize(
-            self._OUTPUT_SYNCHRONOUS, 0, espeakng_loader.get_data_path().encode(), 0)
-        if self.sample_rate <= 0:
-            raise RuntimeError(f"espeak_Initialize failed with {self.sample_rate}")
-        self._chunks: list[np.ndarray] = []
-        callback_type = ctypes.CFUNCTYPE(
-            ctypes.c_int, ctypes.POINTER(ctypes.c_short), ctypes.c_int, ctypes.c_void_p)
-        self._callback = callback_type(self._collect)  # kept alive as long as the library uses it
-        self._lib.espeak_SetSynthCallback(self._callback)
-
-    def _collect(self, samples, count, events):
-        if count > 0:
-            self._chunks.append(np.ctypeslib.as_array(samples, (count,)).copy())
-        return 0
-
-    def synthesize(self, text: str, voice: str, rate: int, pitch: int, pitch_range: int,
-                   seed: int = 0):
-        """int16 samples at `self.sample_rate` of `text` spoken by `voice` ("accent+variant")."""
-        with self._lock:
-            # Voices with flutter, roughness or breath draw random numbers: seed them for every
-            # utterance, or the same utterance sounds different from run to run.
-            self._lib.espeak_ng_SetRandSeed(ctypes.c_long(seed))
-            if self._lib.espeak_SetVoiceByName(voice.encode()) != 0:
-                raise ValueError(f"espeak-ng has no voice {voice!r}")
-            self._lib.espeak_SetParameter(self._RATE, rate, 0)
-            self._lib.espeak_SetParameter(self._PITCH, pitch, 0)
-            self._lib.espeak_SetParameter(self._RANGE, pitch_range, 0)
-            self._chunks = []
-            data = text.encode()
-            status = self._lib.espeak_Synth(data, len(data) + 1, 0, self._POS_CHARACTER, 0,
-                                            self._CHARS_UTF8, None, None)
-            self._lib.espeak_Synchronize()
-            if status != 0:
-                raise RuntimeError(f"espeak_Synth failed with {status} on {text!r}")
-            return np.concatenate(self._chunks) if self._chunks else np.zeros(0, np.int16)
-
-
 # ---- features ----------------------------------------------------------------------------------
 
 
@@ -190,15 +125,16 @@ def random_utterance(rng: np.random.Generator, variants) -> Utterance:
     )
 
 
-def render(utterance: Utterance, sample_rate: int, rng: np.random.Generator) -> np.ndarray:
-    """Speech for `utterance` at `sample_rate`, with white noise at the utterance's SNR and a
-    random leading and trailing silence."""
-    espeak = Espeak.get()
-    speech = espeak.synthesize(utterance.transcript, utterance.voice, utterance.rate,
-                               utterance.pitch, utterance.pitch_range,
-                               seed=int(rng.integers(2**31))).astype(np.float32) / 32768
-    ratio = np.gcd(sample_rate, espeak.sample_rate)
-    speech = scipy.signal.resample_poly(speech, sample_rate // ratio, espeak.sample_rate // ratio)
+def speech_request(utterance: Utterance, rng: np.random.Generator) -> espeak.Request:
+    """What espeak-ng is asked to say, with a seed for the voice's random numbers."""
+    return espeak.Request(utterance.transcript, utterance.voice, utterance.rate, utterance.pitch,
+                          utterance.pitch_range, seed=int(rng.integers(2**31)))
+
+
+def render(utterance: Utterance, speech: np.ndarray, sample_rate: int,
+           rng: np.random.Generator) -> np.ndarray:
+    """`speech` (`utterance` spoken, at `sample_rate`) with a random leading and trailing silence
+    and white noise at the utterance's SNR."""
     lead, trail = rng.integers(0, sample_rate // 10, size=2)
     speech = np.pad(speech, (lead, trail))
     signal_power = np.mean(speech**2) + 1e-12
@@ -225,56 +161,24 @@ class Dataset:
 _CACHE_VERSION = 2  # bump when generation changes, so old caches are not reused
 
 
-CHUNK_UTTERANCES = 200
-
-
-def _generate_chunk(start: int, stop: int, variants, seed: int, sample_rate: int) -> Dataset:
-    chunk = Dataset([], [], [], [])
-    for index in range(start, stop):
-        rng = np.random.default_rng([seed, index])
-        utterance = random_utterance(rng, variants)
-        audio = render(utterance, sample_rate, rng)
-        chunk.features.append(log_spectrogram(audio, sample_rate))
-        chunk.labels.append(text_to_labels(utterance.transcript))
-        chunk.transcripts.append(utterance.transcript)
-        chunk.voices.append(utterance.voice)
-    return chunk
-
-
 def generate(num_utterances: int, variants, seed: int, sample_rate: int,
              description: str = "synthesising", workers: int = 2) -> Dataset:
     """Deterministic for (num_utterances, variants, seed, sample_rate): each utterance draws from
-    its own generator seeded by (seed, index).
-
-    espeak-ng keeps synthesis state from one utterance to the next (e.g. the phase of its pitch
-    flutter), so the same utterance can come out slightly differently depending on what was
-    said before it in the process. Each chunk of CHUNK_UTTERANCES is therefore synthesised by a
-    fresh interpreter (`python -m models.deepspeech.data`, which imports neither JAX nor the
-    caller's modules), which makes the result independent of history and of the worker count.
-    """
-    root = str(Path(__file__).resolve().parents[2])
-    environment = dict(os.environ, PYTHONPATH=os.pathsep.join(
-        [root] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
-
-    def synthesize_chunk(start: int, folder: str) -> Dataset:
-        path = Path(folder) / f"chunk-{start}.npz"
-        stop = min(start + CHUNK_UTTERANCES, num_utterances)
-        subprocess.run([sys.executable, "-m", "models.deepspeech.data", str(start), str(stop),
-                        str(seed), str(sample_rate), str(path), *variants],
-                       check=True, env=environment, cwd=root)
-        return read_dataset(path)
-
+    its own generator seeded by (seed, index), and espeak-ng speaks in fresh processes
+    (`models.espeak.speak`, `workers` at a time), so that neither what a process said before nor
+    the worker count changes the result."""
+    rngs = [np.random.default_rng([seed, index]) for index in range(num_utterances)]
+    utterances = [random_utterance(rng, variants) for rng in rngs]
+    requests = [speech_request(utterance, rng) for utterance, rng in zip(utterances, rngs)]
     dataset = Dataset([], [], [], [])
-    with tempfile.TemporaryDirectory() as folder, \
-            concurrent.futures.ThreadPoolExecutor(workers) as pool, \
-            tqdm(total=num_utterances, desc=description, unit="utt", leave=False) as bar:
-        chunks = [pool.submit(synthesize_chunk, start, folder)
-                  for start in range(0, num_utterances, CHUNK_UTTERANCES)]
-        for future in chunks:
-            chunk = future.result()
-            for field in dataclasses.fields(Dataset):
-                getattr(dataset, field.name).extend(getattr(chunk, field.name))
-            bar.update(len(chunk))
+    speeches = espeak.speak(requests, sample_rate, workers)
+    for utterance, rng, speech in tqdm(zip(utterances, rngs, speeches), total=num_utterances,
+                                       desc=description, unit="utt", leave=False):
+        dataset.features.append(log_spectrogram(render(utterance, speech, sample_rate, rng),
+                                                sample_rate))
+        dataset.labels.append(text_to_labels(utterance.transcript))
+        dataset.transcripts.append(utterance.transcript)
+        dataset.voices.append(utterance.voice)
     return dataset
 
 
@@ -356,11 +260,15 @@ def make_batch(dataset: Dataset, indices, batch_size: int, frame_multiple: int,
 def train_batches(dataset: Dataset, batch_size: int, epoch: int, seed: int, frame_multiple: int,
                   max_label_length: int, sortagrad: bool = True):
     """Batches of similar length. Epoch 0 runs short to long (SortaGrad, paper 3.1); later epochs
-    shuffle the order of the batches. Only full batches, so every replica gets the same size."""
+    shuffle the order of the batches. Only full batches, so every replica gets the same size:
+    the len % batch_size utterances left out are drawn anew each epoch (cutting the length order
+    into batches would always leave out the longest ones, never trained on)."""
+    rng = np.random.default_rng([seed, epoch])
     order = np.argsort([len(f) for f in dataset.features], kind="stable")
-    groups = [order[i:i + batch_size] for i in range(0, len(order) - batch_size + 1, batch_size)]
+    order = np.delete(order, rng.choice(len(order), len(order) % batch_size, replace=False))
+    groups = [order[i:i + batch_size] for i in range(0, len(order), batch_size)]
     if not (sortagrad and epoch == 0):
-        np.random.default_rng([seed, epoch]).shuffle(groups)
+        rng.shuffle(groups)
     for group in groups:
         yield make_batch(dataset, group, batch_size, frame_multiple, max_label_length)
 
@@ -371,11 +279,3 @@ def eval_batches(dataset: Dataset, batch_size: int, frame_multiple: int, max_lab
     for i in range(0, len(order), batch_size):
         yield make_batch(dataset, order[i:i + batch_size], batch_size, frame_multiple,
                          max_label_length)
-
-
-if __name__ == "__main__":
-    # One chunk of utterances, synthesised in a fresh process (see `generate`):
-    # python -m models.deepspeech.data START STOP SEED SAMPLE_RATE OUT.npz VARIANT...
-    start, stop, seed, sample_rate = map(int, sys.argv[1:5])
-    write_dataset(_generate_chunk(start, stop, tuple(sys.argv[6:]), seed, sample_rate),
-                  Path(sys.argv[5]))

@@ -119,10 +119,13 @@ def say(args):
     import numpy as np
     import scipy.io.wavfile
 
+    from models import espeak
     from models.deepspeech import data
 
     utterance = data.Utterance(args.text, args.voice, args.rate, 50, 50, snr_db=60.0)
-    audio = data.render(utterance, 16000, np.random.default_rng(0))
+    rng = np.random.default_rng(0)
+    speech = espeak.Espeak.get().speak(data.speech_request(utterance, rng), 16000)
+    audio = data.render(utterance, speech, 16000, rng)
     scipy.io.wavfile.write(args.wav, 16000, (audio * 32767 / max(np.abs(audio).max(), 1e-9))
                            .astype(np.int16))
 

@@ -102,6 +102,30 @@ class BidirectionalGRU(nnx.Module):
         return (outputs[0] + outputs[1][:, ::-1]) * mask[..., None]
 
 
+def same_padding(size: int, kernel: int, stride: int) -> tuple[int, int]:
+    """XLA's "SAME" padding of an axis of `size`: ceil(size / stride) outputs, the padding split
+    in half, the smaller half before."""
+    total = max((-(-size // stride) - 1) * stride + kernel - size, 0)
+    return total // 2, total - total // 2
+
+
+def conv_padding(frequency: int, kernel, stride):
+    """(time, frequency) padding of a convolution: ceil(n / stride) outputs along each axis.
+
+    Time: "SAME" pads by what the padded length needs, so with a stride the real frames would
+    be aligned one way in an even and another in an odd length, and would depend on how much
+    padding follows them (an unpadded odd-length utterance at transcription would meet an
+    alignment never trained on). So the padding before is fixed: "SAME"'s on a length that the
+    stride divides, which every training batch has (time is padded to `frame_multiple`), and
+    k - 1 - that after, which gives ceil(T / stride) outputs for every T, output i seeing input
+    i * stride and the frames around it whatever the padding. Frequency has one size, so
+    "SAME"."""
+    (time_kernel, frequency_kernel), (time_stride, frequency_stride) = kernel, stride
+    before = max(time_kernel - time_stride, 0) // 2
+    return ((before, time_kernel - 1 - before),
+            same_padding(frequency, frequency_kernel, frequency_stride))
+
+
 class DeepSpeech2(nnx.Module):
     """Log spectrogram (batch, frames, frequency bins) -> logits (batch, frames / stride,
     classes), with the output frame mask."""
@@ -113,8 +137,8 @@ class DeepSpeech2(nnx.Module):
         frequency, channels = feature_size, 1
         for out_channels, kernel, stride in zip(conv_channels, conv_kernels, conv_strides):
             self.convs.append(nnx.Conv(channels, out_channels, tuple(kernel), strides=tuple(stride),
-                                       padding="SAME", use_bias=False, rngs=rngs,
-                                       param_dtype=jnp.float32))
+                                       padding=conv_padding(frequency, kernel, stride),
+                                       use_bias=False, rngs=rngs, param_dtype=jnp.float32))
             self.conv_norms.append(SequenceBatchNorm(out_channels))
             frequency, channels = -(-frequency // stride[1]), out_channels
         in_features = frequency * channels
@@ -127,7 +151,7 @@ class DeepSpeech2(nnx.Module):
 
     def output_mask(self, mask):
         for stride in self.time_strides:
-            mask = mask[:, ::stride]  # SAME padding: ceil(T / stride) output frames
+            mask = mask[:, ::stride]  # ceil(T / stride) outputs, i real if input i * stride is
         return mask
 
     def __call__(self, features, mask, *, train: bool = False, axis_name=None):

@@ -1,7 +1,7 @@
 """Deep Speech 2 training, data-parallel over jaxring: `train_and_evaluate(config, workdir)`.
 
 Every replica holds the full model and a slice of the global batch; batch-norm statistics are
-summed across replicas in the forward pass, and gradients are summed in fused buckets by the
+summed across replicas in the forward pass, and gradients are averaged in fused buckets by the
 jaxring.parallel.data distributed optimizer. Parameters are broadcast from replica 0 before the
 first step. The replicas are either
 
@@ -81,7 +81,8 @@ def loss_and_batch_stats(params, batch_stats, graphdef, batch, axis_name):
 class InProcess:
     """Replicas on the devices of one mesh axis "data" of this process; functions run inside
     ``jax.shard_map`` with check_vma=False: the gradient of a replicated parameter stays per
-    replica (no implicit psum is inserted), so the distributed optimizer sums it with jaxring."""
+    replica (no implicit psum is inserted), so the distributed optimizer averages it with
+    jaxring."""
 
     is_main = True
 

@@ -3,14 +3,13 @@ the `espeakng-loader` wheel) plus synthetic signals, mu-law coded. Nothing is do
 
 Speech: spoken digit strings and short sentences, several voices, rates and pitches, a little
 noise; the test set holds out one voice. Synthetic: sums of harmonics with vibrato and decaying
-envelopes, and chirps. Everything is deterministic in `config.seed` and cached as an .npz in the
-work directory.
+envelopes, and chirps. Everything is deterministic in `config.seed`: espeak-ng speaks in fresh,
+seeded processes (`models.espeak`), and every choice is drawn before any audio exists, so no
+clip's length shifts a later one. Cached as an .npz in the work directory.
 """
 
 from __future__ import annotations
 
-import ctypes
-import functools
 import hashlib
 import json
 from pathlib import Path
@@ -18,6 +17,7 @@ from pathlib import Path
 import numpy as np
 from scipy import signal
 
+from models import espeak
 from models.wavenet import audio
 from models.wavenet.configs.default import Config
 
@@ -32,70 +32,30 @@ SENTENCES = (
     "we present a deep neural network that generates raw audio",
 )
 DIGITS = ("zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine")
-
-# espeak-ng's C API (speak_lib.h): synchronous output through a callback.
-_AUDIO_OUTPUT_SYNCHRONOUS = 2
-_POS_CHARACTER = 1
-_ESPEAK_CHARS_AUTO = 0
-_ESPEAK_RATE, _ESPEAK_PITCH = 1, 3
-_CALLBACK = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.POINTER(ctypes.c_short), ctypes.c_int,
-                             ctypes.c_void_p)
-
-
-class Espeak:
-    """espeak-ng loaded once per process (it keeps global state)."""
-
-    @functools.cache
-    def __new__(cls):
-        import espeakng_loader
-
-        self = super().__new__(cls)
-        self.lib = ctypes.CDLL(espeakng_loader.get_library_path())
-        data_dir = str(Path(espeakng_loader.get_data_path()).parent).encode()
-        self.sample_rate = self.lib.espeak_Initialize(_AUDIO_OUTPUT_SYNCHRONOUS, 0, data_dir, 0)
-        if self.sample_rate <= 0:
-            raise RuntimeError(f"espeak-ng failed to initialise with data in {data_dir!r}")
-        self.chunks = []
-        self.callback = _CALLBACK(self._collect)  # kept alive as long as the library uses it
-        self.lib.espeak_SetSynthCallback(self.callback)
-        return self
-
-    def _collect(self, wav, count, events):
-        if count > 0:
-            self.chunks.append(np.ctypeslib.as_array(wav, shape=(count,)).copy())
-        return 0
-
-    def synthesize(self, text: str, voice: str, rate: int, pitch: int) -> np.ndarray:
-        """Float audio in [-1, 1] at `self.sample_rate`."""
-        if self.lib.espeak_SetVoiceByName(voice.encode()) != 0:
-            raise ValueError(f"espeak-ng has no voice {voice!r}")
-        self.lib.espeak_SetParameter(_ESPEAK_RATE, rate, 0)
-        self.lib.espeak_SetParameter(_ESPEAK_PITCH, pitch, 0)
-        self.chunks = []
-        encoded = text.encode()
-        self.lib.espeak_Synth(encoded, len(encoded) + 1, 0, _POS_CHARACTER, 0,
-                              _ESPEAK_CHARS_AUTO, None, None)
-        self.lib.espeak_Synchronize()
-        pcm = np.concatenate(self.chunks) if self.chunks else np.zeros(0, np.int16)
-        return pcm.astype(np.float32) / 32768.0
+_CACHE_VERSION = 2  # bump when generation changes, so old caches are not reused
 
 
 def speech(voices, utterances_per_voice: int, sample_rate: int, rng) -> list[np.ndarray]:
-    engine = Espeak()
-    common = np.gcd(engine.sample_rate, sample_rate)
-    clips = []
+    """Digit strings and sentences, each scaled to a random peak, with a little white noise.
+    `rng` makes every choice before any audio exists, and each utterance's noise comes from its
+    own generator, so the choices do not depend on how long the clips come out."""
+    requests, levels = [], []
     for voice in voices:
         for index in range(utterances_per_voice):
             if index % 2:
                 text = " ".join(rng.choice(DIGITS, size=rng.integers(3, 7)))
             else:
                 text = SENTENCES[rng.integers(len(SENTENCES))]
-            clip = engine.synthesize(text, voice, int(rng.integers(130, 220)),
-                                     int(rng.integers(25, 75)))
-            clip = signal.resample_poly(clip, sample_rate // common, engine.sample_rate // common)
-            clip = clip / max(1e-3, np.abs(clip).max()) * rng.uniform(0.5, 0.9)
-            clip = clip + rng.normal(0.0, 10 ** rng.uniform(-3.5, -2.5), clip.shape)
-            clips.append(clip.astype(np.float32))
+            requests.append(espeak.Request(text, voice, rate=int(rng.integers(130, 220)),
+                                           pitch=int(rng.integers(25, 75)),
+                                           seed=int(rng.integers(2**31))))
+            levels.append((rng.uniform(0.5, 0.9), 10 ** rng.uniform(-3.5, -2.5),
+                           int(rng.integers(2**31))))
+    clips = []
+    for clip, (peak, noise, noise_seed) in zip(espeak.speak(requests, sample_rate), levels):
+        clip = clip / max(1e-3, np.abs(clip).max()) * peak
+        clip = clip + np.random.default_rng(noise_seed).normal(0.0, noise, clip.shape)
+        clips.append(clip.astype(np.float32))
     return clips
 
 
@@ -122,7 +82,8 @@ def synthetic(seconds: float, sample_rate: int, rng) -> list[np.ndarray]:
 
 def load_dataset(config: Config, cache_dir) -> dict[str, np.ndarray]:
     """{"train", "test"}: one long int32 mu-law stream each (clips joined by 50 ms of silence)."""
-    settings = dict(rate=config.sample_rate, per_voice=config.utterances_per_voice,
+    settings = dict(version=_CACHE_VERSION, rate=config.sample_rate,
+                    per_voice=config.utterances_per_voice,
                     synthetic=config.synthetic_seconds, seed=config.seed,
                     levels=config.model.quantization_levels,
                     voices=[TRAIN_VOICES, TEST_VOICES])

@@ -41,13 +41,17 @@ def layer_weights(layers: dict, index) -> dict:
     return {name: value[index] for name, value in layers.items()}
 
 
-def layer_conditioning(layer: dict, speaker=None, local=None):
+def layer_conditioning(layer: dict, speaker=None, local=None, time_axis: bool = False):
     """What conditioning adds to the gate pre-activation: V_k h of the paper's equations 3-4.
-    `speaker` is `[batch]` ints; `local` is `[batch, (time,) local_channels]` at the sample rate."""
+    `speaker` is `[batch]` ints; `local` is `[batch, (time,) local_channels]` at the sample rate.
+    `time_axis`: the gate is `[batch, time, 2R]` (all steps at once), not `[batch, 2R]` (one
+    step), so the speaker's `[batch, 2R]` embedding gets a time axis to broadcast over, with or
+    without local conditioning (without it, the embedding would meet the gate's time axis: an
+    error, or, when batch == time, every stream given stream t's embedding at step t)."""
     bias = 0.0
     if speaker is not None and "speaker_embedding" in layer:
         bias = layer["speaker_embedding"][speaker]
-        if local is not None and local.ndim == 3:
+        if time_axis:
             bias = bias[:, None, :]
     if local is not None and "local" in layer:
         bias = bias + local @ layer["local"]
@@ -91,7 +95,8 @@ def skip_sum(weights: dict, config: ModelConfig, inputs, speaker=None, local=Non
     for index, dilation in enumerate(dilations(config)):
         layer = layer_weights(weights["layers"], index)
         h, skip = gated_residual_layer(
-            layer, h, shift_right(h, dilation), layer_conditioning(layer, speaker, local))
+            layer, h, shift_right(h, dilation),
+            layer_conditioning(layer, speaker, local, time_axis=True))
         total = total + skip
     return total
 

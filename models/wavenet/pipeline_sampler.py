@@ -65,9 +65,9 @@ def sample_layer_sharded(weights, config: ModelConfig, key, num_samples: int, ba
     # Queue row (slot * M + microbatch): each microbatch has its own ring per layer.
     queues = [jnp.zeros((n, length * microbatches, per_microbatch, residual), jnp.float32)
               for length in queue_lengths]
-    speaker = (jnp.zeros((batch,), jnp.int32) if speaker is None else speaker).reshape(
-        microbatches, per_microbatch)
-    has_speaker = config.num_speakers > 0
+    # No speaker means no speaker term, as in the other samplers (not speaker 0's embedding).
+    if speaker is not None:
+        speaker = speaker.reshape(microbatches, per_microbatch)
     channels = config.local_channels
     local = sampler.time_major(
         jnp.zeros((batch, num_samples, channels), jnp.float32) if local is None else local)
@@ -105,7 +105,7 @@ def sample_layer_sharded(weights, config: ModelConfig, key, num_samples: int, ba
             local_now = lax.dynamic_slice_in_dim(local[t_now], m * per_microbatch,
                                                  per_microbatch) if channels else None
             h, skip_partial, queues = sampler.layer_group_step(
-                layers, queues, rows, h, speaker[m] if has_speaker else None, local_now,
+                layers, queues, rows, h, None if speaker is None else speaker[m], local_now,
                 write=active)
             skip_sum = skip_in + skip_partial
 
