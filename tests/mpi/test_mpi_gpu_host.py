@@ -111,11 +111,11 @@ REFERENCE = {"sum": lambda a: a.sum(0), "mean": lambda a: a.mean(0),
              "max": lambda a: a.max(0), "min": lambda a: a.min(0)}
 
 
-def direct(ops, kind, op, x, output_count, root=0, scratch=4096, timeout=60.0):
+def direct(ops, kind, op, x, output_count, root=0, scratch=4096, timeout=60.0, fail_reduce=-1):
     code = DIRECT_DTYPES[x.dtype]
     out = jaxring.mpi._mpi_extension()[0].direct_collective(
         ops, COMM.rank, COMM.size, kind, OPS[op], code, x.tobytes(), output_count, root, scratch,
-        timeout)
+        timeout, fail_reduce)
     return np.frombuffer(out, x.dtype)
 
 
@@ -191,6 +191,25 @@ def test_a_late_receiver_of_a_root_that_gave_up_fails_and_the_messages_stay_fail
         time.sleep(2.0)
         with pytest.raises(RuntimeError, match=r"rank 0 gave up on direct test \(timed out"):
             direct(ops, BROADCAST, "sum", x, x.size, timeout=10.0)
+    with pytest.raises(RuntimeError, match="an earlier exchange on direct test failed"):
+        direct(ops, ALL_GATHER, "sum", x[:4], 4 * COMM.size, timeout=10.0)
+    MPI_COMM.Barrier()
+
+
+@pytest.mark.skipif(COMM.size < 2, reason="needs two ranks")
+def test_a_rank_whose_reduction_fails_fails_its_peers_at_once_quoting_it():
+    """Rank 0's first reduction fails (as a kernel launch may) after every rank has exchanged its
+    shares: rank 0 gives up on the messages, so its peers, waiting for its reduced share, fail at
+    once with its error instead of waiting out their timeout, and so does every later exchange."""
+    import time
+
+    ops = message_ops()
+    x = np.ones(1000, np.float32)
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"reduction 0 failed \(injected\)"):
+        direct(ops, ALL_REDUCE, "sum", x, x.size, timeout=20.0,
+               fail_reduce=0 if COMM.rank == 0 else -1)
+    assert time.monotonic() - start < 10.0
     with pytest.raises(RuntimeError, match="an earlier exchange on direct test failed"):
         direct(ops, ALL_GATHER, "sum", x[:4], 4 * COMM.size, timeout=10.0)
     MPI_COMM.Barrier()

@@ -105,7 +105,11 @@ HostResult RunCollectiveCall(const JaxringHostCall& c, const Header& header,
     return {ProcessCommunicatorGone(c, header)};
   }
   const Algorithm algorithm = ChooseAlgorithm(header, c.size, config);
-  ScratchLease scratch = ScratchLease::Acquire(ScratchBytes(header, c.size, algorithm));
+  const size_t scratch_bytes = ScratchBytes(header, c.size, algorithm);
+  ScratchLease scratch = ScratchLease::Acquire(scratch_bytes);
+  if (scratch_bytes > 0 && scratch.data() == nullptr)  // its peers time out, naming this rank
+    return {Status::Error(Where(header, CommName(c), c.rank, c.size) + ": out of memory for " +
+                          std::to_string(scratch_bytes) + " bytes of scratch")};
   CommunicatorId comm{c.comm, c.group, c.size, CommName(c)};
   const bool copy_input =
       algorithm == Algorithm::kDirect &&

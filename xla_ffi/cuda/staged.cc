@@ -116,15 +116,21 @@ Status StagedCommunicator::RunCudaAware(cudaStream_t stream, const JaxringHostCa
   agree.output = nullptr;
   Status status = RunOnHost(agree);
   if (!status.ok()) return status;
+  // Its CUDA errors, like RunDirect's own failures, give up on the messages: peers that passed
+  // the agree wait for this rank's messages there, not in a host call.
+  auto cuda = [&](const char* what, cudaError_t error) {
+    if (error == cudaSuccess) return true;
+    status = CudaError(where + ": " + what, error);
+    messages_->give_up(messages_->context, status.message().c_str());
+    return false;
+  };
   // XLA may run this call on another stream than the last one, whose kernels may still read the
   // scratch that MPI is about to write.
-  JAXRING_CUDA_RETURN(where + ": waiting for the previous call",
-                      cudaEventSynchronize(scratch_free_));
+  if (!cuda("waiting for the previous call", cudaEventSynchronize(scratch_free_))) return status;
   StreamMemory memory(stream, where);
   status = RunDirect(h, x, y, rank_, size_, device_scratch_, chunk_bytes_, memory, *messages_,
                      HostTimeoutSeconds(), where);
-  if (status.ok())
-    JAXRING_CUDA_RETURN(where + ": recording an event", cudaEventRecord(scratch_free_, stream));
+  if (status.ok()) cuda("recording an event", cudaEventRecord(scratch_free_, stream));
   return status;
 }
 

@@ -40,11 +40,9 @@ class Messages {
   char error_[kErrorBytes] = {0};
 };
 
-}  // namespace
-
-Status RunDirect(const Header& h, const void* x, void* y, int rank, int size, void* scratch,
-                 int64_t scratch_bytes, DeviceOps& device, const JaxringMessageOps& ops,
-                 double timeout_seconds, const std::string& where) {
+Status Exchange(const Header& h, const void* x, void* y, int rank, int size, void* scratch,
+                int64_t scratch_bytes, DeviceOps& device, const JaxringMessageOps& ops,
+                double timeout_seconds, const std::string& where) {
   const int n = size;
   const int me = rank;
   const size_t width = ByteWidth(h.dtype);
@@ -144,6 +142,17 @@ Status RunDirect(const Header& h, const void* x, void* y, int rank, int size, vo
     default:
       return Status::Error(where + ": not a collective of the CUDA-aware path");
   }
+}
+
+}  // namespace
+
+Status RunDirect(const Header& h, const void* x, void* y, int rank, int size, void* scratch,
+                 int64_t scratch_bytes, DeviceOps& device, const JaxringMessageOps& ops,
+                 double timeout_seconds, const std::string& where) {
+  const Status status =
+      Exchange(h, x, y, rank, size, scratch, scratch_bytes, device, ops, timeout_seconds, where);
+  if (!status.ok()) ops.give_up(ops.context, status.message().c_str());
+  return status;
 }
 
 }  // namespace gpu

@@ -29,6 +29,10 @@ struct JaxringMessageOps {
                       size_t error_bytes);
   // Waits for every posted message, at most `timeout_seconds`; a timeout names the peers.
   int (*wait_all)(void* context, double timeout_seconds, char* error, size_t error_bytes);
+  // This rank failed outside these messages (`why`, NUL-terminated): peers waiting for its
+  // messages fail at once quoting it, and its later exchanges fail. A rank that gave up already
+  // stays as it was.
+  void (*give_up)(void* context, const char* why);
 };
 }
 
@@ -48,7 +52,8 @@ class DeviceOps {
 };
 
 // `scratch`: at least `size` x StepElements(kStaged, kReduceScatter, ...) elements of device
-// memory, allocated once. Every rank must make the same calls; the caller exchanges headers.
+// memory, allocated once. Every rank must make the same calls; the caller exchanges headers. A
+// failure gives up on `messages`, so that peers do not wait out their timeout for this rank.
 Status RunDirect(const Header& h, const void* x, void* y, int rank, int size, void* scratch,
                  int64_t scratch_bytes, DeviceOps& device, const JaxringMessageOps& messages,
                  double timeout_seconds, const std::string& where);

@@ -52,14 +52,23 @@ std::pair<bool, std::string> CudaAware() {
 // Host memory in place of the device: the CUDA-aware path's algorithm, tested on CPU processes.
 class HostMemory final : public jaxring::gpu::DeviceOps {
  public:
+  // `fail_reduce`: the reduction that fails instead, as a kernel launch may (-1: none).
+  explicit HostMemory(int fail_reduce) : fail_reduce_(fail_reduce) {}
   jaxring::Status Copy(void* dst, const void* src, size_t bytes) override {
     return jaxring::gpu::HostCopyRows(dst, bytes, src, bytes, bytes, 1);
   }
   jaxring::Status Reduce(jaxring::DType dtype, jaxring::ReduceOp op, const void* const* srcs,
                          int n, void* dst, int64_t count, int64_t divisor) override {
+    if (reduces_++ == fail_reduce_)
+      return jaxring::Status::Error("reduction " + std::to_string(fail_reduce_) +
+                                    " failed (injected)");
     return jaxring::gpu::HostReduce(dtype, op, srcs, n, dst, count, divisor);
   }
   jaxring::Status Synchronize() override { return jaxring::Status(); }
+
+ private:
+  int fail_reduce_;
+  int reduces_ = 0;
 };
 
 }  // namespace
@@ -107,7 +116,7 @@ NB_MODULE(_jaxring_mpi, m) {
       "direct_collective",
       [](uintptr_t ops_address, int rank, int size, int kind, int op, int dtype,
          const nb::bytes& input, int64_t output_count, int64_t root, int64_t scratch_bytes,
-         double timeout_seconds) {
+         double timeout_seconds, int fail_reduce) {
         jaxring::Header h;
         h.kind = static_cast<jaxring::Collective>(kind);
         h.op = static_cast<jaxring::ReduceOp>(op);
@@ -116,7 +125,7 @@ NB_MODULE(_jaxring_mpi, m) {
         const size_t width = jaxring::ByteWidth(h.dtype);
         h.count = static_cast<int64_t>(input.size() / width);
         std::vector<char> output(output_count * width), scratch(scratch_bytes);
-        HostMemory memory;
+        HostMemory memory(fail_reduce);
         jaxring::Status status;
         {
           nb::gil_scoped_release release;
@@ -130,7 +139,7 @@ NB_MODULE(_jaxring_mpi, m) {
       },
       nb::arg("ops_address"), nb::arg("rank"), nb::arg("size"), nb::arg("kind"), nb::arg("op"),
       nb::arg("dtype"), nb::arg("input"), nb::arg("output_count"), nb::arg("root"),
-      nb::arg("scratch_bytes"), nb::arg("timeout_seconds"),
+      nb::arg("scratch_bytes"), nb::arg("timeout_seconds"), nb::arg("fail_reduce") = -1,
       "Runs the CUDA-aware path's algorithm (gpu/direct.h) on host memory (tests).");
 
   m.def(

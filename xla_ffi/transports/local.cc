@@ -6,6 +6,7 @@
 #include <cstring>
 #include <map>
 #include <mutex>
+#include <new>
 #include <sstream>
 #include <thread>
 #include <unordered_map>
@@ -174,9 +175,13 @@ std::unique_ptr<LocalTransport> LocalTransport::Join(const CommunicatorId& comm,
   me.header = header;
   const size_t input_bytes = header.count * ByteWidth(header.dtype);
   if (copy_input && input_bytes > 0) {
-    me.input_copy.reset(new unsigned char[input_bytes]);
-    std::memcpy(me.input_copy.get(), input, input_bytes);
-    input = me.input_copy.get();
+    // Without memory for the copy (copy_input_bytes set large), peers read the input in place.
+    me.input_copy.reset(new (std::nothrow) unsigned char[input_bytes]);
+    copy_input = me.input_copy != nullptr;
+    if (copy_input) {
+      std::memcpy(me.input_copy.get(), input, input_bytes);
+      input = me.input_copy.get();
+    }
   }
   me.copied = copy_input;
   me.input = input;
@@ -229,7 +234,7 @@ Status LocalTransport::WaitForPeers() {
     if (!missing.empty()) return Status::Error(missing);
   }
   if (meeting_->arrivals.Load() & Flag::kAbandoned)
-    return Status::Error(Where() + ": " + WhoGaveUp("waiting for this collective before this "
+    return Status::Error(Where() + ": " + WhoGaveUp("waiting for this collective before every "
                                                     "rank arrived, so it cannot run"));
   // Every rank checks every header, so a mismatch is reported on every rank.
   const Header& reference = meeting_->peers[0].header;

@@ -144,6 +144,7 @@ int64_t StallsTakenForTest();
 // allocate and fault in fresh pages on every call.
 class ScratchLease {
  public:
+  // data() is null where `bytes` > 0 could not be allocated.
   static ScratchLease Acquire(size_t bytes);
   ScratchLease() = default;
   ScratchLease(ScratchLease&& other) noexcept;

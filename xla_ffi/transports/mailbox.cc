@@ -153,6 +153,9 @@ Status LocalPointToPoint::Post(int dest, const Header& header, const void* data,
     slot.pointer = slot.inline_data;
   } else {
     slot.spill = ScratchLease::Acquire(bytes);
+    if (slot.spill.data() == nullptr)  // the receiver times out, naming this rank
+      return Status::Error(Where(header) + ": out of memory for a copy of this " +
+                           std::to_string(bytes) + "-byte message");
     std::memcpy(slot.spill.data(), data, bytes);
     slot.pointer = slot.spill.data();
   }

@@ -45,14 +45,6 @@ int Fail(char* error, size_t error_bytes, const std::string& message) {
   return 1;
 }
 
-int MpiFailure(int code, const char* what, char* error, size_t error_bytes) {
-  char text[MPI_MAX_ERROR_STRING];
-  int length = 0;
-  MPI_Error_string(code, text, &length);
-  return Fail(error, error_bytes,
-              std::string("MPI failed to ") + what + ": " + std::string(text, length));
-}
-
 // A rank that gives up (a timeout, an MPI error) returns its buffers to XLA while MPI may still
 // read a send of its, since a send under way is only freed, never cancelled (WaitAll). So it
 // tells every peer, and a peer that then finds the notice fails: before it posts a receive that
@@ -94,6 +86,15 @@ bool PeerGaveUp(MpiMessages* m, int peer, std::string* why, int looks = 3) {
   return true;
 }
 
+// An MPI error: this rank gives up on the messages, and the error says what failed.
+int FailMpi(MpiMessages* m, int code, const char* what, char* error, size_t error_bytes) {
+  char text[MPI_MAX_ERROR_STRING];
+  int length = 0;
+  MPI_Error_string(code, text, &length);
+  return Fail(error, error_bytes,
+              GiveUp(m, std::string("MPI failed to ") + what + ": " + std::string(text, length)));
+}
+
 template <typename Start>
 int Post(MpiMessages* m, size_t bytes, int peer, bool sending, const char* what, char* error,
          size_t error_bytes, Start start) {
@@ -108,7 +109,10 @@ int Post(MpiMessages* m, size_t bytes, int peer, bool sending, const char* what,
     m->peers.push_back(peer);
     m->sending.push_back(sending);
     const int code = start(done, static_cast<int>(piece), &m->requests.back());
-    if (code != MPI_SUCCESS) return MpiFailure(code, what, error, error_bytes);
+    if (code != MPI_SUCCESS) {
+      m->requests.back() = MPI_REQUEST_NULL;  // not started; WaitAll drops the others
+      return FailMpi(m, code, what, error, error_bytes);
+    }
     done += piece;
   } while (done < bytes);
   return 0;
@@ -197,9 +201,7 @@ int WaitAll(void* context, double timeout_seconds, char* error, size_t error_byt
   }
   if (code != MPI_SUCCESS) {
     Drop(m);
-    const int failed = MpiFailure(code, "exchange data", error, error_bytes);
-    GiveUp(m, error_bytes > 0 ? std::string(error) : "MPI failed to exchange data");
-    return failed;
+    return FailMpi(m, code, "exchange data", error, error_bytes);
   }
   // What came from a peer that gave up may have been read from a buffer it has since freed.
   for (int peer : Peers(*m, true)) {
@@ -210,6 +212,8 @@ int WaitAll(void* context, double timeout_seconds, char* error, size_t error_byt
   m->Clear();
   return 0;
 }
+
+void GiveUpOn(void* context, const char* why) { GiveUp(static_cast<MpiMessages*>(context), why); }
 
 }  // namespace
 
@@ -228,7 +232,7 @@ Status CreateMpiMessages(MPI_Comm parent, const std::string& name, JaxringMessag
   MPI_Comm_rank(messages->comm, &messages->rank);
   MPI_Comm_size(messages->comm, &messages->size);
   messages->name = name;
-  *out = new JaxringMessageOps{messages, &PostSend, &PostReceive, &WaitAll};
+  *out = new JaxringMessageOps{messages, &PostSend, &PostReceive, &WaitAll, &GiveUpOn};
   return Status();
 }
 
