@@ -5,9 +5,10 @@ JAXRING_PIPELINE_SLICE_BYTES, JAXRING_SPIN_ITERATIONS, JAXRING_P2P_EAGER_BYTES,
 JAXRING_MPI_RING_THRESHOLD_BYTES, JAXRING_MPI_DIRECT_HEADER_RANKS, JAXRING_HUGE_PAGE_BYTES,
 JAXRING_SHM_STORES, JAXRING_COPY_INPUT_BYTES, JAXRING_HAND_OFF_AFTER_SECONDS,
 JAXRING_CPU_KERNELS) override the defaults at import time; ``update`` and ``override`` change them
-at run time. Values are read when a collective runs; ``update`` and ``override`` first wait for
-the programs already dispatched to finish, so each program runs under the configuration in force
-when it was dispatched.
+at run time. Values are read when a collective runs (mpi_direct_header_ranks when a jaxring.mpi
+communicator is created); ``update`` and ``override`` first wait for the programs already
+dispatched to finish, so each program runs under the configuration in force when it was
+dispatched.
 """
 
 from __future__ import annotations
@@ -43,7 +44,8 @@ class Config:
     # decides, when the call is traced, which all-reduces go through the node levels.
     mpi_ring_threshold_bytes: int = 64 * 1024
     # The MPI transport's header exchange: direct (one round; timeouts name exactly the absent
-    # ranks) up to this many ranks, Bruck's log2 n rounds above.
+    # ranks) up to this many ranks, Bruck's log2 n rounds above. Read when a jaxring.mpi
+    # communicator is created, whose ranks must agree on the method it gives.
     mpi_direct_header_ranks: int = 64
     # CPU outputs of at least this many bytes get transparent huge pages (madvise) before their
     # first write; 0 turns it off. Outputs this large are usually fresh mappings, and on a VM each

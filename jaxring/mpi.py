@@ -35,6 +35,7 @@ import secrets
 import sys
 import weakref
 
+from jaxring import config
 from jaxring._src import common, gpu, native
 
 # Staging slot per rank. Measured at 2 and 4 ranks, bound to cores or not (README, "Across
@@ -100,9 +101,10 @@ def _agreed(mpi_comm, resolve):
         if theirs != everyone[0][0]:
             raise ValueError(
                 f"jaxring.mpi: every rank must ask for the same communicator, but rank 0 asked "
-                f"for (transport, slot_bytes, ranks_per_node, GPU options) {everyone[0][0]} and "
-                f"rank {rank} for {theirs}: pass the same arguments and JAXRING_ variables to "
-                "every rank")
+                f"for (transport, slot_bytes, ranks_per_node, GPU options, direct header "
+                f"exchange) {everyone[0][0]} and "
+                f"rank {rank} for {theirs}: pass the same arguments, JAXRING_ variables and "
+                "jaxring.config to every rank")
     return mine
 
 
@@ -134,9 +136,13 @@ class Communicator:
                                  f"got {chosen!r}")
             pretend = (int(os.environ.get("JAXRING_MPI_RANKS_PER_NODE", "0"))
                        if ranks_per_node is None else ranks_per_node)
-            return chosen, int(slot_bytes), pretend, options
+            # The MPI transport's header exchange, which ranks must share: differing, they would
+            # mistake each other's messages (config.py).
+            direct_headers = mpi_comm.Get_size() <= config.get().mpi_direct_header_ranks
+            return chosen, int(slot_bytes), pretend, options, direct_headers
 
-        transport, slot_bytes, ranks_per_node, gpu_options = _agreed(mpi_comm, resolve)
+        transport, slot_bytes, ranks_per_node, gpu_options, direct_headers = _agreed(
+            mpi_comm, resolve)
         self.mpi_comm = mpi_comm
         self.rank = mpi_comm.Get_rank()
         self.size = mpi_comm.Get_size()
@@ -163,7 +169,8 @@ class Communicator:
             secrets.randbits(62) | common.PROCESS_KEY_BIT if self.rank == 0 else None, root=0)
         if extension is not None:
             try:
-                transport_capsule = extension.create(MPI._addressof(mpi_comm), self.name)
+                transport_capsule = extension.create(MPI._addressof(mpi_comm), self.name,
+                                                     direct_headers)
             except RuntimeError as error:  # e.g. MPI initialised without MPI_THREAD_MULTIPLE
                 if transport != "shm":
                     raise
@@ -311,8 +318,6 @@ def _wait_for_pending_work_at_exit() -> None:
         if not _exit_barrier_comms:
             return
         import time
-
-        from jaxring import config
 
         requests = [comm.Ibarrier() for comm in _exit_barrier_comms]
         deadline = time.monotonic() + config.get().timeout_seconds

@@ -284,6 +284,23 @@ def test_a_rank_with_bad_or_different_options_makes_every_rank_raise():
             jaxring.mpi.Communicator(MPI_COMM, transport="shm" if COMM.rank == 0 else "mpi")
 
 
+@pytest.mark.skipif(COMM.size < 2, reason="needs two ranks")
+def test_the_header_exchange_is_fixed_when_the_communicator_is_made():
+    """The MPI transport's header exchange (mpi_direct_header_ranks: direct or Bruck's) must be
+    the same on every rank, or ranks mistake each other's messages (from 4 ranks, a truncated
+    message or a timeout). Ranks that would take different ones refuse to make a communicator,
+    and a later change on one rank leaves the communicators already made as they were."""
+    x = np.arange(4, dtype=np.float32) + COMM.rank
+    expected = sum(np.arange(4, dtype=np.float32) + rank for rank in range(COMM.size))
+    with jaxring.config.override(mpi_direct_header_ranks=1 if COMM.rank == 1 else 64):
+        y = jax.jit(lambda v: jaxring.all_reduce(v, COMM))(x)
+        np.testing.assert_array_equal(np.asarray(y), expected)
+        with pytest.raises(ValueError, match=r"every rank must ask for the same communicator, "
+                                             r"but rank 0 asked for .*direct header exchange\) "
+                                             r"\(.*, True\) and rank 1 for \(.*, False\)"):
+            jaxring.mpi.Communicator(MPI_COMM)
+
+
 @pytest.mark.skipif(COMM.transport != "shm", reason="a shared-memory communicator")
 def test_a_segment_larger_than_dev_shm_is_an_error_not_a_crash():
     """The segment's pages are reserved when it is made; mapping more than /dev/shm holds would

@@ -3,16 +3,28 @@
 #include <unistd.h>
 
 #include <cstring>
+#include <random>
 #include <utility>
 
 #include "gpu/plan.h"
 
 namespace jaxring {
 namespace gpu {
+
 namespace {
 
 constexpr uint32_t kIpcMagic = 0x4a584950;  // "JXIP"
 constexpr uint32_t kIpcVersion = 1;
+
+// Tells this process from every other, where a PID would not: processes in containers on one
+// node, each with its own PID namespace, can have the same PID.
+int64_t ProcessId() {
+  static const int64_t id = [] {
+    std::random_device random;
+    return (static_cast<int64_t>(random()) << 32) ^ random() ^ getpid();
+  }();
+  return id;
+}
 
 std::string Hex(const char* bytes, size_t n) {
   static const char* digits = "0123456789abcdef";
@@ -53,7 +65,7 @@ Status IpcCommunicator::Create(int rank, int size, int device, int64_t slot_byte
   mine->rank = rank;
   mine->device = device;
   mine->slot_bytes = slot_bytes;
-  mine->pid = static_cast<int64_t>(getpid());
+  mine->process = ProcessId();
   cudaDeviceProp properties;
   JAXRING_CUDA_RETURN(where + ": reading the device's properties",
                       cudaGetDeviceProperties(&properties, device));
@@ -110,7 +122,7 @@ Status IpcCommunicator::Open(const IpcHandles* all) {
                            ", this rank " + std::to_string(slot_bytes_) +
                            "; every rank must pass the same");
     if (peer == rank_) continue;
-    if (h.pid == static_cast<int64_t>(getpid()))
+    if (h.process == ProcessId())
       return Status::Error(from + " is this very process; cuda-ipc needs one process per rank");
     void* base = nullptr;
     const cudaError_t error =

@@ -53,7 +53,7 @@ struct IpcHandles {
   int32_t rank;
   int32_t device;
   int64_t slot_bytes;
-  int64_t pid;
+  int64_t process;  // ProcessId(): a rank in this very process cannot map its memory
   char uuid[16];  // the GPU, so that ranks on different GPUs are reported, not mis-mapped
   cudaIpcMemHandle_t memory;
   cudaIpcEventHandle_t events[kIpcEventKinds][2];

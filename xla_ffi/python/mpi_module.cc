@@ -144,16 +144,18 @@ NB_MODULE(_jaxring_mpi, m) {
 
   m.def(
       "create",
-      [](uintptr_t comm_address, const std::string& name) {
+      [](uintptr_t comm_address, const std::string& name, bool direct_headers) {
         // mpi4py's MPI._addressof(comm): the address of its MPI_Comm handle, whatever its type.
         const MPI_Comm parent = *reinterpret_cast<const MPI_Comm*>(comm_address);
         std::unique_ptr<jaxring::MpiTransport> transport;
-        jaxring::Status status = jaxring::MpiTransport::Create(parent, name, &transport);
+        jaxring::Status status =
+            jaxring::MpiTransport::Create(parent, name, direct_headers, &transport);
         if (!status.ok()) throw std::runtime_error(status.message());
         jaxring::ProcessTransport* owned = transport.release();
         return nb::capsule(owned, "jaxring.ProcessTransport");
       },
-      nb::arg("comm_address"), nb::arg("name"),
+      nb::arg("comm_address"), nb::arg("name"), nb::arg("direct_headers"),
       "Duplicates the communicator at `comm_address` (collective) and returns its transport for "
-      "_jaxring.process_register.");
+      "_jaxring.process_register; `direct_headers`: its header exchange's method, the same on "
+      "every rank.");
 }

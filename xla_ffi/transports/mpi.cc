@@ -157,14 +157,15 @@ char* At(void* base, int64_t elements, size_t width) {
 
 // ---- set-up ----------------------------------------------------------------------------------
 
-MpiTransport::MpiTransport(MPI_Comm comm, std::string name)
-    : comm_(comm), name_(std::move(name)) {
+MpiTransport::MpiTransport(MPI_Comm comm, std::string name, bool direct_headers)
+    : comm_(comm), name_(std::move(name)), direct_headers_(direct_headers) {
   MPI_Comm_rank(comm_, &rank_);
   MPI_Comm_size(comm_, &size_);
   in_place_.resize(size_);
 }
 
-Status MpiTransport::Create(MPI_Comm parent, std::string name, std::unique_ptr<MpiTransport>* out) {
+Status MpiTransport::Create(MPI_Comm parent, std::string name, bool direct_headers,
+                            std::unique_ptr<MpiTransport>* out) {
   int initialized = 0;
   MPI_Initialized(&initialized);
   if (!initialized)
@@ -181,7 +182,7 @@ Status MpiTransport::Create(MPI_Comm parent, std::string name, std::unique_ptr<M
   if (MPI_Comm_dup(parent, &dup) != MPI_SUCCESS)
     return Status::Error("jaxring.mpi: MPI_Comm_dup failed for " + name);
   MPI_Comm_set_errhandler(dup, MPI_ERRORS_RETURN);
-  out->reset(new MpiTransport(dup, std::move(name)));
+  out->reset(new MpiTransport(dup, std::move(name), direct_headers));
   return Status();
 }
 
@@ -482,16 +483,17 @@ Status MpiTransport::Agree(const Header& h, const Config& config) {
 
 // Every rank learns every rank's header before data moves, so every rank finds the same
 // mismatch, and nobody can leave before everybody arrived (which makes this the barrier too).
-// Up to mpi_direct_header_ranks ranks each sends its header to all others in one round, and a
-// timeout names exactly the ranks that never arrived. Above that, Bruck's all-gather (round k
-// passes everything known to rank - 2^k) keeps it to log2 n rounds, but a timeout can then
-// only name the rank a waiter heard nothing from, which may itself be waiting for another.
+// Direct (up to mpi_direct_header_ranks ranks when the communicator was made): each rank sends
+// its header to all others in one round, and a timeout names exactly the ranks that never
+// arrived. Otherwise Bruck's all-gather (round k passes everything known to rank - 2^k) keeps it
+// to log2 n rounds, but a timeout can then only name the rank a waiter heard nothing from, which
+// may itself be waiting for another.
 Status MpiTransport::ExchangeHeaders(const Header& h, const Deadline& deadline) {
   std::vector<Header>& known = headers_;  // known[i]: rank (rank_ + i) % size_
   known.assign(size_, Header{});
   known[0] = h;
   const char* what = "arrive at this collective";
-  if (size_ <= config_.mpi_direct_header_ranks) {
+  if (direct_headers_) {
     recvs_.Clear();
     Status status;
     for (int i = 1; i < size_ && status.ok(); ++i)

@@ -35,8 +35,11 @@ namespace jaxring {
 
 class MpiTransport final : public ProcessTransport {
  public:
-  // Duplicates `parent` (collective over its ranks, like MPI_Comm_dup).
-  static Status Create(MPI_Comm parent, std::string name, std::unique_ptr<MpiTransport>* out);
+  // Duplicates `parent` (collective over its ranks, like MPI_Comm_dup). `direct_headers`: the
+  // header exchange's method (ExchangeHeaders), which every rank must share; jaxring.mpi agrees
+  // it from mpi_direct_header_ranks when it creates the communicator.
+  static Status Create(MPI_Comm parent, std::string name, bool direct_headers,
+                       std::unique_ptr<MpiTransport>* out);
   ~MpiTransport() override;
 
   int rank() const override { return rank_; }
@@ -69,7 +72,7 @@ class MpiTransport final : public ProcessTransport {
     std::vector<char> bytes;
   };
 
-  MpiTransport(MPI_Comm comm, std::string name);
+  MpiTransport(MPI_Comm comm, std::string name, bool direct_headers);
 
   Status Call(const Header& header, int code, const char* what);  // MPI return code -> Status
   template <typename Start>
@@ -125,6 +128,7 @@ class MpiTransport final : public ProcessTransport {
   MPI_Comm comm_;
   int rank_;
   int size_;
+  bool direct_headers_;
   std::string name_;
   Config config_;
   std::string broken_;  // why the communicator failed; empty while healthy
