@@ -690,6 +690,30 @@ def test_a_rank_later_than_a_peers_timeout_is_told_which_peer_gave_up_and_why():
     np.testing.assert_array_equal(outputs[1], np.zeros(1000, np.float32))
 
 
+@pytest.mark.parametrize("shape, axes, group", [
+    ((2, 4), ("a", "b"), "where 'a' = 1"),
+    ((2, 2, 2), ("a", "c", "b"), "at index 3 of mesh axes 'a', 'c'"),
+], ids=["one other axis", "two other axes"])
+def test_a_timeout_names_the_group_of_the_devices_along_the_other_mesh_axes(shape, axes, group):
+    """An all-reduce over 'b' runs in one group of devices per index along the other mesh axes,
+    and the last device of the last group skips it. The error names the group as well as the
+    rank: 'rank 3 of 4' alone could have been any group's."""
+    m = jax.make_mesh(shape, axes, devices=jax.devices()[:8])
+    last = shape[-1] - 1
+
+    def f(v):
+        skip = lax.axis_index(axes) == 7
+        return lax.cond(skip, lambda v: v, lambda v: jaxring.all_reduce(v, "b"), v)
+
+    g = jax.jit(jax.shard_map(f, mesh=m, in_specs=P(axes), out_specs=P(axes), check_vma=False))
+    x = shard(np.arange(8, dtype=np.float32), m, P(axes))
+    with jaxring.config.override(timeout_seconds=0.5):
+        with pytest.raises(Exception, match=rf"on mesh axis 'b' {group} \(rank \d of "
+                                            rf"{shape[-1]}\).*waiting for rank\(s\) \[{last}\]"):
+            np.asarray(g(x))
+    jaxring.reset_after_error()
+
+
 def test_a_config_change_waits_for_programs_already_dispatched():
     """Each device reads the configuration when its call runs. A program dispatched inside an
     override whose last device reaches the ring after the block ended once ran ring on some

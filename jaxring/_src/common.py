@@ -230,6 +230,14 @@ class AxisCommunicator:
     name: str
     process_rank: int | None = None
     owner: Any = dataclasses.field(default=None, compare=False, repr=False)
+    # Where the other mesh axes split the devices into groups, which group a device is in, for
+    # the native side's errors: "{group}" is filled in with the device's group.
+    group_label: str = ""
+
+    @property
+    def native_name(self) -> str:
+        """The name the custom calls carry for their errors."""
+        return self.name + self.group_label
 
     def rank_and_group(self):
         """The (rank, group) int32 operands every jaxring custom call takes."""
@@ -285,7 +293,11 @@ def communicator(name: str, axis_name) -> AxisCommunicator:
     label = ", ".join(repr(a) for a in axes)
     digest = hashlib.blake2b(repr((axes, tuple(mesh.shape.items()))).encode(), digest_size=8)
     key = int.from_bytes(digest.digest(), "little") & (PROCESS_KEY_BIT - 1)
-    return AxisCommunicator(axes=axes, size=size, key=key, name=f"mesh axis {label}")
+    others = _other_mesh_axes(axes)  # the group index runs over them (rank_and_group)
+    group_label = ("" if not others else f" where {others[0]!r} = {{group}}" if len(others) == 1
+                   else f" at index {{group}} of mesh axes {', '.join(map(repr, others))}")
+    return AxisCommunicator(axes=axes, size=size, key=key, name=f"mesh axis {label}",
+                            group_label=group_label)
 
 
 def point_to_point_communicator(name: str, axis_name) -> AxisCommunicator:
@@ -430,7 +442,7 @@ def lower_collective(target: str, ctx, *operands, comm: AxisCommunicator, op_id:
         token,
         *operands,
         comm=np.int64(comm.key),
-        comm_name=comm.name,
+        comm_name=comm.native_name,
         size=np.int64(comm.size),
         op_id=np.int64(op_id),
         **{k: v if isinstance(v, np.ndarray) else np.int64(v) for k, v in attrs.items()},

@@ -132,7 +132,7 @@ def stage_steps(packed, config: ModelConfig, gate_bias, local, noise, token, que
                           has_side_effect=True)(
         packed, gate_bias, local, noise, token, queues, jnp.asarray(first_step, jnp.int32),
         stage, group, **_size_attributes(config), portable=portable, comm=np.int64(comm.key),
-        comm_name=comm.name, size=np.int64(comm.size), op_id=np.int64(op_id),
+        comm_name=comm.native_name, size=np.int64(comm.size), op_id=np.int64(op_id),
         stream_groups=np.int64(stream_groups))
 
 

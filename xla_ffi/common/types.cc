@@ -107,6 +107,14 @@ Status CheckHeadersAgree(const std::function<std::string()>& where, int size,
   return Status();
 }
 
+std::string NameInGroup(std::string_view name, int64_t group) {
+  std::string named(name);
+  constexpr std::string_view kGroup = "{group}";
+  const size_t at = named.find(kGroup);
+  if (at != std::string::npos) named.replace(at, kGroup.size(), std::to_string(group));
+  return named;
+}
+
 std::string Where(const Header& h, const std::string& comm_name, int rank, int size) {
   std::ostringstream s;
   s << "jaxring " << Describe(h) << " on " << comm_name << " (rank " << rank << " of " << size

@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <functional>
 #include <string>
+#include <string_view>
 
 #include "common/status.h"
 
@@ -75,6 +76,9 @@ std::string Describe(const Header& h);  // e.g. "all_reduce(sum) op 3 float32[10
 // only called on a mismatch: formatting it costs about a microsecond, a whole small step's worth.
 Status CheckHeadersAgree(const std::function<std::string()>& where, int size,
                          const std::function<const Header&(int)>& header_of);
+// A communicator's name for errors, with its "{group}" (a mesh axis whose devices the other mesh
+// axes split into groups: jaxring/_src/common.py) replaced by `group`, the call's.
+std::string NameInGroup(std::string_view name, int64_t group);
 // Error text prefix naming the call, the communicator and the rank, e.g.
 // "jaxring all_reduce(sum) op 3 float32[1024] on mesh axis 'i' (rank 2 of 4)".
 std::string Where(const Header& h, const std::string& comm_name, int rank, int size);

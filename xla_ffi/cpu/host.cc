@@ -46,7 +46,7 @@ HostResult Check(const JaxringHostCall& c, Collective kind) {
 }
 
 std::string CommName(const JaxringHostCall& c) {
-  return std::string(c.comm_name, c.comm_name_size);
+  return NameInGroup(std::string_view(c.comm_name, c.comm_name_size), c.group);
 }
 
 // jaxring.mpi marks its communicators' keys with this bit and mesh axes' keys never carry it

@@ -1092,7 +1092,7 @@ ffi::Error WaveNetStageImpl(ffi::RunId run_id, ffi::AnyBuffer weights,
   const Config config = CurrentConfig();
   LocalPointToPoint transport(
       CommunicatorId{static_cast<uint64_t>(comm), group.typed_data()[0], static_cast<int>(size),
-                     std::string(comm_name)},
+                     NameInGroup(comm_name, group.typed_data()[0])},
       stage, run_id.run_id, config.timeout_seconds, config.spin_iterations);
   return WithWeights(weights, [&](const auto* w) {
     return RunStage(w, !portable, call, transport, op_id, stream_groups);
