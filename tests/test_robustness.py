@@ -382,6 +382,45 @@ def test_jaxring_and_lax_collectives_mixed_in_one_program(call):
     assert result.returncode == 0 and "ALL OK" in result.stdout, result.stderr[-3000:]
 
 
+_FAILED_AT_EXIT = textwrap.dedent("""
+    import os, sys
+    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
+    import jax, numpy as np, jaxring
+    from jax import lax
+    from jax.sharding import NamedSharding, PartitionSpec as P
+    m = jax.make_mesh((2,), ("i",))
+    skip_on_0 = lambda v: lax.cond(lax.axis_index("i") == 0, lambda v: v,
+                                   lambda v: jaxring.all_reduce(v, "i"), v)
+    f = jax.jit(jax.shard_map(skip_on_0, mesh=m, in_specs=P("i"), out_specs=P("i"),
+                              check_vma=False))
+    x = jax.device_put(np.arange(4.0), NamedSharding(m, P("i")))
+    with jaxring.config.override(timeout_seconds=0.3):
+        try:
+            np.asarray(f(x))
+        except Exception:
+            print("CAUGHT")
+        if sys.argv[1] == "reset":
+            jaxring.reset_after_error()
+""")
+
+
+@pytest.mark.parametrize("reset", [False, True], ids=["not reset", "reset"])
+def test_a_failed_program_is_told_once_at_exit_unless_reset(reset):
+    """JAX's exit handlers printed a failed jaxring program's error as two ignored exceptions
+    with their tracebacks, however long before the caller had caught it."""
+    result = subprocess.run([sys.executable, "-c", _FAILED_AT_EXIT, "reset" if reset else "-"],
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0 and "CAUGHT" in result.stdout, result.stderr[-3000:]
+    assert "Exception ignored" not in result.stderr, result.stderr[-3000:]
+    told = [line for line in result.stderr.splitlines() if line.startswith("jaxring: ")]
+    assert told == ([] if reset else [
+        "jaxring: a jaxring program failed, and jaxring.reset_after_error() was not called after "
+        "it: INTERNAL: jaxring all_reduce(sum) op 1 float32[2] on mesh axis 'i' (rank 1 of 2): "
+        "timed out after 0.3 s waiting for rank(s) [0] to arrive. A peer that never calls this "
+        "collective (a rank-dependent branch, or a crashed device) cannot be waited for; raise "
+        "jaxring.config timeout_seconds if it is just slow."]), result.stderr[-3000:]
+
+
 _MANY_DEVICES = textwrap.dedent("""
     import os
     os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=32"

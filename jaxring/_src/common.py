@@ -8,6 +8,7 @@ primitive, public function, abstract eval, lowering, batching, JVP/transpose, re
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import functools
 import hashlib
@@ -94,9 +95,33 @@ def reset_after_error() -> None:
     next program as that program's own.
     """
     wait_for_dispatched_programs()
+    _drop_tokens()
+    native.extension.reset_point_to_point()
+
+
+def _drop_tokens() -> None:
+    """Ends the token chain: the next jaxring program starts a fresh one."""
     dispatch.runtime_tokens.current_tokens.pop(collective_effect, None)
     dispatch.runtime_tokens.output_runtime_tokens.clear()
-    native.extension.reset_point_to_point()
+
+
+@atexit.register  # after JAX's exit handlers (imported first), so it runs before them
+def _report_a_failed_program_at_exit() -> None:
+    """At exit JAX waits for the last token of each ordered effect, and prints the error of a
+    failed one as an ignored exception with its traceback, once for each of its two barriers,
+    though the caller has most often caught it long before. A failed jaxring program whose error
+    was not cleared (reset_after_error) is told once, in a line, and its token dropped."""
+    token = dispatch.runtime_tokens.current_tokens.get(collective_effect)
+    try:
+        token._buf.block_until_ready()
+        return
+    except AttributeError:  # no token, or a JAX whose token differs: JAX reports as it does
+        return
+    except Exception as error:  # noqa: BLE001 - the failed program's error
+        wait_for_dispatched_programs()
+        print(f"jaxring: a jaxring program failed, and jaxring.reset_after_error() was not "
+              f"called after it: {str(error).splitlines()[0]}", file=sys.stderr)
+    _drop_tokens()
 
 
 def wait_for_dispatched_programs() -> None:
