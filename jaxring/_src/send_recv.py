@@ -25,8 +25,9 @@ def send(x, axis_name, perm) -> None:
 
     `perm` holds (source, destination) pairs, as in ``ppermute``; devices that are no pair's
     source send nothing. A send never waits for its receiver: the message is copied into the
-    destination's mailbox. The matching ``recv`` (same `perm`, shape and dtype) receives it;
-    sends and receives between two devices are matched in program order. Neither differentiable
+    destination's mailbox. The matching ``recv`` (same `perm`, dtype and element count; shapes
+    are not compared) receives it, in the same program; sends and receives between two devices
+    are matched in program order. Neither differentiable
     nor batchable: use ``ppermute``, whose transpose is the inverse permutation, in code you take
     gradients of or vmap.
     """
@@ -45,9 +46,12 @@ def recv(like, axis_name, perm):
     """Receives, on each destination device of `perm`, what the matching ``send`` sent.
 
     `like` gives the shape and dtype (an array or ``jax.ShapeDtypeStruct``; a pytree of them).
-    Devices that are no pair's destination get zeros, as ``lax.ppermute``. Inside ``shard_map``
-    the result is typed as varying over every manual mesh axis (recv cannot see what was sent):
-    a scan carry it replaces must vary over them too (``jax.lax.pcast(x, axes, to="varying")``).
+    Devices that are no pair's destination get zeros, as ``lax.ppermute``. A message sent by an
+    earlier program, which no recv of its own took, is refused with an error (between the
+    devices of one process; across processes only where its dtype or count differs). Inside
+    ``shard_map`` the result is typed as varying over every manual mesh axis (recv cannot see
+    what was sent): a scan carry it replaces must vary over them too
+    (``jax.lax.pcast(x, axes, to="varying")``).
     """
 
     def recv_leaf(leaf):

@@ -2,7 +2,9 @@
 
 #include <unistd.h>
 
+#include <chrono>
 #include <cstring>
+#include <exception>
 #include <random>
 #include <utility>
 
@@ -20,8 +22,13 @@ constexpr uint32_t kIpcVersion = 1;
 // node, each with its own PID namespace, can have the same PID.
 int64_t ProcessId() {
   static const int64_t id = [] {
-    std::random_device random;
-    return (static_cast<int64_t>(random()) << 32) ^ random() ^ getpid();
+    int64_t bits = std::chrono::steady_clock::now().time_since_epoch().count();
+    try {  // std::random_device throws where the system has no entropy source
+      std::random_device random;
+      bits ^= static_cast<int64_t>(random()) << 32 ^ random();
+    } catch (const std::exception&) {
+    }
+    return bits ^ getpid();
   }();
   return id;
 }

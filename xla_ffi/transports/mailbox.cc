@@ -79,6 +79,7 @@ class Mailbox {
       slot.spill = ScratchLease();
       slot.in_place = false;
       slot.pointer = nullptr;
+      std::lock_guard<std::mutex> lock(slot.giving_up);
       slot.why.clear();
     }
     sent = received = 0;

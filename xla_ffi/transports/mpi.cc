@@ -876,13 +876,13 @@ Status MpiTransport::WaitSent(int dest) {
   return status;
 }
 
-void MpiTransport::WithdrawSent(int dest, const std::string& why) {
-  // Every failed call has already failed this transport (Fail), which drops its pending in-place
-  // sends; a send still pending here is dropped the same way.
+void MpiTransport::WithdrawSent(int dest, const std::string&) {
+  // Every failed call has already failed this transport (Fail, whose first error stands), which
+  // drops its pending in-place sends; a send still pending here is dropped the same way.
   InPlace& slot = in_place_[dest];
   if (slot.pending)
     Fail(Status::Error(Where(slot.header) + ": took back the message lent to rank " +
-                       std::to_string(dest) + " after this call failed: " + why));
+                       std::to_string(dest) + " after this call failed"));
 }
 
 Status MpiTransport::Receive(int source, const Header& expected, void* out, size_t bytes) {
