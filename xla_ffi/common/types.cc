@@ -115,6 +115,11 @@ std::string NameInGroup(std::string_view name, int64_t group) {
   return named;
 }
 
+std::string PeerError(int peer, const std::string& what, const std::string& why) {
+  const std::string name = "rank " + std::to_string(peer);
+  return name + " " + what + ". The error on " + name + ": " + why;
+}
+
 std::string Where(const Header& h, const std::string& comm_name, int rank, int size) {
   std::ostringstream s;
   s << "jaxring " << Describe(h) << " on " << comm_name << " (rank " << rank << " of " << size

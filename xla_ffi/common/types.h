@@ -79,6 +79,9 @@ Status CheckHeadersAgree(const std::function<std::string()>& where, int size,
 // A communicator's name for errors, with its "{group}" (a mesh axis whose devices the other mesh
 // axes split into groups: jaxring/_src/common.py) replaced by `group`, the call's.
 std::string NameInGroup(std::string_view name, int64_t group);
+// What a rank reports when `peer` gave up first: "rank <peer> <what>. The error on rank <peer>:
+// <why>" (JAX raises one device's error of a failed program, so each quotes the first).
+std::string PeerError(int peer, const std::string& what, const std::string& why);
 // Error text prefix naming the call, the communicator and the rank, e.g.
 // "jaxring all_reduce(sum) op 3 float32[1024] on mesh axis 'i' (rank 2 of 4)".
 std::string Where(const Header& h, const std::string& comm_name, int rank, int size);

@@ -342,8 +342,7 @@ std::string LocalTransport::RecordGivingUp(std::string error) {
 std::string LocalTransport::WhoGaveUp(const char* what) const {
   std::lock_guard<std::mutex> lock(meeting_->giving_up);
   if (meeting_->gave_up < 0) return "a peer gave up " + std::string(what);  // every rank says why
-  const std::string peer = "rank " + std::to_string(meeting_->gave_up);
-  return peer + " gave up " + what + ". The error on " + peer + ": " + meeting_->why;
+  return PeerError(meeting_->gave_up, "gave up " + std::string(what), meeting_->why);
 }
 
 void LocalTransport::Close() {

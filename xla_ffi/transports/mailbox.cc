@@ -55,12 +55,10 @@ void GiveUp(Slot& slot, const std::string& why) {
   slot.read.Abandon();
 }
 
-// The error of a rank that found `slot.read` abandoned by `peer`: `what` ("rank 2 <what>"), then
-// the peer's own error.
+// The error of a rank that found `slot.read` abandoned by `peer` (PeerError).
 std::string PeerGaveUp(Slot& slot, const std::string& where, int peer, const char* what) {
-  const std::string name = "rank " + std::to_string(peer);
   std::lock_guard<std::mutex> lock(slot.giving_up);
-  return where + ": " + name + " " + what + ". The error on " + name + ": " + slot.why;
+  return where + ": " + PeerError(peer, what, slot.why);
 }
 
 }  // namespace
