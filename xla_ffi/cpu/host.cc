@@ -12,6 +12,7 @@
 #include "common/types.h"
 #include "common/wait.h"
 #include "cpu/handoff.h"
+#include "gpu/plan.h"
 #include "kernels/reduce_cpu.h"
 #include "p2p/protocol.h"
 #include "ring/algorithms.h"
@@ -245,15 +246,8 @@ HostResult RunHostCall(const JaxringHostCall& c, HostCompletion* complete) {
   const Collective kind = static_cast<Collective>(c.kind);
   HostResult result = Check(c, kind);
   if (!result.status.ok()) return result;
-  Header header;
-  header.kind = kind;
-  header.op = static_cast<ReduceOp>(c.op);
-  header.dtype = static_cast<DType>(c.dtype);
-  header.op_id = c.op_id;
-  header.root = c.root;
-  header.whole = c.whole_count;
+  Header header = gpu::HeaderOf(c);  // the GPU transports post the same for their steps
   if (c.role == kJaxringHostCollective || c.role == kJaxringHostAgree) {
-    header.count = c.input_count;
     if (c.role == kJaxringHostAgree) {
       header.root |= kGpuStepTag;
       return {RunAgreeCall(c, header)};

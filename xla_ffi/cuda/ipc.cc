@@ -12,7 +12,6 @@
 
 namespace jaxring {
 namespace gpu {
-
 namespace {
 
 constexpr uint32_t kIpcMagic = 0x4a584950;  // "JXIP"

@@ -358,10 +358,10 @@ bool MpiTransport::PeerGaveUp(const Header& h, int source, Status* error) {
   std::string why(static_cast<size_t>(bytes), '\0');
   if (MPI_Mrecv(why.data(), bytes, MPI_CHAR, &message, MPI_STATUS_IGNORE) != MPI_SUCCESS)
     why = "(its notice could not be received)";
-  const std::string peer = "rank " + std::to_string(probed.MPI_SOURCE);
-  *error = Status::Error(Where(h) + ": " + peer + " gave up on this communicator (in this "
-                         "collective or an earlier one), so this call cannot complete. The error "
-                         "on " + peer + ": " + why);
+  *error = Status::Error(Where(h) + ": " +
+                         PeerError(probed.MPI_SOURCE, "gave up on this communicator (in this "
+                                   "collective or an earlier one), so this call cannot complete",
+                                   why));
   return true;
 }
 
