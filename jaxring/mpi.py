@@ -67,6 +67,10 @@ def _mpi_extension():
             return None, "jaxring was built without its MPI transport (no mpicc at build time)"
         return None, (f"build-time and run-time MPI differ: jaxring's MPI transport cannot be "
                       f"loaded next to mpi4py's MPI ({runtime}): {error}; {rebuild}")
+    try:
+        native.check_same_build("jaxring's MPI transport", _jaxring_mpi.build_id())
+    except RuntimeError as error:
+        return None, str(error)
     linked = _jaxring_mpi.library_version().strip().splitlines()[0]
     if linked != runtime:
         return None, (f"build-time and run-time MPI differ: jaxring's MPI transport was built "
@@ -84,6 +88,10 @@ def _check_slot_bytes(slot_bytes, size: int) -> None:
                          f"{8 * size} bytes, got {slot_bytes!r}")
 
 
+def _ranks(ranks: list[int]) -> str:
+    return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))}"
+
+
 def _agreed(mpi_comm, resolve):
     """`resolve()`, the options of a Communicator, on every rank; they must agree. A rank whose
     options are bad, or differ from the others', would leave its peers waiting for ever in MPI
@@ -93,11 +101,19 @@ def _agreed(mpi_comm, resolve):
         mine, error = resolve(), None
     except (TypeError, ValueError) as e:
         mine, error = None, str(e)
-    everyone = mpi_comm.allgather((mine, error))
-    errors = [f"rank {rank}: {e}" for rank, (_, e) in enumerate(everyone) if e]
+    everyone = mpi_comm.allgather((mine, error, native.extension.build_id()))
+    builds = {}
+    for rank, (_, _, build) in enumerate(everyone):
+        builds.setdefault(build, []).append(rank)
+    if len(builds) > 1:  # headers and shared-memory layouts may differ between builds
+        raise RuntimeError(
+            "jaxring.mpi: every rank must run the same build of jaxring, but " + "; ".join(
+                f"{_ranks(ranks)} run{'s' * (len(ranks) == 1)} build {build}"
+                for build, ranks in builds.items()))
+    errors = [f"rank {rank}: {e}" for rank, (_, e, _) in enumerate(everyone) if e]
     if errors:
         raise ValueError("; ".join(errors))
-    for rank, (theirs, _) in enumerate(everyone):
+    for rank, (theirs, _, _) in enumerate(everyone):
         if theirs != everyone[0][0]:
             raise ValueError(
                 f"jaxring.mpi: every rank must ask for the same communicator, but rank 0 asked "

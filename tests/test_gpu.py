@@ -8,6 +8,7 @@ determinism, transports against each other, errors) on 1, 2 and 4 processes shar
 every GPU transport, and the kernels under compute-sanitizer."""
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -25,6 +26,7 @@ from helpers import DTYPES, mesh, shard
 from test_mpi import mpiexec
 
 HERE = Path(__file__).resolve().parent
+SOURCES = HERE.parent / "xla_ffi"
 COLLECTIVES = {kind: common.COLLECTIVE_CODES[kind]
                for kind in ("all_reduce", "reduce_scatter", "all_gather", "broadcast")}
 DTYPE_CODES = common.DTYPE_CODES
@@ -217,6 +219,40 @@ def test_two_shot_shares_partition_a_step_on_16_byte_boundaries(n):
             assert begins[0] == 0 and begins[-1] == count and len(begins) == n + 1
             assert all(a <= b for a, b in zip(begins, begins[1:]))
             assert all(b * dtype.itemsize % 16 == 0 for b in begins[:-1] if b < count)
+
+
+@pytest.mark.skipif(not os.path.exists(native.CUDA_LIBRARY),
+                    reason="jaxring was built without nvcc: no CUDA library")
+def test_a_cuda_library_from_another_build_is_refused(monkeypatch):
+    """The CUDA library calls the host library through C structs (common/host_call.h) that
+    another build may lay out differently, so it must come from the same sources."""
+    library = native.cuda_library()
+    assert library.JaxringCudaBuildId().decode() == native.extension.build_id()
+    native.cuda_library.cache_clear()
+    monkeypatch.setattr(native.extension, "build_id", lambda: "fedcba9876543210")
+    try:
+        with pytest.raises(RuntimeError, match=(
+                r"libjaxring_cuda.so was built from other sources \(build [0-9a-f]{16}\) than "
+                r"jaxring's host library \(build fedcba9876543210\), a stale build")):
+            native.cuda_library()
+    finally:
+        native.cuda_library.cache_clear()
+
+
+@pytest.mark.skipif(shutil.which("cmake") is None, reason="no cmake on the PATH")
+def test_the_build_id_is_a_hash_of_every_native_source(tmp_path):
+    """The installed library's id is the hash of the sources here (a stale build fails this),
+    and changing any one source changes it."""
+    def build_id(sources):
+        subprocess.run(["cmake", f"-DSOURCE_DIR={sources}", f"-DOUTPUT={tmp_path / 'id.cc'}",
+                        "-P", str(SOURCES / "build_id.cmake")], check=True, timeout=60)
+        return re.search(r'return "([0-9a-f]{16})"', (tmp_path / "id.cc").read_text()).group(1)
+
+    assert build_id(SOURCES) == native.extension.build_id()
+    copy = shutil.copytree(SOURCES, tmp_path / "xla_ffi")
+    (copy / "transports" / "local.cc").write_text(
+        (SOURCES / "transports" / "local.cc").read_text() + "\n")
+    assert build_id(copy) != native.extension.build_id()
 
 
 def test_gpu_errors_are_explained_without_a_cuda_library():

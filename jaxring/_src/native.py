@@ -42,6 +42,16 @@ def register_targets() -> None:
             jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(handler), platform="CUDA")
 
 
+def check_same_build(library: str, build_id: str) -> None:
+    """Refuses `library`, built from other sources than this host library: they share C structs
+    (xla_ffi/common/host_call.h, gpu/direct.h) that another build may lay out differently."""
+    if build_id != extension.build_id():
+        raise RuntimeError(
+            f"jaxring: {library} was built from other sources (build {build_id}) than jaxring's "
+            f"host library (build {extension.build_id()}), a stale build: reinstall jaxring "
+            "(pip install -e .) so that every library is rebuilt")
+
+
 def has_cuda_backend() -> bool:
     """Whether JAX has a CUDA backend with at least one GPU in this process."""
     try:
@@ -57,6 +67,8 @@ def cuda_library() -> ctypes.CDLL:
         raise RuntimeError("jaxring was built without CUDA (no nvcc at build time), so it has no "
                            "GPU handlers; rebuild with nvcc on the PATH")
     library = ctypes.CDLL(CUDA_LIBRARY)
+    library.JaxringCudaBuildId.restype = ctypes.c_char_p
+    check_same_build("libjaxring_cuda.so", library.JaxringCudaBuildId().decode())
     library.JaxringCudaSetHostCall.argtypes = [ctypes.c_void_p]
     library.JaxringCudaSetHostCall(extension.host_call_address())
     library.JaxringCudaSetHostTimeout.argtypes = [ctypes.c_void_p]

@@ -15,6 +15,7 @@ import pytest
 
 import jaxring
 import jaxring.mpi
+from jaxring._src import native
 from helpers import DTYPES, RTOL, assert_close, random_array
 
 COMM = jaxring.mpi.world()
@@ -282,6 +283,38 @@ def test_a_rank_with_bad_or_different_options_makes_every_rank_raise():
         with pytest.raises(ValueError, match=r"every rank must ask for the same communicator, "
                                              rf"but rank 0 asked for .* and rank 1 for"):
             jaxring.mpi.Communicator(MPI_COMM, transport="shm" if COMM.rank == 0 else "mpi")
+
+
+@pytest.mark.skipif(COMM.size < 2, reason="needs two ranks")
+def test_ranks_running_different_builds_refuse_to_make_a_communicator(monkeypatch):
+    """Builds from other sources may lay out headers and shared memory differently, so their
+    ranks would misread each other: every rank refuses, naming each build and its ranks."""
+    mine = native.extension.build_id()
+    if COMM.rank == 1:
+        monkeypatch.setattr(native.extension, "build_id", lambda: "0123456789abcdef")
+    others = "".join(f", {rank}" for rank in range(2, COMM.size))
+    with pytest.raises(RuntimeError, match=(
+            rf"every rank must run the same build of jaxring, but ranks? 0{others} runs? build "
+            rf"{mine}; rank 1 runs build 0123456789abcdef$")):
+        jaxring.mpi.Communicator(MPI_COMM)
+
+
+def test_a_stale_mpi_transport_is_refused(monkeypatch):
+    """The MPI transport shares C structs with the host library (gpu/direct.h): a module left
+    from another build is not used, and a communicator that needs it says why."""
+    ext, reason = jaxring.mpi._mpi_extension()
+    if ext is None:
+        pytest.skip(reason)
+    monkeypatch.setattr(ext, "build_id", lambda: "stale")
+    jaxring.mpi._mpi_extension.cache_clear()
+    try:
+        with pytest.raises(RuntimeError, match=(
+                r"needs the MPI transport.*, but jaxring: jaxring's MPI transport was built from "
+                r"other sources \(build stale\) than jaxring's host library \(build "
+                r"[0-9a-f]{16}\), a stale build: reinstall jaxring")):
+            jaxring.mpi.Communicator(MPI_COMM, transport="mpi")
+    finally:
+        jaxring.mpi._mpi_extension.cache_clear()
 
 
 @pytest.mark.skipif(COMM.size < 2, reason="needs two ranks")

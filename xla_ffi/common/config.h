@@ -7,6 +7,11 @@
 
 namespace jaxring {
 
+// A hash of every native source this library was built from (build_id.cmake). Libraries that
+// share C structs (common/host_call.h, gpu/direct.h), and ranks that send each other headers,
+// must carry the same one.
+const char* BuildId();
+
 enum class Algorithm : uint8_t { kAuto = 0, kDirect = 1, kRing = 2 };
 const char* AlgorithmName(Algorithm a);
 

@@ -21,6 +21,7 @@
 #include <mutex>
 #include <string>
 
+#include "common/config.h"
 #include "common/handlers.h"
 #include "common/host_call.h"
 #include "cuda/device.h"
@@ -163,6 +164,7 @@ int Report(const Status& status, T* error, size_t error_bytes) {
 // ---- the C ABI that jaxring/_src/native.py and gpu.py call through ctypes ----------------------
 
 // Called once by jaxring (native.py) with _jaxring's JaxringRunHostCall.
+extern "C" const char* JaxringCudaBuildId() { return jaxring::BuildId(); }
 extern "C" void JaxringCudaSetHostCall(JaxringHostCallFn fn) { jaxring::gpu::SetHostCall(fn); }
 extern "C" void JaxringCudaSetHostTimeout(double (*fn)()) { jaxring::gpu::SetHostTimeout(fn); }
 

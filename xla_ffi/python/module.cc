@@ -364,6 +364,7 @@ NB_MODULE(_jaxring, m) {
         "A failed call on any of these process communicators makes this rank leave the others.");
   m.def("unlink_failures", &jaxring::ProcessTransport::UnlinkFailures, nb::arg("key"));
 
+  m.def("build_id", &jaxring::BuildId, "A hash of the native sources this library was built from.");
   m.def("host_call_address", []() { return reinterpret_cast<uintptr_t>(&JaxringRunHostCall); },
         "Address of JaxringRunHostCall, which the CUDA library calls on staged host buffers.");
   m.def("host_timeout_address",

@@ -15,6 +15,7 @@
 #include <stdexcept>
 #include <vector>
 
+#include "common/config.h"
 #include "gpu/direct.h"
 #include "gpu/host_memory.h"
 #include "transports/mpi.h"
@@ -76,6 +77,7 @@ class HostMemory final : public jaxring::gpu::DeviceOps {
 NB_MODULE(_jaxring_mpi, m) {
   m.doc() = "jaxring's MPI transport (links the MPI library)";
 
+  m.def("build_id", &jaxring::BuildId, "A hash of the native sources this library was built from.");
   m.def("built_with", &HeaderFamily, "The MPI implementation of the mpi.h used at build time.");
   m.def("library_version", []() {
     char text[MPI_MAX_LIBRARY_VERSION_STRING];
