@@ -69,6 +69,14 @@ def assert_close(actual, expected_f64, dtype, count: int = 1, exact_reference: b
         f"{actual[tuple(bad[0])]} vs {expected[tuple(bad[0])]} (bound {bound[tuple(bad[0])]})")
 
 
+def every_device(a) -> np.ndarray:
+    """A replicated output (out_specs=P()) as every device's own copy, stacked on a new leading
+    axis: np.asarray reads one device's copy only, and a wrong result on the others would pass."""
+    shards = a.addressable_shards
+    assert all(s.data.shape == a.shape for s in shards), "not replicated"
+    return np.stack([np.asarray(s.data) for s in sorted(shards, key=lambda s: s.device.id)])
+
+
 def shmap(f, m, in_specs=P("i"), out_specs=P("i")):
     return jax.jit(jax.shard_map(f, mesh=m, in_specs=in_specs, out_specs=out_specs))
 

@@ -15,8 +15,8 @@ from jax.sharding import PartitionSpec as P
 
 import jaxring
 from jaxring._src import native
-from helpers import (AWKWARD_SIZES, DEVICE_COUNTS, DTYPES, assert_close, mesh, random_array,
-                     shard, shmap)
+from helpers import (AWKWARD_SIZES, DEVICE_COUNTS, DTYPES, assert_close, every_device, mesh,
+                     random_array, shard, shmap)
 
 # name -> jaxring.config overrides. The direct algorithm copies inputs up to copy_input_bytes
 # into the rendezvous and lets each device leave as soon as its own output is written.
@@ -40,11 +40,13 @@ def _per_device(data):
     return {k: v[0] if k == "scalar" else v for k, v in data.items()}
 
 
-def _run_variants(fn, *args):
+def _run_variants(fn, *args, replicated=False):
+    """fn's outputs under each variant; `replicated` (out_specs=P()): every device's copy,
+    stacked on a new leading axis."""
     results = {}
     for name, overrides in VARIANTS.items():
         with jaxring.config.override(**overrides):
-            results[name] = jax.tree.map(np.asarray, fn(*args))
+            results[name] = jax.tree.map(every_device if replicated else np.asarray, fn(*args))
     return results
 
 
@@ -57,14 +59,15 @@ def test_all_reduce(n, dtype, op):
     data = _inputs(rng, n, dtype)
     f = shmap(lambda d: jaxring.all_reduce(_per_device(d), "i", op), m, out_specs=P())
     sharded = {k: shard(v, m) for k, v in data.items()}
-    for algorithm, out in _run_variants(f, sharded).items():
+    for algorithm, out in _run_variants(f, sharded, replicated=True).items():
         for key, stacked in data.items():
             ref = stacked.astype(np.float64).reshape(n, -1, *stacked.shape[1:])
             if key == "scalar":
                 ref = ref.reshape(n)
             expected = {"sum": ref.sum(0), "mean": ref.mean(0), "max": ref.max(0),
                         "min": ref.min(0)}[op]
-            result = out[key]
+            result = out[key]  # every device's
+            expected = np.broadcast_to(expected, result.shape)
             if op == "mean" and np.issubdtype(dtype, np.integer):
                 assert result.dtype.kind == "f", "integer mean divides like lax.pmean"
                 np.testing.assert_allclose(result, expected, rtol=1e-6)
@@ -108,8 +111,9 @@ def test_all_reduce_matches_lax_psum(n, dtype):
     rng = np.random.default_rng(n)
     m = mesh(n)
     x = shard(random_array(rng, (n * 37, 5), dtype), m)
-    ours = _run_variants(shmap(lambda v: jaxring.all_reduce(v, "i"), m, out_specs=P()), x)
-    theirs = np.asarray(shmap(lambda v: lax.psum(v, "i"), m, out_specs=P())(x))
+    ours = _run_variants(shmap(lambda v: jaxring.all_reduce(v, "i"), m, out_specs=P()), x,
+                         replicated=True)
+    theirs = every_device(shmap(lambda v: lax.psum(v, "i"), m, out_specs=P())(x))
     for algorithm, out in ours.items():
         assert out.shape == theirs.shape and out.dtype == theirs.dtype
         assert_close(out, theirs.astype(np.float64), dtype, count=2 * n, exact_reference=False)
@@ -123,13 +127,20 @@ def test_mean_divides_the_sum_bit_for_bit(n, dtype):
     (x * (1/3) differs from x / 3 in the last bit for many x)."""
     rng = np.random.default_rng(n)
     m = mesh(n)
-    x = shard(random_array(rng, (n * 4099,), dtype), m)
+    host = random_array(rng, (n * 4099,), dtype)
+    x = shard(host, m)
     for algorithm, overrides in VARIANTS.items():
         with jaxring.config.override(**overrides):
-            total = np.asarray(shmap(lambda v: jaxring.all_reduce(v, "i"), m, out_specs=P())(x))
-            mean = np.asarray(shmap(lambda v: jaxring.all_reduce(v, "i", "mean"), m,
-                                    out_specs=P())(x))
+            total = every_device(shmap(lambda v: jaxring.all_reduce(v, "i"), m,
+                                       out_specs=P())(x))
+            mean = every_device(shmap(lambda v: jaxring.all_reduce(v, "i", "mean"), m,
+                                      out_specs=P())(x))
+            pmean = every_device(shmap(lambda v: lax.pmean(v, "i"), m, out_specs=P())(x))
         np.testing.assert_array_equal(mean, total / dtype(n), err_msg=algorithm)
+        # lax.pmean's sum is XLA's, in another order: equal to within its roundings, not bits.
+        assert_close(mean, pmean.astype(np.float64), dtype, count=2 * n, exact_reference=False)
+        ref = host.astype(np.float64).reshape(n, -1).mean(0)
+        assert_close(mean, np.broadcast_to(ref, mean.shape), dtype, count=n)
 
 
 @pytest.mark.parametrize("n", [2, 3, 8])
@@ -179,11 +190,12 @@ def test_every_build_of_the_kernels_writes_the_same_bits(n, dtype, op):
     outs = {}
     for kernels in CPU_KERNELS:
         with jaxring.config.override(cpu_kernels=kernels, algorithm="direct"):
-            outs[kernels] = jax.tree.map(np.asarray, f(sharded))
+            outs[kernels] = jax.tree.map(every_device, f(sharded))
     for size, x in data.items():
         ref = x.astype(np.float64).reshape(n, size)
         expected = {"sum": ref.sum(0), "mean": ref.mean(0), "max": ref.max(0),
                     "min": ref.min(0)}[op]
+        expected = np.broadcast_to(expected, (n, size))  # every device's copy
         baseline = outs["baseline"][size]
         if op == "mean" and np.issubdtype(dtype, np.integer):
             np.testing.assert_allclose(baseline, expected, rtol=1e-6)
