@@ -8,22 +8,24 @@ flat buckets of at most `bucket_bytes` each and every bucket is reduced with one
 call for a large leaf, so leaves of `fuse_below_bytes` or more are reduced on their own.
 
 Every function takes `axis_name`: whatever jaxring's collectives accept (a mesh axis name inside
-``jax.shard_map``, later a communicator), so the same training step runs in one process over N
+``jax.shard_map``, or a ``jaxring.mpi.Communicator``), so the same training step runs in one process over N
 devices or over N processes.
 """
 
 from __future__ import annotations
 
 import math
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 
 import jaxring
 from jaxring._src import common
+
+if TYPE_CHECKING:
+    import optax  # only `distributed` needs it, so jaxring does not depend on it
 
 DEFAULT_BUCKET_BYTES = 64 << 20  # Horovod's default fusion threshold (HOROVOD_FUSION_THRESHOLD)
 # Leaves of at least this many bytes are not packed. Two copies of 256 KiB (packing and unpacking)
@@ -177,6 +179,11 @@ def distributed(optimizer: optax.GradientTransformation, axis_name, op: str = "m
     the same update.
     """
 
+    try:
+        import optax
+    except ImportError as error:
+        raise ImportError("jaxring.parallel.data.distributed wraps an optax optimizer: install "
+                          "optax (pip install optax, or jaxring[models])") from error
     inner = optax.with_extra_args_support(optimizer)
 
     def update(updates, state, params=None, **extra_args):
