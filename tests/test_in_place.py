@@ -71,23 +71,28 @@ def test_in_place_gives_the_bits_of_a_fresh_output(n, variant, dtype):
     rng = np.random.default_rng([n, dtype.num])
     integer = np.issubdtype(dtype, np.integer)
 
-    def program(in_place):
+    def program(in_place):  # in_place "lax": the twin, summing 16-bit types in float32 too
         def body(v):
             rank = lax.axis_index("i")
             if integer:
                 scale = lambda a: a * (rank + 1).astype(dtype) % 1000
             else:
                 scale = lambda a: (a.astype(np.float32) * (1 + rank / 8) / n).astype(dtype)
-            ar = lambda a: jaxring.all_reduce(a, "i", in_place=in_place)
+            if in_place == "lax":
+                ar = lambda a: lax.psum(a.astype(np.float32) if dtype.itemsize == 2 else a,
+                                        "i").astype(dtype)
+            else:
+                ar = lambda a: jaxring.all_reduce(a, "i", in_place=in_place)
             looped = lax.fori_loop(0, 3, lambda _, a: scale(ar(a)), v)
             doubled = v * 2
             live = ar(doubled) + doubled  # the operand is still needed after the call
-            twice = ar(v + 1) - ar(v + 1)  # one value feeding two calls
-            return looped, live, twice
-        return shmap(body, m, out_specs=(P("i"), P("i"), P("i")))
+            once, again = ar(v + 1), ar(v + 1)  # one value feeding two calls
+            return looped, live, once, again
+        return shmap(body, m, out_specs=(P("i"),) * 4)
 
     for size in (1, 7, 5003, 100_003):
         x = random_array(rng, (n * size,), dtype)
+        twin = [np.asarray(r) for r in program("lax")(shard(x, m))]
         with jaxring.config.override(**VARIANTS[variant]):
             fresh = [np.asarray(r) for r in program(False)(shard(x, m))]
             auto = program(None)
@@ -96,10 +101,15 @@ def test_in_place_gives_the_bits_of_a_fresh_output(n, variant, dtype):
         for a, b in zip(in_place, fresh):
             np.testing.assert_array_equal(a, b, err_msg=f"{variant}, {size} per device")
         blocks = x.astype(np.float64).reshape(n, size)
+        # Three sums, each scaled and rounded, against the twin's (another summation order).
+        assert_close(in_place[0], twin[0].astype(np.float64), dtype, count=4 * n,
+                     exact_reference=False)
         # The sum and the addition after it each round (exact_reference=False).
         assert_close(in_place[1], np.tile(blocks.sum(0) * 2, n) + 2 * blocks.reshape(-1), dtype,
                      count=n + 1, exact_reference=False)
-        np.testing.assert_array_equal(in_place[2], np.zeros(n * size, dtype))
+        plus_one = (x.astype(dtype) + dtype.type(1)).astype(np.float64).reshape(n, size).sum(0)
+        for result in in_place[2:]:
+            assert_close(result, np.tile(plus_one, n), dtype, count=n)
 
 
 @pytest.mark.parametrize("n", [3, 8])

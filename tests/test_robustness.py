@@ -605,10 +605,15 @@ def _rank_dependent(m, on_rank0, on_others):
     return jax.jit(jax.shard_map(f, mesh=m, in_specs=P("i"), out_specs=P("i"), check_vma=False))
 
 
-def test_missing_peer_times_out_naming_the_missing_devices():
+@pytest.mark.parametrize("call", ["all_reduce", "barrier"])
+def test_missing_peer_times_out_naming_the_missing_devices(call):
+    """Device 0 calls, the others never do: device 0 must wait for them (a barrier that did not
+    wait would return) and then name them."""
     m = mesh(4)
     x = shard(np.ones((8, 3), np.float32), m)
-    f = _rank_dependent(m, lambda v: jaxring.all_reduce(v, "i"), lambda v: v)
+    body = {"all_reduce": lambda v: jaxring.all_reduce(v, "i"),
+            "barrier": lambda v: (jaxring.barrier("i"), v + 1)[1]}[call]
+    f = _rank_dependent(m, body, lambda v: v + 1)
     with jaxring.config.override(timeout_seconds=1.0):
         with pytest.raises(Exception, match=r"timed out after 1 s waiting for rank\(s\) "
                                             r"\[1, 2, 3\] to arrive"):

@@ -9,7 +9,7 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 import jaxring
-from helpers import assert_close, mesh, shard, shmap
+from helpers import assert_close, every_device, mesh, shard, shmap
 
 N = 4
 
@@ -91,34 +91,44 @@ def test_data_parallel_training_step_matches_pmean(n):
     b = jax.tree.map(lambda v: shard(v, m), batch)
     ours = step(lambda t: jaxring.all_reduce(t, "i", "mean"))(params, b)
     theirs = step(lambda t: lax.pmean(t, "i"))(params, b)
-    for a, e in zip(jax.tree.leaves(ours), jax.tree.leaves(theirs)):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(e), rtol=1e-12, atol=1e-14)
+    for a, e in zip(jax.tree.leaves(ours), jax.tree.leaves(theirs)):  # every device's copy
+        np.testing.assert_allclose(every_device(a), every_device(e), rtol=1e-12, atol=1e-14)
 
 
 def test_inside_scan_cond_and_remat():
+    """Every reduction sees different values on each device (the carry is scaled by 1 + rank
+    first), so that a mean, max or min that returned its input would show; every device's
+    results are checked against lax's and a float64 loop's."""
     m = mesh(N)
-    x = shard(np.random.default_rng(3).standard_normal((N * 3, 4)), m)
+    host = np.random.default_rng(3).standard_normal((N * 3, 4))
 
-    def ours(v):
-        def body(carry, _):
-            carry = jax.checkpoint(lambda c: jaxring.all_reduce(jnp.sin(c), "i", "mean"))(carry)
-            carry = lax.cond(jnp.sum(carry) > 0, lambda c: jaxring.all_reduce(c, "i", "max"),
-                             lambda c: jaxring.all_reduce(c, "i", "min"), carry)
-            return carry, jnp.sum(carry)
-        return lax.scan(body, jaxring.all_reduce(v, "i"), None, length=5)
+    def program(reduce):  # reduce(x, op), with op one of sum, mean, max, min
+        def run(v):
+            def body(carry, _):
+                k = 1.0 + lax.axis_index("i")
+                carry = jax.checkpoint(lambda c: reduce(jnp.sin(c * k), "mean"))(carry)
+                carry = lax.cond(jnp.sum(carry) > 0, lambda c: reduce(c * k, "max"),
+                                 lambda c: reduce(c * k, "min"), carry)
+                return carry, jnp.sum(carry)
+            carry, sums = lax.scan(body, reduce(v, "sum"), None, length=5)
+            return carry[None], sums[None]
+        return jax.tree.map(np.asarray, shmap(run, m)(shard(host, m)))
 
-    def theirs(v):
-        def body(carry, _):
-            carry = lax.pmean(jnp.sin(carry), "i")
-            carry = lax.cond(jnp.sum(carry) > 0, lambda c: lax.pmax(c, "i"),
-                             lambda c: lax.pmin(c, "i"), carry)
-            return carry, jnp.sum(carry)
-        return lax.scan(body, lax.psum(v, "i"), None, length=5)
-
-    got = shmap(ours, m, out_specs=(P(), P()))(x)
-    expected = shmap(theirs, m, out_specs=(P(), P()))(x)
-    for a, e in zip(got, expected):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(e), rtol=1e-12)
+    lax_ops = {"sum": lax.psum, "mean": lax.pmean, "max": lax.pmax, "min": lax.pmin}
+    ours = program(lambda x, op: jaxring.all_reduce(x, "i", op))
+    theirs = program(lambda x, op: lax_ops[op](x, "i"))
+    k = (1.0 + np.arange(N))[:, None, None]
+    carry, sums, branches = host.reshape(N, 3, 4).sum(0), [], set()
+    for _ in range(5):
+        carry = np.sin(carry * k).mean(0)
+        branches.add(carry.sum() > 0)
+        carry = (carry * k).max(0) if carry.sum() > 0 else (carry * k).min(0)
+        sums.append(carry.sum())
+    assert branches == {True, False}, "both branches of the cond are taken"
+    for device in range(N):
+        for got, want, exact in zip(ours, theirs, (carry, np.array(sums))):
+            np.testing.assert_allclose(got[device], want[device], rtol=1e-12)
+            np.testing.assert_allclose(got[device], exact, rtol=1e-12)
 
 
 def test_vmap_inside_shard_map():
