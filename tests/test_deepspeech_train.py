@@ -35,14 +35,21 @@ def test_checkpoint_round_trip(tmp_path):
     model = training.create_model(CONFIG, seed=1)
     _, params, batch_stats = nnx.split(model, nnx.Param, nnx.BatchStat)
     rng = np.random.default_rng(0)
-    params = jax.tree.map(lambda x: x + rng.standard_normal(x.shape).astype(np.float32), params)
+    noise = lambda tree: jax.tree.map(
+        lambda x: x + rng.standard_normal(x.shape).astype(x.dtype), tree)
+    params, moved_stats = noise(params), noise(batch_stats)
     optimizer = training.create_optimizer(CONFIG, steps_per_epoch=3)
-    state = {"params": params, "batch_stats": batch_stats, "opt_state": optimizer.init(params)}
+    # One update, so that Adam's moments and step count are not their initial values.
+    _, opt_state = optimizer.update(noise(jax.tree.map(np.zeros_like, params)),
+                                    optimizer.init(params), params)
+    state = {"params": params, "batch_stats": moved_stats, "opt_state": opt_state}
     history = [{"epoch": 1, "cer": 0.5}]
     manager = training.checkpoint_manager(tmp_path)
     training.save_checkpoint(manager, 4, state, history)
     template = {"params": nnx.state(training.create_model(CONFIG, seed=2), nnx.Param)}
     template |= {"batch_stats": batch_stats, "opt_state": optimizer.init(template["params"])}
+    for saved, fresh in zip(jax.tree.leaves(state), jax.tree.leaves(template)):
+        assert saved.size == 0 or not np.array_equal(saved, fresh), "the template differs"
     epoch, restored, restored_history = training.restore_checkpoint(
         training.checkpoint_manager(tmp_path), template)
     assert epoch == 4 and restored_history == history

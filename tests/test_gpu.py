@@ -23,7 +23,7 @@ import jaxring
 import jaxring.mpi
 from jaxring._src import common, gpu, native
 from helpers import DTYPES, mesh, shard
-from test_mpi import mpiexec
+from test_mpi import assert_every_rank_ran_the_suite, mpiexec
 
 HERE = Path(__file__).resolve().parent
 SOURCES = HERE.parent / "xla_ffi"
@@ -309,7 +309,7 @@ def test_the_multiprocess_suite_on_gpu_processes_sharing_one_gpu(n, config):
     result = mpiexec(n, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", str(HERE / "mpi"),
                      timeout=540, transport=mpi_transport, ranks_per_node=ranks_per_node,
                      env=env)
-    assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]
+    assert_every_rank_ran_the_suite(result, n, HERE / "mpi")
 
 
 def mpi_is_cuda_aware() -> bool:
@@ -327,7 +327,7 @@ def test_the_multiprocess_suite_on_the_cuda_aware_path(n):
            "JAXRING_CUDA_AWARE_MPI": "1", "JAXRING_GPU_STAGING_BYTES": str(64 << 10)}
     result = mpiexec(n, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", str(HERE / "mpi"),
                      timeout=540, env=env)
-    assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]
+    assert_every_rank_ran_the_suite(result, n, HERE / "mpi")
 
 
 SANITIZER = shutil.which("compute-sanitizer") or (

@@ -2,6 +2,7 @@
 checks what only whole jobs can show: a rank that exits right after dispatching still takes part,
 and a rank that dies is named by the others instead of hanging them."""
 
+import functools
 import os
 import re
 import shutil
@@ -44,7 +45,28 @@ def test_collectives_under_mpiexec(n, transport, ranks_per_node, bruck, tests):
     result = mpiexec(n, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", str(where),
                      transport=transport, ranks_per_node=ranks_per_node,
                      env={"JAXRING_MPI_DIRECT_HEADER_RANKS": "1"} if bruck else {})
-    assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]
+    assert_every_rank_ran_the_suite(result, n, where)
+
+
+@functools.cache
+def collected(where: str) -> int:
+    """How many tests pytest collects under `where` (as one process)."""
+    result = subprocess.run([sys.executable, "-m", "pytest", "-q", "--collect-only",
+                             "-p", "no:cacheprovider", where], capture_output=True, text=True,
+                            timeout=300, env=dict(os.environ, XLA_FLAGS=""), cwd=HERE.parent)
+    return int(re.search(r"(\d+) tests? collected", result.stdout).group(1))
+
+
+def assert_every_rank_ran_the_suite(result, n: int, where) -> None:
+    """A pytest run under mpiexec exits 0 when its tests skip, so a module skipped whole (no
+    point-to-point, no GPU) would pass unseen: every rank must report its summary, and most of
+    the tests collected must have run on it."""
+    output = result.stdout[-6000:] + result.stderr[-3000:]
+    assert result.returncode == 0, output
+    passed = [int(count) for count in re.findall(r"(\d+) passed", result.stdout)]
+    assert len(passed) == n, f"{len(passed)} of {n} ranks reported a summary\n{output}"
+    total = collected(str(where))
+    assert min(passed) >= total // 2, f"only {min(passed)} of {total} tests passed\n{output}"
 
 
 def run_script(n, source, timeout=120, launcher=(), transport="auto"):

@@ -94,3 +94,30 @@ def test_judge_keeps_only_rows_present_in_every_run():
     verdicts = targets.judge([{a: (0.9, {}), b: (0.9, {})}, {a: (1.1, {})}])
     assert [v["key"] for v in verdicts] == [list(a)]
     assert verdicts[0]["ratio"] == pytest.approx(1.0)
+
+
+def test_a_floor_of_jaxrings_own_call_is_shown_but_never_makes_a_row_impossible():
+    verdict = _verdict([1.2, 1.2, 1.2], [{"local": 1.1, "effect": 0.8}] * 3)
+    assert verdict["verdict"] == "unmet"
+    assert (verdict["floor_kind"], verdict["floor"]) == ("effect", 0.8)
+    assert verdict["diagnostic"] == {"local": pytest.approx(1.1)}
+
+
+def test_a_row_met_in_any_run_is_not_impossible():
+    verdict = _verdict([1.2, 0.98, 1.3], [{"effect": 0.97}, {"effect": 0.96}, {"effect": 1.1}])
+    assert verdict["floor"] == pytest.approx(0.97)
+    once = _verdict([1.3, 0.99, 1.3], [{"effect": 1.2}, {"effect": 0.99}, {"effect": 1.25}])
+    assert once["floor"] == pytest.approx(1.2) and once["met_runs"] == 1
+    assert once["verdict"] == "unmet"
+
+
+def test_a_floor_is_refuted_against_jaxring_over_the_runs_that_measured_it():
+    """The floor was timed in the last two runs only, where jaxring took 1.5 and 1.6; jaxring's
+    median over all four runs (1.15) is below the floor's (1.45), but over those two it is not,
+    so the floor stands."""
+    verdict = _verdict([1.1, 1.1, 1.5, 1.6], [{}, {}, {"native": 1.4}, {"native": 1.5}])
+    assert verdict["refuted"] == {}
+    assert (verdict["floor"], verdict["verdict"]) == (pytest.approx(1.45), "impossible")
+    refuted = _verdict([1.5, 1.6, 1.1, 1.1], [{}, {}, {"native": 1.4}, {"native": 1.5}])
+    assert refuted["refuted"] == {"native": pytest.approx(1.45)}
+    assert refuted["verdict"] == "unmet"

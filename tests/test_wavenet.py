@@ -197,8 +197,8 @@ def test_python_loop_equals_naive(case):
 @pytest.mark.parametrize("devices,permute", [(2, "jaxring"), (3, "jaxring"), (2, "lax")])
 def test_layer_sharded_equals_naive(case, devices, permute):
     config, batch, weights, key, speaker, local, naive = case
-    if config.num_layers % devices:
-        devices = 2 if devices != 2 else 1
+    if config.num_layers % devices:  # "conditioned" (6 layers) covers 3 devices
+        pytest.skip(f"{config.num_layers} layers do not split over {devices} devices")
     sharded = pipeline_sampler.sample_layer_sharded(
         weights, config, key, NUM_SAMPLES, batch, mesh(devices, "stage"), "stage", speaker,
         local, return_logits=True, permute=permute)
