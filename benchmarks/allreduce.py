@@ -6,7 +6,7 @@
 For each device count and size it times (median of many repetitions, the cases taking turns call
 by call so that all see the same machine, glibc malloc keeping freed memory as in
 common.keep_freed_memory; inputs placed with device_put + NamedSharding): jaxring.all_reduce
-(auto, and forced direct and ring) against
+(auto, which on CPU devices is the direct algorithm at every size, and the ring forced) against
 lax.psum, jaxring.reduce_scatter against lax.psum_scatter, jaxring.all_gather against
 lax.all_gather, each as a lone jitted call, beside each collective's effect floor (what any lone
 call carrying jaxring's ordered effect costs at least), for all_reduce and reduce_scatter a local
@@ -603,6 +603,7 @@ def main(argv=None) -> None:
             print(f"n={n} {human_bytes(size):>9} in a loop, ratio to the twin: " + ", ".join(
                 f"{c} {t[f'jaxring.{c}'] / t[twin]:.2f}"
                 for c, twin in TWIN.items()), flush=True)
+    env = environment()  # the CPU steal over the run, now that it is over
     text = (markdown(env, ceiling, rows, jaxring.config.get().huge_page_bytes) + "\n"
             + loop_markdown(loop_rows))
     path = write_results(args.name, {"environment": env, "memory_copy_GBps": ceiling,

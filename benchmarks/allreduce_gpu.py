@@ -2,7 +2,9 @@
 
     mpiexec -n 2 python benchmarks/allreduce_gpu.py      # then -n 4; --quick for a short run
 
-Every process uses the same GPU (or one each, if the node has several). It measures
+Every process uses its first visible GPU, as jaxring's GPU communicators do: on a node with
+several, give each rank its own with CUDA_VISIBLE_DEVICES (a wrapper that sets it from the local
+rank, e.g. MPI_LOCALRANKID or OMPI_COMM_WORLD_LOCAL_RANK). It measures
 - the reduce kernel (JaxringCudaReduce: 2 and 4 operands into 1) against a device-to-device copy
   (cudaMemcpyAsync) of the same size, in the same run, on rank 0 alone; bandwidth counts the
   bytes read and written (a copy moves 2x its size, a k-operand reduce (k+1)x);

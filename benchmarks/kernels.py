@@ -120,7 +120,6 @@ def markdown(env: dict, builds: list[str], rows: list[dict]) -> str:
 def main() -> None:
     keep_freed_memory()
     builds = native.extension.cpu_kernels_supported()[1:]  # without "auto"
-    env = environment()
     rows = []
     for dtype_name, dtype in DTYPES.items():
         for n in DEVICES:
@@ -130,6 +129,7 @@ def main() -> None:
                              "seconds": seconds})
                 print(f"{dtype_name} n={n} {human_bytes(nbytes):>8}: " + "  ".join(
                     f"{name} {s * 1e6:.1f} us" for name, s in seconds.items()), flush=True)
+    env = environment()  # after measuring: it records the CPU steal over the run
     write_results("kernels-cpu", {"environment": env, "builds": builds, "rows": rows},
                   markdown(env, builds, rows))
 

@@ -5,12 +5,17 @@ a Deep Speech 2-sized gradient on 8 to 1024 GPUs over InfiniBand.
 
 Model (Thakur et al. 2005; Patarasuk & Yuan 2009): a ring all-reduce of N bytes over p ranks takes
 
-    T(N, p) = 2 (p - 1) alpha + 2 (p - 1) / p * N * beta
+    T(N, p) = c + 2 (p - 1) alpha + 2 (p - 1) / p * N * beta
 
 alpha is the per-step cost (software + wire latency), beta the time per byte on the slowest link
-(transfer plus the reduction arithmetic). Both are fitted by least squares to the measured times
-of jaxring and of MPICH's Allreduce. The projection keeps the fitted software alpha, adds an
-InfiniBand wire latency, and takes beta from the link's bandwidth (the ring is bandwidth-optimal,
+(transfer plus the reduction arithmetic), and c what a call costs once, whatever p: for a lone
+jitted call, the launch of its program, which a training step pays once per program rather than
+once per ring step. alpha and beta are fitted by least squares to the all-reduces of jaxring and
+of MPICH's Allreduce inside a loop (no launch) with 2 ranks, one per core of this machine: with
+4 ranks on its 2 cores, time-sharing, not the ring's steps, makes calls 4-8x slower, and a fit
+across the two read that as a per-step cost. c is the lone call's time less the looped one's, at
+1 KiB and below. The projection keeps the fitted software c and alpha, adds an InfiniBand wire
+latency to alpha, and takes beta from the link's bandwidth (the ring is bandwidth-optimal,
 so beta is set by the network, not by the CPU). Scaling efficiency assumes weak scaling as in the
 Deep Speech 2 paper (a fixed minibatch per GPU) and no overlap of communication with compute:
 
@@ -38,52 +43,55 @@ WIRE_LATENCY_S = 2e-6
 # 3 TFLOP/s sustained (the paper's Titan X GPUs ran at about 50% of their 6 TFLOP/s peak).
 COMPUTE_S = 64 * 350 * 6 * 38e6 / 3e12
 GPU_COUNTS = [8, 16, 32, 64, 128, 256, 512, 1024]
+N = 2  # the ranks of the measurements fitted: one per core here
 
 
 def fit(rows, impl):
-    """Least-squares alpha, beta over every size and rank count measured for `impl`, in relative
-    error (each row divided by its time), so that the 4 B and the 64 MiB points count alike."""
-    a, t = [], []
-    for n, row in rows:
-        if row["impl"] != impl:
-            continue
-        a.append([2 * (n - 1), 2 * (n - 1) / n * row["bytes"]])
-        t.append(row["seconds"])
-    a, t = np.array(a), np.array(t)
+    """(c, alpha, beta) of `impl`: alpha and beta by least squares over every size of its loop
+    rows, in relative error (each row divided by its time, so that the 4 B and the 16 MiB points
+    count alike); c, the median over sizes up to 1 KiB of the lone call less the looped one."""
+    looped = {r["bytes"]: r["seconds"] for r in rows if r["impl"] == f"{impl} in a loop"}
+    lone = {r["bytes"]: r["seconds"] for r in rows if r["impl"] == impl}
+    a = np.array([[2 * (N - 1), 2 * (N - 1) / N * nbytes] for nbytes in looped])
+    t = np.array(list(looped.values()))
     (alpha, beta), *_ = np.linalg.lstsq(a / t[:, None], np.ones_like(t), rcond=None)
-    return max(alpha, 0.0), max(beta, 1e-15)
+    c = float(np.median([lone[b] - looped[b] for b in looped if b <= 1024 and b in lone]))
+    return max(c, 0.0), max(alpha, 0.0), max(beta, 1e-15)
 
 
-def ring_seconds(nbytes, p, alpha, beta):
-    return 2 * (p - 1) * alpha + 2 * (p - 1) / p * nbytes * beta
+def ring_seconds(nbytes, p, c, alpha, beta):
+    return c + 2 * (p - 1) * alpha + 2 * (p - 1) / p * nbytes * beta
 
 
 def main() -> None:
-    rows = []
-    for n in (2, 4):
-        path = RESULTS / f"allreduce_mpi-cpu-n{n}.json"
-        if not path.exists():
-            sys.exit(f"missing {path}: run `mpiexec -n {n} python benchmarks/allreduce_mpi.py`")
-        rows += [(n, r) for r in json.loads(path.read_text())["rows"]]
+    path = RESULTS / f"allreduce_mpi-cpu-n{N}.json"
+    if not path.exists():
+        sys.exit(f"missing {path}: run `mpiexec -n {N} python benchmarks/allreduce_mpi.py`")
+    measured = json.loads(path.read_text())
+    rows = measured["rows"]
     fits = {impl: fit(rows, impl) for impl in ("jaxring.all_reduce", "mpi4py Allreduce")}
     projection = []
     for link, bandwidth in LINKS.items():
-        for impl, (alpha, _) in fits.items():
+        for impl, (c, alpha, _) in fits.items():
             for p in GPU_COUNTS:
-                t = ring_seconds(GRADIENT_BYTES, p, alpha + WIRE_LATENCY_S, 1 / bandwidth)
+                t = ring_seconds(GRADIENT_BYTES, p, c, alpha + WIRE_LATENCY_S, 1 / bandwidth)
                 projection.append({"link": link, "software": impl, "gpus": p, "allreduce_s": t,
                                    "efficiency": COMPUTE_S / (COMPUTE_S + t)})
     lines = [
         "# Ring all-reduce: alpha-beta model and Deep Speech 2 projection", "",
-        "Fitted to `allreduce_mpi-cpu-n2/n4` (processes on this 2-core machine, shared memory):", "",
-        "| software | alpha (us per step) | beta (ns per byte) | bandwidth 1/beta (GB/s) |",
-        "|---|---|---|---|"]
-    for impl, (alpha, beta) in fits.items():
-        lines.append(f"| {impl} | {alpha * 1e6:.1f} | {beta * 1e9:.3f} | {1 / beta / 1e9:.2f} |")
+        f"Fitted to `allreduce_mpi-cpu-n{N}` ({measured['environment']['date']}: {N} processes "
+        "on this 2-core machine, shared memory); alpha and beta from the all-reduces inside a "
+        "loop, c from lone calls:", "",
+        "| software | c (us per call) | alpha (us per step) | beta (ns per byte) | "
+        "bandwidth 1/beta (GB/s) |",
+        "|---|---|---|---|---|"]
+    for impl, (c, alpha, beta) in fits.items():
+        lines.append(f"| {impl} | {c * 1e6:.1f} | {alpha * 1e6:.1f} | {beta * 1e9:.3f} | "
+                     f"{1 / beta / 1e9:.2f} |")
     lines += [
         "", f"Projection: {GRADIENT_BYTES / 1e6:.0f} MB of float32 gradients (38M parameters), "
-        f"ring over InfiniBand, alpha = fitted software alpha + {WIRE_LATENCY_S * 1e6:.0f} us "
-        f"wire, beta = 1/link bandwidth; compute {COMPUTE_S:.2f} s per GPU step (weak scaling, "
+        f"ring over InfiniBand, c and alpha as fitted, alpha plus {WIRE_LATENCY_S * 1e6:.0f} us "
+        f"of wire, beta = 1/link bandwidth; compute {COMPUTE_S:.2f} s per GPU step (weak scaling, "
         "64 utterances per GPU), no overlap.", "",
         "| link | software alpha from | " + " | ".join(f"{p} GPUs" for p in GPU_COUNTS) + " |",
         "|---|---|" + "---|" * len(GPU_COUNTS)]
@@ -100,10 +108,11 @@ def main() -> None:
         "why the Deep Speech 2 paper could report near-linear scaling to 128 GPUs. The model "
         "predicts that efficiency stays above 90% to 1024 GPUs on either link if alpha stays in "
         "the tens of microseconds; what breaks it first in practice is a slower or shared link "
-        "(beta), not the ring's step count. Measured alpha on this machine is dominated by "
-        "program dispatch (see overhead-cpu.md), which a training step pays once per bucket."]
-    write_results("scaling_model", {"fits": {k: {"alpha_s": a, "beta_s_per_byte": b}
-                                             for k, (a, b) in fits.items()},
+        "(beta), not the ring's step count. On this machine a lone jitted call's launch (c) "
+        "costs far more than a ring step (alpha); a training step pays it once per program "
+        "(overhead-cpu.md)."]
+    write_results("scaling_model", {"fits": {k: {"call_s": c, "alpha_s": a, "beta_s_per_byte": b}
+                                             for k, (c, a, b) in fits.items()},
                                     "compute_s": COMPUTE_S, "projection": projection},
                   "\n".join(lines) + "\n")
     print("\n".join(lines))

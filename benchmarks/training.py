@@ -185,12 +185,12 @@ def main(argv=None) -> None:
     counts = [2, 8] if args.quick else [int(n) for n in args.devices.split(",")]
     repeats, budget = (3, 1.0) if args.quick else (10, 5.0)
     keep_freed_memory()
-    env = environment()
     rows = []
     for n in counts:
         row = measure(n, config, args.per_device_batch, args.frames, repeats, budget)
         rows.append(row)
         print({k: round(v, 4) if isinstance(v, float) else v for k, v in row.items()}, flush=True)
+    env = environment()  # after measuring: it records the CPU steal over the run
     table = markdown_table(rows, env, args.config)
     print(table)
     if not args.quick:

@@ -1,7 +1,8 @@
 """jaxring: jit-compatible ring collectives for JAX, as XLA FFI custom calls.
 
-Every collective takes a mesh axis name (inside ``jax.shard_map`` or ``jax.pmap``) and follows
-the semantics of its ``jax.lax`` twin where one exists.
+Every collective takes a mesh axis name (inside ``jax.shard_map`` or ``jax.pmap``), or a
+``jaxring.mpi.Communicator`` for processes launched by ``mpiexec``, and follows the semantics of
+its ``jax.lax`` twin where one exists.
 """
 
 from jaxring import config

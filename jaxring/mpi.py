@@ -4,7 +4,7 @@ JAX device per process, as Horovod and mpi4jax users run them.
     comm = jaxring.mpi.world()
     y = jax.jit(lambda x: jaxring.all_reduce(x, comm))(x)     # any collective, in place of an axis
 
-Two transports carry the data:
+Three transports carry the data:
 
 * ``"shm"``: ranks on one node meet in a shared-memory segment (``xla_ffi/transports/shm``);
   every byte is staged once and read once per reader, with no MPI double copy.
@@ -18,7 +18,9 @@ Two transports carry the data:
 
 ``"auto"`` (the default, or ``JAXRING_MPI_TRANSPORT``) takes shared memory when every rank is on
 one node, hierarchical when nodes hold equal numbers of ranks, and MPI otherwise.
-``ppermute``/``send``/``recv`` always go over MPI.
+``ppermute``/``send``/``recv`` always go over MPI. ``JAXRING_MPI_RANKS_PER_NODE`` (or
+`ranks_per_node`) = k pretends that nodes hold k consecutive ranks each, so that one machine runs
+the paths between nodes.
 
 Processes with a GPU also get a GPU transport (`gpu_transport`, or ``JAXRING_GPU_TRANSPORT``):
 ``"ipc"`` (GPU memory mapped between the processes of one node), ``"staged"`` (pipelined pinned
@@ -58,8 +60,8 @@ def _mpi_extension():
     """jaxring's MPI transport module and None, or None and why it cannot be used."""
     MPI = _mpi()  # loads the MPI library first, so the extension binds to that very library
     runtime = MPI.Get_library_version().strip().splitlines()[0]
-    rebuild = ("rebuild jaxring against the MPI that mpi4py uses, e.g. "
-               "MPICC=$(which mpicc) pip install --no-build-isolation -e .")
+    rebuild = ("rebuild jaxring against the MPI that mpi4py uses: MPICC=<its mpicc> pip install "
+               "--no-build-isolation --no-deps -e . (README, \"Across processes\")")
     try:
         from jaxring import _jaxring_mpi
     except ImportError as error:
@@ -150,8 +152,7 @@ class Communicator:
             if chosen not in TRANSPORTS:
                 raise ValueError(f"jaxring.mpi: transport must be one of {TRANSPORTS}, "
                                  f"got {chosen!r}")
-            pretend = (int(os.environ.get("JAXRING_MPI_RANKS_PER_NODE", "0"))
-                       if ranks_per_node is None else ranks_per_node)
+            pretend = _ranks_per_node(ranks_per_node)
             # The MPI transport's header exchange, which ranks must share: differing, they would
             # mistake each other's messages (config.py).
             direct_headers = mpi_comm.Get_size() <= config.get().mpi_direct_header_ranks
@@ -272,12 +273,26 @@ class Communicator:
                 f"{self.transport}{gpu_part}>")
 
 
+def _ranks_per_node(value: int | None) -> int:
+    """`ranks_per_node`, else JAXRING_MPI_RANKS_PER_NODE, else 0 (the real nodes)."""
+    if value is None:
+        text = os.environ.get("JAXRING_MPI_RANKS_PER_NODE", "0")
+        try:
+            value = int(text)
+        except ValueError:
+            raise ValueError("jaxring.mpi: JAXRING_MPI_RANKS_PER_NODE must be a whole number of "
+                             f"ranks (0: the real nodes), got {text!r}") from None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError("jaxring.mpi: ranks_per_node must be a whole number of ranks (0: the "
+                         f"real nodes), got {value!r}")
+    return value
+
+
 def _node_communicator(mpi_comm, pretend: int | None):
-    """The ranks of `mpi_comm` on this rank's node. `pretend` (or JAXRING_MPI_RANKS_PER_NODE) = k
-    pretends that nodes hold k consecutive ranks each, to exercise the paths between nodes on one
-    machine."""
-    if pretend is None:
-        pretend = int(os.environ.get("JAXRING_MPI_RANKS_PER_NODE", "0"))
+    """The ranks of `mpi_comm` on this rank's node. `pretend` (None: JAXRING_MPI_RANKS_PER_NODE)
+    = k > 0 pretends that nodes hold k consecutive ranks each, to exercise the paths between nodes
+    on one machine."""
+    pretend = _ranks_per_node(pretend)
     rank = mpi_comm.Get_rank()
     if pretend > 0:
         return mpi_comm.Split(rank // pretend, key=rank)

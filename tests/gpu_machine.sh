@@ -19,7 +19,7 @@ ROOT=$(cd "$(dirname "$0")/.." && pwd)
 cd "$ROOT"
 
 prepare() {
-  local py=${PY312:?set PY312 to a Python 3.12 interpreter with jax 0.11.2, nanobind and mpich}
+  local py=${PY312:?set PY312 to a Python 3.12 interpreter with jax 0.11.2, nanobind, mpich, mpi4py, cython, setuptools and wheel}
   local bin; bin=$(dirname "$py")
   grep -qx "/gpubuild/" .git/info/exclude || echo "/gpubuild/" >> .git/info/exclude
   grep -qx "/.whl/" .git/info/exclude || echo "/.whl/" >> .git/info/exclude

@@ -74,7 +74,7 @@ def main(argv=None) -> None:
     parser.add_argument("--streams", type=int, default=1)
     parser.add_argument("--sampler", choices=SAMPLERS, default="fused")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", default=None, help="folder for WAV + PNG (default workdir)")
+    parser.add_argument("--out", default=None, help="folder for WAV + PNG (default: WORKDIR/samples)")
     args = parser.parse_args(argv)
 
     from models.wavenet import configs, train
