@@ -83,13 +83,16 @@ def main() -> int:
                             # One element more than the kernel may touch: it must stay 0.
                             length = offset + count + 1
                             host = []
-                            for _ in range(n):
+                            for k in range(n):
                                 if dtype.kind == "i":
                                     v = rng.integers(-1000, 1000, length).astype(dtype)
                                 else:
                                     v = rng.standard_normal(length).astype(dtype)
                                     if count > 5 and op in ("max", "min"):
-                                        v[offset + 3] = np.nan
+                                        # A NaN in one operand only, at an element of its own
+                                        # (the last operand's too): fmaxf/fminf would drop it.
+                                        v[offset + k % (count - 1)] = np.nan
+                                        v[offset + count - 1] = np.nan if k == n - 1 else 1.0
                                 host.append(v)
                             srcs = [jax.device_put(v, gpu) for v in host]
                             dsts = [jnp.zeros(length, dtype, device=gpu)

@@ -219,6 +219,9 @@ def test_two_shot_shares_partition_a_step_on_16_byte_boundaries(n):
             assert begins[0] == 0 and begins[-1] == count and len(begins) == n + 1
             assert all(a <= b for a, b in zip(begins, begins[1:]))
             assert all(b * dtype.itemsize % 16 == 0 for b in begins[:-1] if b < count)
+            # Balanced: shares are whole vectors but the last, which takes the tail.
+            shares, vector = np.diff(begins), max(1, 16 // dtype.itemsize)
+            assert shares.max() - shares.min() < 2 * vector, (count, shares)
 
 
 @pytest.mark.skipif(not os.path.exists(native.CUDA_LIBRARY),

@@ -302,13 +302,14 @@ def test_calls_of_many_runs_at_once_meet_the_calls_of_their_own_run():
                 errors.append(error)
 
     orders = [range(runs), reversed(range(runs))]
-    threads = [threading.Thread(target=calls_of, args=(rank, run))
+    threads = [threading.Thread(target=calls_of, args=(rank, run), daemon=True)
                for rank in range(n) for run in orders[rank]]
     with jaxring.config.override(timeout_seconds=30):
         for thread in threads:
             thread.start()
         for thread in threads:
-            thread.join()
+            thread.join(timeout=120)  # the native waits time out after 30 s
+            assert not thread.is_alive(), "a native wait outlived its timeout"
     assert not errors, errors[:3]
     expected = inputs[:, :, 0] + inputs[:, :, 1]  # two float32 terms: the same sum either way
     for rank in range(n):
@@ -685,11 +686,13 @@ def test_a_rank_that_gives_up_returns_only_once_no_peer_touches_its_buffers(algo
             native.extension.stall_next_piece(key, 1, stall)
             try:
                 start = time.perf_counter()
-                threads = [threading.Thread(target=run, args=(key, rank)) for rank in range(n)]
+                threads = [threading.Thread(target=run, args=(key, rank), daemon=True)
+                           for rank in range(n)]
                 for thread in threads:
                     thread.start()
                 for thread in threads:
-                    thread.join()
+                    thread.join(timeout=60)
+                    assert not thread.is_alive(), "a native wait outlived its timeout"
             finally:
                 native.extension.stall_next_piece(key, -1, 0.0)
             if native.extension.stalls_taken() > stalls:

@@ -102,11 +102,14 @@ def test_many_calls_in_one_program_and_in_flight(transport):
     n = COMM.size
     rng = np.random.default_rng(COMM.rank + 100)
     x = rng.standard_normal(3001)
+    scale = 1.0 + COMM.rank  # so that every step reduces different values on every rank
     loop = jax.jit(lambda v: jax.lax.fori_loop(
-        0, 12, lambda i, c: jaxring.all_reduce(c, comm) / n + i, v))
-    # c <- all_reduce(c) / n + i: the mean after step 0, then + i at each step i.
-    c = gathered(x).mean(0) + sum(range(12))
-    np.testing.assert_allclose(np.asarray(loop(x)), c, rtol=1e-12)
+        0, 12, lambda i, c: jaxring.all_reduce(c * scale, comm) / n + i, v))
+    scales = 1.0 + np.arange(n)[:, None]
+    c = gathered(x)
+    for i in range(12):
+        c = np.broadcast_to((c * scales).sum(0) / n + i, c.shape)
+    np.testing.assert_allclose(np.asarray(loop(x)), c[0], rtol=1e-12)
     f = jax.jit(lambda v: jaxring.all_reduce(v, comm, "max"))
     inputs = [rng.standard_normal(1000 + 37 * k).astype(np.float32) for k in range(6)]
     outputs = [f(v) for v in inputs]  # dispatched, not yet read
