@@ -59,7 +59,7 @@ def _mpi():
 def _mpi_extension():
     """jaxring's MPI transport module and None, or None and why it cannot be used."""
     MPI = _mpi()  # loads the MPI library first, so the extension binds to that very library
-    runtime = MPI.Get_library_version().strip().splitlines()[0]
+    runtime = MPI.Get_library_version().strip(" \n\x00").splitlines()[0]  # Open MPI's ends in NUL
     rebuild = ("rebuild jaxring against the MPI that mpi4py uses: MPICC=<its mpicc> pip install "
                "--no-build-isolation --no-deps -e . (README, \"Across processes\")")
     try:
@@ -73,7 +73,7 @@ def _mpi_extension():
         native.check_same_build("jaxring's MPI transport", _jaxring_mpi.build_id())
     except RuntimeError as error:
         return None, str(error)
-    linked = _jaxring_mpi.library_version().strip().splitlines()[0]
+    linked = _jaxring_mpi.library_version().strip(" \n\x00").splitlines()[0]
     if linked != runtime:
         return None, (f"build-time and run-time MPI differ: jaxring's MPI transport was built "
                       f"with {_jaxring_mpi.built_with()} and runs {linked}, but mpi4py runs "
