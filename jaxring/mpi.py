@@ -136,6 +136,8 @@ class Communicator:
     (for tests and benchmarks on one machine). `gpu_transport` is ``"auto"``, ``"ipc"``,
     ``"staged"`` or ``"host"`` (processes with GPUs only); `gpu_workspace_bytes` (cuda-ipc, per
     rank and parity) and `gpu_staging_bytes` (staged, per pinned chunk) bound one step.
+
+    `free()` (or a ``with`` block) releases it, collectively, like MPI_Comm_free.
     """
 
     def __init__(self, mpi_comm, *, label: str = "", transport: str | None = None,
@@ -143,6 +145,8 @@ class Communicator:
                  gpu_transport: str | None = None, gpu_workspace_bytes: int | None = None,
                  gpu_staging_bytes: int | None = None):
         MPI = _mpi()
+        self._freed = False
+        self._owned = []  # MPI communicators this one made, which free() frees
 
         def resolve():
             options = gpu.GpuOptions.resolve(gpu_transport, gpu_workspace_bytes,
@@ -213,6 +217,8 @@ class Communicator:
                     **gpu_levels))
                 self.levels = (node_level, level(lambda: Communicator(
                     across, label=f"{label} across nodes", transport="mpi", **gpu_levels)))
+                node_level._owned.append(node)
+                self.levels[1]._owned.append(across)
             except RuntimeError:
                 _detach(self.key)
                 raise
@@ -221,7 +227,7 @@ class Communicator:
             native.extension.link_failures([self.key] + [level.key for level in self.levels])
         else:
             node.Free()
-        weakref.finalize(self, _detach, self.key)
+        self._finalizer = weakref.finalize(self, _detach, self.key)
         self._gpu_requested = gpu_options
         # The transport GPU calls take ("none" in processes without GPUs), and whether MPI takes
         # device pointers (with how that was found out).
@@ -254,16 +260,54 @@ class Communicator:
             native.extension.shm_unlink(path)  # every rank has it mapped; nothing to clean up
 
     def split(self, color: int, key: int = 0) -> "Communicator":
-        """Ranks with the same `color` form a new communicator, ordered by `key` (MPI_Comm_split)."""
+        """Ranks with the same `color` form a new communicator, ordered by `key` (MPI_Comm_split).
+        Its MPI communicator is its own: free() frees it."""
+        self._check_not_freed()
         transport, ranks_per_node = self._requested
         options = self._gpu_requested
-        return Communicator(self.mpi_comm.Split(color, key), label=f"split(color={color})",
-                            transport=transport, ranks_per_node=ranks_per_node,
-                            gpu_transport=options.transport,
-                            gpu_workspace_bytes=options.workspace_bytes,
-                            gpu_staging_bytes=options.staging_bytes)
+        return _owning(self.mpi_comm.Split(color, key), lambda comm: Communicator(
+            comm, label=f"split(color={color})", transport=transport,
+            ranks_per_node=ranks_per_node, gpu_transport=options.transport,
+            gpu_workspace_bytes=options.workspace_bytes, gpu_staging_bytes=options.staging_bytes))
+
+    def free(self) -> None:
+        """Releases this communicator: its shared memory, its MPI transport, the levels of a
+        hierarchical one, and the MPI communicators it made (by `split`, by `world`, for its
+        levels; one passed in stays the caller's to free). Collective, like MPI_Comm_free: every
+        rank calls it after its last call on the communicator, and it waits (up to the timeout,
+        naming the ranks that never came) for all of them, so that no peer still reads this
+        rank's memory. Later calls on it fail, saying so; a second free() does nothing. A GPU
+        transport's device memory is not yet returned (README, "GPUs")."""
+        if self._freed:
+            return
+        import jax
+
+        from jaxring._src.barrier import barrier_to_free
+
+        jax.jit(lambda: barrier_to_free(self))()
+        jax.effects_barrier()  # this process's programs on it (the barrier last) have finished
+        self._freed = True
+        self._finalizer()  # _detach, once
+        for level in self.levels or ():
+            level.free()
+        for comm in self._owned:
+            comm.Free()
+        self._owned.clear()
+        if world.cache_info().currsize and world() is self:
+            world.cache_clear()
+
+    def __enter__(self) -> "Communicator":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.free()
+
+    def _check_not_freed(self) -> None:
+        if self._freed:
+            raise ValueError(f"jaxring.mpi: {self.name} was freed")
 
     def axis_communicator(self) -> common.AxisCommunicator:
+        self._check_not_freed()
         return common.AxisCommunicator(axes=(), size=self.size, key=self.key, name=self.name,
                                        process_rank=self.rank, owner=self)
 
@@ -308,8 +352,20 @@ def _detach(key: int) -> None:
 
 @functools.cache
 def world() -> Communicator:
-    """Every process of the job (a duplicate of MPI_COMM_WORLD)."""
-    return Communicator(_mpi().COMM_WORLD.Dup(), label="world")
+    """Every process of the job (a duplicate of MPI_COMM_WORLD), made once."""
+    return _owning(_mpi().COMM_WORLD.Dup(), lambda comm: Communicator(comm, label="world"))
+
+
+def _owning(mpi_comm, make) -> Communicator:
+    """make(mpi_comm), a Communicator that frees `mpi_comm` with itself; `mpi_comm` is freed at
+    once if make fails."""
+    try:
+        communicator = make(mpi_comm)
+    except BaseException:
+        mpi_comm.Free()
+        raise
+    communicator._owned.append(mpi_comm)
+    return communicator
 
 
 # With a GPU transport, peers' kernels may still read this process's device workspace after its

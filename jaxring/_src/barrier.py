@@ -26,6 +26,19 @@ def barrier(axis_name) -> None:
     barrier_p.bind(rank, group, comm=comm, op_id=common.next_op_id(comm))
 
 
+# Above the 24-bit ids of call sites (common.next_op_id), so that it never meets one.
+FREE_OP_ID = 1 << 24
+
+
+def barrier_to_free(communicator) -> None:
+    """The barrier of jaxring.mpi.Communicator.free: its op id is fixed, not that of the line
+    that called free(), so that ranks may free a communicator from different lines (a `with`
+    block on one, an error path on another)."""
+    comm = common.communicator("barrier", communicator)
+    rank, group = comm.rank_and_group()
+    barrier_p.bind(rank, group, comm=comm, op_id=FREE_OP_ID)
+
+
 # ---- abstract evaluation -----------------------------------------------------------------------
 
 

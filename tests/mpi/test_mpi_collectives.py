@@ -274,6 +274,57 @@ def test_ranks_meet_at_exit_on_a_communicator_holding_each_gpu_peer_once():
         pairs.Free()
 
 
+def test_free_releases_a_communicator_and_later_calls_say_so():
+    """free() is collective; afterwards the MPI communicator split made is freed, tracing on the
+    communicator refuses, and a program compiled before fails at once, naming it."""
+    sub = COMM.split(0, key=COMM.rank)
+    made = [sub.mpi_comm] + [level.mpi_comm for level in sub.levels or ()]  # and its levels'
+    x = np.arange(4.0) + COMM.rank
+    total = gathered(x).sum(0)
+    f = jax.jit(lambda v: jaxring.all_reduce(v, sub))
+    np.testing.assert_array_equal(np.asarray(f(x)), total)
+    sub.free()
+    assert all(comm == MPI.COMM_NULL for comm in made), made
+    with pytest.raises(ValueError, match=r"MPI communicator split\(color=0\) .* was freed"):
+        jax.jit(lambda v: jaxring.all_reduce(v, sub))(x + 1)
+    with pytest.raises(Exception, match=r"this process communicator is closed \(its "
+                                        r"jaxring.mpi.Communicator was freed"):
+        np.asarray(f(x))
+    jaxring.reset_after_error()
+    sub.free()  # a second time: nothing
+    with COMM.split(0, key=COMM.rank) as other:  # a with block frees it at its end
+        made = other.mpi_comm
+        np.testing.assert_array_equal(
+            np.asarray(jax.jit(lambda v: jaxring.all_reduce(v, other, "max"))(x)),
+            gathered(x).max(0))
+    assert made == MPI.COMM_NULL
+    np.testing.assert_array_equal(np.asarray(jax.jit(lambda v: jaxring.all_reduce(v, COMM))(x)),
+                                  total)  # the communicator split from is untouched
+
+
+@pytest.mark.skipif(COMM.size < 2, reason="needs two ranks")
+def test_a_rank_that_never_frees_is_named():
+    """free() waits for every rank, with the timeout, and names the ranks that never came."""
+    sub = COMM.split(0, key=COMM.rank)
+    last = COMM.size - 1
+    try:
+        if COMM.rank != last:
+            with jaxring.config.override(timeout_seconds=1.0):
+                with pytest.raises(Exception, match=rf"timed out after 1 s waiting for "
+                                                    rf"rank\(s\) \[{last}\]"):
+                    sub.free()
+        MPI_COMM.Barrier()
+        if COMM.rank == last and sub.transport == "shm":  # told that its peers gave up
+            with pytest.raises(Exception, match="gave up on this communicator|left the "
+                                                "communicator"):
+                sub.free()
+        elif COMM.rank == last:  # over MPI a late barrier returns (README, failure behaviour)
+            sub.free()
+    finally:
+        jaxring.reset_after_error()
+        MPI_COMM.Barrier()
+
+
 def test_a_rank_with_bad_or_different_options_makes_every_rank_raise():
     """Set-up runs MPI collectives without a timeout: a rank that raised alone, or took another
     path, would leave the others waiting there for ever."""
