@@ -52,10 +52,14 @@ def fit(rows, impl):
     count alike); c, the median over sizes up to 1 KiB of the lone call less the looped one."""
     looped = {r["bytes"]: r["seconds"] for r in rows if r["impl"] == f"{impl} in a loop"}
     lone = {r["bytes"]: r["seconds"] for r in rows if r["impl"] == impl}
+    small = [b for b in looped if b <= 1024 and b in lone]
+    if len(looped) < 2 or not small:
+        sys.exit(f"scaling_model.py: the results lack {impl}'s loop rows (two sizes at least) or "
+                 "its lone calls up to 1 KiB; run allreduce_mpi.py without --sizes")
     a = np.array([[2 * (N - 1), 2 * (N - 1) / N * nbytes] for nbytes in looped])
     t = np.array(list(looped.values()))
     (alpha, beta), *_ = np.linalg.lstsq(a / t[:, None], np.ones_like(t), rcond=None)
-    c = float(np.median([lone[b] - looped[b] for b in looped if b <= 1024 and b in lone]))
+    c = float(np.median([lone[b] - looped[b] for b in small]))
     return max(c, 0.0), max(alpha, 0.0), max(beta, 1e-15)
 
 

@@ -24,8 +24,8 @@ the paths between nodes.
 
 Processes with a GPU also get a GPU transport (`gpu_transport`, or ``JAXRING_GPU_TRANSPORT``):
 ``"ipc"`` (GPU memory mapped between the processes of one node), ``"staged"`` (pipelined pinned
-staging through the transport above) or ``"host"``; ``"auto"`` is ipc on one node and staged
-across nodes. See jaxring/_src/gpu.py.
+staging through the transport above) or ``"host"``; ``"auto"`` is ipc on one node (up to 16
+ranks) and staged across nodes. See jaxring/_src/gpu.py.
 """
 
 from __future__ import annotations
@@ -70,7 +70,7 @@ def _mpi_extension():
         return None, (f"build-time and run-time MPI differ: jaxring's MPI transport cannot be "
                       f"loaded next to mpi4py's MPI ({runtime}): {error}; {rebuild}")
     try:
-        native.check_same_build("jaxring's MPI transport", _jaxring_mpi.build_id())
+        native.check_same_build("jaxring's MPI transport", native.build_id(_jaxring_mpi))
     except RuntimeError as error:
         return None, str(error)
     linked = _jaxring_mpi.library_version().strip(" \n\x00").splitlines()[0]
@@ -103,19 +103,23 @@ def _agreed(mpi_comm, resolve):
         mine, error = resolve(), None
     except (TypeError, ValueError) as e:
         mine, error = None, str(e)
-    everyone = mpi_comm.allgather((mine, error, native.extension.build_id()))
-    builds = {}
-    for rank, (_, _, build) in enumerate(everyone):
-        builds.setdefault(build, []).append(rank)
-    if len(builds) > 1:  # headers and shared-memory layouts may differ between builds
-        raise RuntimeError(
-            "jaxring.mpi: every rank must run the same build of jaxring, but " + "; ".join(
-                f"{_ranks(ranks)} run{'s' * (len(ranks) == 1)} build {build}"
-                for build, ranks in builds.items()))
-    errors = [f"rank {rank}: {e}" for rank, (_, e, _) in enumerate(everyone) if e]
+    # Beyond the options, every rank must run the same build (headers and shared-memory layouts
+    # may differ between builds) and load jaxring's MPI transport or not (its set-up is
+    # collective): both are checked before any other collective of the set-up.
+    everyone = mpi_comm.allgather((mine, error, native.build_id(), _mpi_extension()[1]))
+    for index, what in ((2, "run the same build of jaxring"),
+                        (3, "be able to use jaxring's MPI transport, or none")):
+        found = {}
+        for rank, theirs in enumerate(everyone):
+            found.setdefault(theirs[index], []).append(rank)
+        if len(found) > 1:
+            raise RuntimeError(f"jaxring.mpi: every rank must {what}, but " + "; ".join(
+                f"{_ranks(ranks)}: " + (f"build {value}" if index == 2 else value or "usable")
+                for value, ranks in found.items()))
+    errors = [f"rank {rank}: {e}" for rank, (_, e, _, _) in enumerate(everyone) if e]
     if errors:
         raise ValueError("; ".join(errors))
-    for rank, (theirs, _, _) in enumerate(everyone):
+    for rank, (theirs, _, _, _) in enumerate(everyone):
         if theirs != everyone[0][0]:
             raise ValueError(
                 f"jaxring.mpi: every rank must ask for the same communicator, but rank 0 asked "
@@ -178,13 +182,18 @@ class Communicator:
             transport = "shm" if on_one_node else "hierarchical"
         if transport == "hierarchical" and (on_one_node or len(set(node_sizes)) > 1):
             transport = "shm" if on_one_node else "mpi"  # uneven nodes: one flat MPI ring
+        problem = None  # the same on every rank
         if transport == "shm" and not on_one_node:
-            raise ValueError(f"jaxring.mpi: the ranks of {self.name} are on several nodes; the "
-                             "shared-memory transport needs them on one (use transport='mpi')")
-        if transport != "shm" and extension is None:
-            raise RuntimeError(f"jaxring.mpi: {self.name} needs the MPI transport"
-                               f"{'' if on_one_node else ' (its ranks are on several nodes)'}, "
-                               f"but {self.point_to_point_unavailable}")
+            problem = ValueError(f"jaxring.mpi: the ranks of {self.name} are on several nodes; "
+                                 "the shared-memory transport needs them on one (use "
+                                 "transport='mpi')")
+        elif transport != "shm" and extension is None:
+            problem = RuntimeError(f"jaxring.mpi: {self.name} needs the MPI transport"
+                                   f"{'' if on_one_node else ' (its ranks are on several nodes)'}"
+                                   f", but {self.point_to_point_unavailable}")
+        if problem is not None:
+            node.Free()
+            raise problem
         self.transport = transport
         self.key = mpi_comm.bcast(
             secrets.randbits(62) | common.PROCESS_KEY_BIT if self.rank == 0 else None, root=0)
@@ -280,27 +289,43 @@ class Communicator:
         transport's device memory is not yet returned (README, "GPUs")."""
         if self._freed:
             return
-        import jax
+        if self._finalizer.alive:  # not yet released at interpreter exit
+            import jax
 
-        from jaxring._src.barrier import barrier_to_free
+            from jaxring._src.barrier import barrier_to_free
 
-        jax.jit(lambda: barrier_to_free(self))()
-        jax.effects_barrier()  # this process's programs on it (the barrier last) have finished
+            jax.jit(lambda: barrier_to_free(self))()
+            jax.effects_barrier()  # this process's programs on it (the barrier last) are done
+        self._release()
+
+    def _release(self) -> None:
+        """free() once every rank is there (which covers the levels' ranks too)."""
         self._freed = True
-        self._finalizer()  # _detach, once
-        for level in self.levels or ():
-            level.free()
-        for comm in self._owned:
-            comm.Free()
-        self._owned.clear()
-        if world.cache_info().currsize and world() is self:
-            world.cache_clear()
+        try:
+            self._finalizer()  # _detach, once
+            for level in self.levels or ():
+                level._release()
+        finally:
+            if not _mpi().Is_finalized():
+                for comm in self._owned:
+                    comm.Free()
+            self._owned.clear()
+            if world.cache_info().currsize and world() is self:
+                world.cache_clear()
 
     def __enter__(self) -> "Communicator":
         return self
 
-    def __exit__(self, *exc) -> None:
-        self.free()
+    def __exit__(self, kind, error, traceback) -> None:
+        if error is None:
+            self.free()
+            return
+        # The block failed, perhaps on this rank alone, whose peers may be in another call: the
+        # block's error is the one to report, with free()'s beside it.
+        try:
+            self.free()
+        except Exception as failure:  # noqa: BLE001 - reported with the block's error
+            error.add_note(f"and free() of {self.name} then failed: {failure}")
 
     def _check_not_freed(self) -> None:
         if self._freed:
@@ -362,7 +387,8 @@ def _owning(mpi_comm, make) -> Communicator:
     try:
         communicator = make(mpi_comm)
     except BaseException:
-        mpi_comm.Free()
+        if mpi_comm != _mpi().COMM_NULL:
+            mpi_comm.Free()
         raise
     communicator._owned.append(mpi_comm)
     return communicator

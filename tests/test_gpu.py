@@ -39,7 +39,7 @@ def test_cuda_library_exports_every_handler():
                              capture_output=True, text=True, check=True).stdout
     exported = {line.split()[-1] for line in symbols.splitlines() if line.strip()}
     expected = {f"Jaxring{name}Cuda" for name in native.COLLECTIVE_TARGETS.values()}
-    expected |= set(native.MODEL_CUDA_TARGETS.values())
+    expected |= set(native.MODEL_CUDA_TARGETS.values()) | {"JaxringCudaBuildId"}
     set_up = {"JaxringCudaSetHostCall", "JaxringCudaReduce", "JaxringCudaIpcHandleBytes",
               "JaxringCudaIpcCreate", "JaxringCudaIpcOpen", "JaxringCudaStagedCreate",
               "JaxringCudaDetach"}
@@ -309,7 +309,8 @@ def test_the_multiprocess_suite_on_gpu_processes_sharing_one_gpu(n, config):
     env = {**GPU_SHARING, "JAXRING_GPU_TRANSPORT": transport,
            "JAXRING_EXPECT_GPU_TRANSPORT": expected, **extra}
     mpi_transport = env.pop("JAXRING_MPI_TRANSPORT", "auto")
-    result = mpiexec(n, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", str(HERE / "mpi"),
+    result = mpiexec(n, "-m", "pytest", "-q", "-x", "-rA", "-p", "no:cacheprovider",
+                     str(HERE / "mpi"),
                      timeout=540, transport=mpi_transport, ranks_per_node=ranks_per_node,
                      env=env)
     assert_every_rank_ran_the_suite(result, n, HERE / "mpi")
@@ -328,7 +329,8 @@ def mpi_is_cuda_aware() -> bool:
 def test_the_multiprocess_suite_on_the_cuda_aware_path(n):
     env = {**GPU_SHARING, "JAXRING_GPU_TRANSPORT": "staged", "JAXRING_EXPECT_GPU_TRANSPORT": "staged",
            "JAXRING_CUDA_AWARE_MPI": "1", "JAXRING_GPU_STAGING_BYTES": str(64 << 10)}
-    result = mpiexec(n, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", str(HERE / "mpi"),
+    result = mpiexec(n, "-m", "pytest", "-q", "-x", "-rA", "-p", "no:cacheprovider",
+                     str(HERE / "mpi"),
                      timeout=540, env=env)
     assert_every_rank_ran_the_suite(result, n, HERE / "mpi")
 

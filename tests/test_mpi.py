@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from jaxring._src import native
+
 HERE = Path(__file__).resolve().parent
 MPIEXEC = shutil.which("mpiexec") or str(Path(sys.executable).parent / "mpiexec")
 pytestmark = pytest.mark.skipif(not Path(MPIEXEC).exists(), reason="no mpiexec (pip install mpich)")
@@ -42,31 +44,38 @@ def mpiexec(n: int, *args: str, timeout: float = 300, launcher=(), transport: st
     (4, "mpi", 0, False, "collectives"), (4, "auto", 2, False, "all")])
 def test_collectives_under_mpiexec(n, transport, ranks_per_node, bruck, tests):
     where = HERE / "mpi" / ("test_mpi_collectives.py" if tests == "collectives" else "")
-    result = mpiexec(n, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", str(where),
+    result = mpiexec(n, "-m", "pytest", "-q", "-x", "-rA", "-p", "no:cacheprovider", str(where),
                      transport=transport, ranks_per_node=ranks_per_node,
                      env={"JAXRING_MPI_DIRECT_HEADER_RANKS": "1"} if bruck else {})
-    assert_every_rank_ran_the_suite(result, n, where)
+    no_gpu = () if native.has_cuda_backend() else ("test_mpi_gpu.py",)
+    assert_every_rank_ran_the_suite(result, n, where, may_skip=no_gpu)
 
 
 @functools.cache
-def collected(where: str) -> int:
-    """How many tests pytest collects under `where` (as one process)."""
+def collected(where: str) -> dict[str, int]:
+    """How many tests pytest collects under `where` (as one process), per module."""
     result = subprocess.run([sys.executable, "-m", "pytest", "-q", "--collect-only",
                              "-p", "no:cacheprovider", where], capture_output=True, text=True,
                             timeout=300, env=dict(os.environ, XLA_FLAGS=""), cwd=HERE.parent)
-    return int(re.search(r"(\d+) tests? collected", result.stdout).group(1))
+    modules = re.findall(r"^(tests/\S+\.py)::", result.stdout, re.MULTILINE)
+    assert modules, result.stdout[-3000:] + result.stderr[-3000:]
+    return {module: modules.count(module) for module in dict.fromkeys(modules)}
 
 
-def assert_every_rank_ran_the_suite(result, n: int, where) -> None:
-    """A pytest run under mpiexec exits 0 when its tests skip, so a module skipped whole (no
-    point-to-point, no GPU) would pass unseen: every rank must report its summary, and most of
-    the tests collected must have run on it."""
+def assert_every_rank_ran_the_suite(result, n: int, where, may_skip=()) -> None:
+    """A pytest run under mpiexec (with -rA, which lists every test passed) exits 0 when its
+    tests skip, so a module skipped whole (no point-to-point, no GPU) would pass unseen: every
+    rank must report its summary, and every module but those in `may_skip` must have passed
+    tests on every rank."""
     output = result.stdout[-6000:] + result.stderr[-3000:]
     assert result.returncode == 0, output
     passed = [int(count) for count in re.findall(r"(\d+) passed", result.stdout)]
     assert len(passed) == n, f"{len(passed)} of {n} ranks reported a summary\n{output}"
-    total = collected(str(where))
-    assert min(passed) >= total // 2, f"only {min(passed)} of {total} tests passed\n{output}"
+    for module in collected(str(where)):
+        if Path(module).name in may_skip:
+            continue
+        runs = len(re.findall(rf"^PASSED {re.escape(module)}::", result.stdout, re.MULTILINE))
+        assert runs >= n, f"{module}: {runs} tests passed over {n} ranks\n{output}"
 
 
 def run_script(n, source, timeout=120, launcher=(), transport="auto"):

@@ -5,6 +5,10 @@
 # (common/host_call.h, gpu/direct.h) and on the headers they send each other.
 file(GLOB_RECURSE sources RELATIVE "${SOURCE_DIR}" "${SOURCE_DIR}/*.cc" "${SOURCE_DIR}/*.cu"
      "${SOURCE_DIR}/*.h" "${SOURCE_DIR}/*.inc" "${SOURCE_DIR}/CMakeLists.txt")
+if(DEFINED BINARY_DIR)
+  file(RELATIVE_PATH binary "${SOURCE_DIR}" "${BINARY_DIR}")
+  list(FILTER sources EXCLUDE REGEX "^${binary}/")  # a build directory inside SOURCE_DIR
+endif()
 list(SORT sources)
 set(digests "")
 foreach(source IN LISTS sources)

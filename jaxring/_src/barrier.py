@@ -21,9 +21,7 @@ def barrier(axis_name) -> None:
     Ordered with every other jaxring call on the device, so it also separates the collectives
     before it from those after it. A device that never arrives is named in a timeout error.
     """
-    comm = common.communicator("barrier", axis_name)
-    rank, group = comm.rank_and_group()
-    barrier_p.bind(rank, group, comm=comm, op_id=common.next_op_id(comm))
+    _bind(axis_name, None)
 
 
 # Above the 24-bit ids of call sites (common.next_op_id), so that it never meets one.
@@ -34,9 +32,14 @@ def barrier_to_free(communicator) -> None:
     """The barrier of jaxring.mpi.Communicator.free: its op id is fixed, not that of the line
     that called free(), so that ranks may free a communicator from different lines (a `with`
     block on one, an error path on another)."""
-    comm = common.communicator("barrier", communicator)
+    _bind(communicator, FREE_OP_ID)
+
+
+def _bind(axis_name, op_id: int | None) -> None:
+    comm = common.communicator("barrier", axis_name)
     rank, group = comm.rank_and_group()
-    barrier_p.bind(rank, group, comm=comm, op_id=FREE_OP_ID)
+    barrier_p.bind(rank, group, comm=comm,
+                   op_id=common.next_op_id(comm) if op_id is None else op_id)
 
 
 # ---- abstract evaluation -----------------------------------------------------------------------

@@ -42,13 +42,20 @@ def register_targets() -> None:
             jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(handler), platform="CUDA")
 
 
-def check_same_build(library: str, build_id: str) -> None:
+def build_id(module=None) -> str:
+    """The build id of a native module (default: the host library), a hash of the sources it was
+    built from; a module built before build ids existed has none, and says so."""
+    found = getattr(extension if module is None else module, "build_id", None)
+    return found() if found is not None else "none (built before build ids)"
+
+
+def check_same_build(library: str, build: str) -> None:
     """Refuses `library`, built from other sources than this host library: they share C structs
     (xla_ffi/common/host_call.h, gpu/direct.h) that another build may lay out differently."""
-    if build_id != extension.build_id():
+    if build != build_id():
         raise RuntimeError(
-            f"jaxring: {library} was built from other sources (build {build_id}) than jaxring's "
-            f"host library (build {extension.build_id()}), a stale build: reinstall jaxring "
+            f"jaxring: {library} was built from other sources (build {build}) than jaxring's "
+            f"host library (build {build_id()}), a stale build: reinstall jaxring "
             "(pip install -e .) so that every library is rebuilt")
 
 
@@ -67,8 +74,12 @@ def cuda_library() -> ctypes.CDLL:
         raise RuntimeError("jaxring was built without CUDA (no nvcc at build time), so it has no "
                            "GPU handlers; rebuild with nvcc on the PATH")
     library = ctypes.CDLL(CUDA_LIBRARY)
-    library.JaxringCudaBuildId.restype = ctypes.c_char_p
-    check_same_build("libjaxring_cuda.so", library.JaxringCudaBuildId().decode())
+    try:
+        library.JaxringCudaBuildId.restype = ctypes.c_char_p
+        cuda_build = library.JaxringCudaBuildId().decode()
+    except AttributeError:
+        cuda_build = "none (built before build ids)"
+    check_same_build("libjaxring_cuda.so", cuda_build)
     library.JaxringCudaSetHostCall.argtypes = [ctypes.c_void_p]
     library.JaxringCudaSetHostCall(extension.host_call_address())
     library.JaxringCudaSetHostTimeout.argtypes = [ctypes.c_void_p]

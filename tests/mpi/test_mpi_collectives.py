@@ -318,8 +318,12 @@ def test_a_rank_that_never_frees_is_named():
             with pytest.raises(Exception, match="gave up on this communicator|left the "
                                                 "communicator"):
                 sub.free()
-        elif COMM.rank == last:  # over MPI a late barrier returns (README, failure behaviour)
-            sub.free()
+        elif COMM.rank == last:  # over MPI a late barrier may return (README, failure
+            try:                 # behaviour): it fails only where a peer's notice came first
+                sub.free()
+            except Exception as error:  # noqa: BLE001 - checked below
+                assert re.search("gave up on this communicator|left the communicator",
+                                 str(error)), str(error)
     finally:
         jaxring.reset_after_error()
         MPI_COMM.Barrier()
@@ -346,8 +350,8 @@ def test_ranks_running_different_builds_refuse_to_make_a_communicator(monkeypatc
         monkeypatch.setattr(native.extension, "build_id", lambda: "0123456789abcdef")
     others = "".join(f", {rank}" for rank in range(2, COMM.size))
     with pytest.raises(RuntimeError, match=(
-            rf"every rank must run the same build of jaxring, but ranks? 0{others} runs? build "
-            rf"{mine}; rank 1 runs build 0123456789abcdef$")):
+            rf"every rank must run the same build of jaxring, but ranks? 0{others}: build "
+            rf"{mine}; rank 1: build 0123456789abcdef$")):
         jaxring.mpi.Communicator(MPI_COMM)
 
 
@@ -357,14 +361,23 @@ def test_a_stale_mpi_transport_is_refused(monkeypatch):
     ext, reason = jaxring.mpi._mpi_extension()
     if ext is None:
         pytest.skip(reason)
+    stale = (r"jaxring: jaxring's MPI transport was built from other sources \(build stale\) "
+             r"than jaxring's host library \(build [0-9a-f]{16}\), a stale build: reinstall "
+             r"jaxring")
     monkeypatch.setattr(ext, "build_id", lambda: "stale")
     jaxring.mpi._mpi_extension.cache_clear()
     try:
-        with pytest.raises(RuntimeError, match=(
-                r"needs the MPI transport.*, but jaxring: jaxring's MPI transport was built from "
-                r"other sources \(build stale\) than jaxring's host library \(build "
-                r"[0-9a-f]{16}\), a stale build: reinstall jaxring")):
+        with pytest.raises(RuntimeError, match=r"needs the MPI transport.*, but " + stale):
             jaxring.mpi.Communicator(MPI_COMM, transport="mpi")
+        if COMM.size > 1:  # on one rank only: every rank refuses, saying which cannot
+            if COMM.rank != 1:
+                monkeypatch.undo()
+            jaxring.mpi._mpi_extension.cache_clear()
+            others = "".join(f", {rank}" for rank in range(2, COMM.size))
+            with pytest.raises(RuntimeError, match=(
+                    r"every rank must be able to use jaxring's MPI transport, or none, but "
+                    rf"ranks? 0{others}: usable; rank 1: " + stale)):
+                jaxring.mpi.Communicator(MPI_COMM)
     finally:
         jaxring.mpi._mpi_extension.cache_clear()
 
