@@ -287,10 +287,11 @@ def test_free_releases_a_communicator_and_later_calls_say_so():
     assert all(comm == MPI.COMM_NULL for comm in made), made
     with pytest.raises(ValueError, match=r"MPI communicator split\(color=0\) .* was freed"):
         jax.jit(lambda v: jaxring.all_reduce(v, sub))(x + 1)
-    with pytest.raises(Exception, match=r"this process communicator is closed \(its "
-                                        r"jaxring.mpi.Communicator was freed"):
-        np.asarray(f(x))
-    jaxring.reset_after_error()
+    if COMM.size > 1:  # (one rank's all-reduce makes no call)
+        with pytest.raises(Exception, match=r"this process communicator is closed \(its "
+                                            r"jaxring.mpi.Communicator was freed"):
+            np.asarray(f(x))
+        jaxring.reset_after_error()
     sub.free()  # a second time: nothing
     with COMM.split(0, key=COMM.rank) as other:  # a with block frees it at its end
         made = other.mpi_comm
