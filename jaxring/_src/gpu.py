@@ -9,8 +9,8 @@
   ``JAXRING_CUDA_AWARE_MPI=1``) MPI gets device pointers instead (``xla_ffi/gpu/direct.h``).
 * ``"host"``: the baseline: the whole call copied to the host and back, synchronously.
 
-``"auto"`` (the default, or ``JAXRING_GPU_TRANSPORT``) is ipc on one node (up to 16 ranks) and staged across
-nodes. barrier, ppermute, send and recv always take the host path. Every rank must run its
+``"auto"`` (the default, or ``JAXRING_GPU_TRANSPORT``) is ipc on one node (up to 16 ranks) and
+staged across nodes. barrier, ppermute, send and recv always take the host path. Every rank must run its
 collectives on its GPU: a rank that runs them on the CPU while its peers use ipc or staged is
 reported as a mismatch (or, for a call that fits one step, gets the same result).
 """

@@ -60,8 +60,9 @@ bool OfProcesses(const JaxringHostCall& c) { return (c.comm & kProcessKeyBit) !=
 
 Status ProcessCommunicatorGone(const JaxringHostCall& c, const Header& header) {
   return Status::Error(Where(header, CommName(c), c.rank, c.size) +
-                       ": this process communicator is closed (its jaxring.mpi.Communicator was freed "
-                       "or garbage-collected); keep it alive while programs that use it run");
+                       ": this process communicator is closed (its jaxring.mpi.Communicator was "
+                       "freed or garbage-collected); keep it alive while programs that use it "
+                       "run");
 }
 
 // A process transport compiled for one rank must be run by that rank.
