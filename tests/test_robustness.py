@@ -1015,6 +1015,14 @@ def test_16_bit_conversions_match_numpy_bit_for_bit(name, dtype):
                              rng.standard_normal(20000).astype(np.float32) * 1e-6,
                              (expected[np.isfinite(expected)][:-1] +
                               np.diff(expected[np.isfinite(expected)]) / 2).astype(np.float32)])
-    probes = probes[np.isfinite(probes)]
+    # Infinities, and both sides of the overflow to infinity (float16: 65519 rounds down to
+    # 65504, 65520 up to inf; bfloat16: float32's largest values round up to inf).
+    big = np.float32(np.finfo(dtype).max)
+    edges = np.array([np.inf, 65504, 65519, 65520, 65536, 1e5, big, np.nextafter(big, np.inf),
+                      np.finfo(np.float32).max, 3.3961e38], dtype=np.float32)
+    probes = np.concatenate([probes[np.isfinite(probes)], edges, -edges])
     narrowed = np.array([from_float(float(p)) for p in probes], dtype=np.uint16)
-    np.testing.assert_array_equal(narrowed, probes.astype(dtype).view(np.uint16))
+    with np.errstate(over="ignore"):  # numpy says so when it rounds to infinity, as it must
+        np.testing.assert_array_equal(narrowed, probes.astype(dtype).view(np.uint16))
+    nan = from_float(float("nan"))  # any NaN will do; numpy's payload may differ
+    assert np.isnan(np.array([nan], np.uint16).view(dtype)[0].astype(np.float32))
