@@ -270,14 +270,10 @@ def floor_cell(verdict: dict) -> str:
             f"{verdict['floor']:.2f} ({kind_cell(verdict, verdict['floor_kind'])})")
 
 
-def refuted_cell(verdict: dict) -> str:
+def floors_cell(verdict: dict, which: str) -> str:
+    """The floors of `which` ("refuted" or "diagnostic"), each with its ratio to the target."""
     return ", ".join(f"{kind_cell(verdict, kind)} {f:.2f}"
-                     for kind, f in verdict["refuted"].items()) or "-"
-
-
-def diagnostic_cell(verdict: dict) -> str:
-    return ", ".join(f"{kind_cell(verdict, kind)} {f:.2f}"
-                     for kind, f in verdict["diagnostic"].items()) or "-"
+                     for kind, f in verdict[which].items()) or "-"
 
 
 def verdict_tables(title: str, columns: tuple, rows: list) -> list[str]:
@@ -293,8 +289,8 @@ def verdict_tables(title: str, columns: tuple, rows: list) -> list[str]:
             ("impossible (met in no run)", lambda v: v["verdict"] == "impossible")):
         lines += ["", f"## {title}: {heading}", "", head, rule]
         lines += [f"| {' | '.join(str(c) for c in cells)} | {cell(v['ratios'])} | "
-                  f"{v['ratio']:.2f} | {floor_cell(v)} | {refuted_cell(v)} | "
-                  f"{diagnostic_cell(v)} | {v['verdict']} | "
+                  f"{v['ratio']:.2f} | {floor_cell(v)} | {floors_cell(v, 'refuted')} | "
+                  f"{floors_cell(v, 'diagnostic')} | {v['verdict']} | "
                   f"{v['met_runs']}/{len(v['ratios'])} |" for v, cells in rows if keep(v)]
     return lines
 

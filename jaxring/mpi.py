@@ -357,11 +357,10 @@ def _ranks_per_node(value: int | None) -> int:
     return value
 
 
-def _node_communicator(mpi_comm, pretend: int | None):
-    """The ranks of `mpi_comm` on this rank's node. `pretend` (None: JAXRING_MPI_RANKS_PER_NODE)
-    = k > 0 pretends that nodes hold k consecutive ranks each, to exercise the paths between nodes
-    on one machine."""
-    pretend = _ranks_per_node(pretend)
+def _node_communicator(mpi_comm, pretend: int):
+    """The ranks of `mpi_comm` on this rank's node. `pretend` (from _ranks_per_node) = k > 0
+    pretends that nodes hold k consecutive ranks each, to exercise the paths between nodes on one
+    machine."""
     rank = mpi_comm.Get_rank()
     if pretend > 0:
         return mpi_comm.Split(rank // pretend, key=rank)

@@ -24,7 +24,8 @@ COMM = jaxring.mpi.world()
 MPI_COMM = COMM.mpi_comm
 OPS = list(jaxring.REDUCE_OPS)
 # cuda-ipc needs one node; under pretend nodes (JAXRING_MPI_RANKS_PER_NODE) only staged and host.
-ONE_NODE = jaxring.mpi._node_communicator(MPI_COMM, None).Get_size() == COMM.size
+NODE = jaxring.mpi._node_communicator(MPI_COMM, jaxring.mpi._ranks_per_node(None))
+ONE_NODE = NODE.Get_size() == COMM.size
 TRANSPORTS = ["ipc", "staged", "host"] if ONE_NODE else ["staged", "host"]
 GPU_TRANSPORTS = [t for t in TRANSPORTS if t != "host"]
 REFERENCE = {"sum": lambda a: a.sum(0), "mean": lambda a: a.mean(0),
