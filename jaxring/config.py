@@ -40,8 +40,9 @@ class Config:
     # mailbox (the sender does not wait); larger ones are read in place from the sender.
     p2p_eager_bytes: int = 64 * 1024
     # Process communicators over MPI (jaxring.mpi): all_reduce by recursive doubling up to this
-    # many bytes per rank, the pipelined ring above it. On a hierarchical communicator it also
-    # decides, when the call is traced, which all-reduces go through the node levels.
+    # many bytes per rank, the pipelined ring above it. A hierarchical communicator also fixes,
+    # when it is created (its ranks must agree), which all-reduces go through its node levels:
+    # those larger than its value then (Communicator.levels_threshold_bytes).
     mpi_ring_threshold_bytes: int = 64 * 1024
     # The MPI transport's header exchange: direct (one round; timeouts name exactly the absent
     # ranks) up to this many ranks, Bruck's log2 n rounds above. Read when a jaxring.mpi

@@ -141,6 +141,10 @@ class Communicator:
     ``"staged"`` or ``"host"`` (processes with GPUs only); `gpu_workspace_bytes` (cuda-ipc, per
     rank and parity) and `gpu_staging_bytes` (staged, per pinned chunk) bound one step.
 
+    A hierarchical communicator's all-reduces of more than `levels_threshold_bytes` per rank go
+    through its `levels`: jaxring.config's mpi_ring_threshold_bytes when it was made, on which its
+    ranks must agree.
+
     `free()` (or a ``with`` block) releases it, collectively, like MPI_Comm_free.
     """
 
@@ -183,7 +187,23 @@ class Communicator:
         if transport == "hierarchical" and (on_one_node or len(set(node_sizes)) > 1):
             transport = "shm" if on_one_node else "mpi"  # uneven nodes: one flat MPI ring
         problem = None  # the same on every rank
-        if transport == "shm" and not on_one_node:
+        # A hierarchical communicator's all-reduces larger than this many bytes per rank go
+        # through its levels, as decided at trace time. Ranks deciding differently would wait for
+        # each other on different communicators until the timeout, so it is fixed now, agreed.
+        self.levels_threshold_bytes = None
+        thresholds = {}
+        if transport == "hierarchical":
+            everyone = mpi_comm.allgather(config.get().mpi_ring_threshold_bytes)
+            self.levels_threshold_bytes = everyone[0]
+            for rank, threshold in enumerate(everyone):
+                thresholds.setdefault(threshold, []).append(rank)
+        if len(thresholds) > 1:
+            problem = ValueError(
+                f"jaxring.mpi: every rank of the hierarchical {self.name} must have the same "
+                "jaxring.config mpi_ring_threshold_bytes, above which its all-reduces go through "
+                "its levels, but " + "; ".join(f"{_ranks(ranks)} {threshold}"
+                                               for threshold, ranks in thresholds.items()))
+        elif transport == "shm" and not on_one_node:
             problem = ValueError(f"jaxring.mpi: the ranks of {self.name} are on several nodes; "
                                  "the shared-memory transport needs them on one (use "
                                  "transport='mpi')")

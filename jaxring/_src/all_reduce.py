@@ -45,8 +45,10 @@ def all_reduce(x, axis_name, op: str = "sum", *, in_place: bool | None = None):
             return all_reduce(leaf, axis_name, "sum", in_place=in_place) / comm.size  # as pmean
         if comm.size == 1:  # nothing to exchange: the lax twin, which XLA elides
             return LAX_TWINS[op](leaf, comm.axes) if comm.axes else leaf
-        levels = getattr(axis_name, "levels", None)  # a jaxring.mpi communicator across nodes
-        if levels is not None and leaf.size * leaf.dtype.itemsize > _ring_threshold():
+        # A hierarchical jaxring.mpi communicator: large all-reduces go through its levels.
+        levels = getattr(axis_name, "levels", None)
+        nbytes = leaf.size * leaf.dtype.itemsize
+        if levels is not None and nbytes > axis_name.levels_threshold_bytes:
             return _hierarchical(leaf, axis_name, op)
         return _bind(leaf, comm, op, in_place)
 
@@ -59,12 +61,6 @@ LAX_TWINS = {"sum": lax.psum, "mean": lax.pmean, "max": lax.pmax, "min": lax.pmi
 def _bind(x, comm: common.AxisCommunicator, op: str, in_place: bool | None = None):
     in_place = common.in_place_pays(x) if in_place is None else bool(in_place)
     return common.bind_collective(all_reduce_p, x, comm, op=op, in_place=in_place)
-
-
-def _ring_threshold() -> int:
-    from jaxring import config
-
-    return config.get().mpi_ring_threshold_bytes
 
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(1, 2))

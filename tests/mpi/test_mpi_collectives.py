@@ -628,6 +628,38 @@ def test_a_failure_on_one_node_reaches_the_other_nodes_at_once():
     MPI_COMM.Barrier()
 
 
+@pytest.mark.skipif(COMM.transport != "hierarchical", reason="a hierarchical communicator")
+def test_a_hierarchical_communicator_fixes_which_all_reduces_go_through_its_levels():
+    """Whether an all-reduce goes through the levels is decided at trace time, from
+    mpi_ring_threshold_bytes. Ranks that decided differently once waited for each other on
+    different communicators (the node's against the whole one) until the timeout. Now the
+    communicator fixes the threshold when it is made, and ranks that differ then refuse to make
+    it, naming each other. A rank whose threshold changes afterwards (where the level between
+    nodes moves the shard alike, by recursive doubling up to either threshold, so that the
+    headers' digest of the MPI method agrees) still goes through the levels with the others;
+    the results are checked against float64."""
+    agreed, rank_1 = 256 << 10, 1 << 30
+    with jaxring.config.override(mpi_ring_threshold_bytes=rank_1 if COMM.rank == 1 else agreed):
+        with pytest.raises(ValueError, match=r"every rank of the hierarchical .* must have the "
+                                             r"same jaxring.config mpi_ring_threshold_bytes, "
+                                             rf".*rank 1 {rank_1}"):
+            COMM.split(0, key=COMM.rank)
+    with jaxring.config.override(mpi_ring_threshold_bytes=agreed):
+        sub = COMM.split(0, key=COMM.rank)
+    assert sub.levels_threshold_bytes == agreed
+    node, _ = sub.levels
+    size = 40_000  # 320 KB: through the levels at the agreed threshold, not at rank 1's
+    assert size * 8 > agreed >= size * 8 // node.size  # and each shard by recursive doubling
+    rng = np.random.default_rng(COMM.rank + 70)
+    x = rng.standard_normal(size)
+    with jaxring.config.override(mpi_ring_threshold_bytes=rank_1 if COMM.rank == 1 else agreed,
+                                 timeout_seconds=30.0):
+        y = np.asarray(jax.jit(lambda v: jaxring.all_reduce(v, sub))(x))
+    np.testing.assert_allclose(y, gathered(x).sum(0), rtol=1e-12, atol=1e-12)
+    same_on_every_rank(y)
+    sub.free()
+
+
 def test_build_time_and_run_time_mpi_must_agree(monkeypatch):
     """A transport linked with another MPI library than mpi4py's is refused, with the fix."""
     ext, reason = jaxring.mpi._mpi_extension()
