@@ -18,7 +18,8 @@ from jax.sharding import PartitionSpec as P
 
 import jaxring
 from jaxring._src import common, native, runtime_tokens
-from helpers import assert_close, late_devices, mesh, random_array, shard, shmap
+from helpers import (assert_close, every_device, late_devices, mesh, random_array, shard,
+                     shmap)
 
 # ---- determinism -------------------------------------------------------------------------------
 
@@ -252,6 +253,35 @@ def test_repeated_calls_run_the_remembered_executable_and_new_placements_take_ja
     assert jax_pjit._run_python_pjit.remembered.entries
     jax.clear_caches()  # forgets them with JAX's caches
     assert not jax_pjit._run_python_pjit.remembered.entries
+
+
+def test_ahead_of_time_compiled_programs_take_the_token_on_every_call():
+    """`jax.jit(f).lower(x).compile()` and pmap's equivalent: JAX moved a compiled program's
+    second call to its C++ fast path, which passes no token, and the process crashed on it (the
+    executable expected the token as well). Fresh values on every call, interleaved with jitted
+    calls of the same function, each checked on every device against float64."""
+    import jax._src.interpreters.pxla as pxla
+
+    n = 4
+    m = mesh(n)
+    rng = np.random.default_rng(17)
+    f = shmap(lambda v: jaxring.all_reduce(v, "i"), m, out_specs=P())
+    xs = [random_array(rng, (n * 5,), np.float32) for _ in range(4)]
+    compiled = f.lower(shard(xs[0], m)).compile()
+    assert compiled._executable.create_cpp_call(compiled._params) is None  # JAX's Python path
+    for x in xs:
+        for out in (compiled(shard(x, m)), f(shard(x, m))):
+            assert_close(every_device(out), np.broadcast_to(
+                x.astype(np.float64).reshape(n, 5).sum(0), (n, 5)), np.float32, count=n)
+    p = jax.pmap(lambda v: jaxring.all_gather(v, "d"), axis_name="d", devices=jax.devices()[:n])
+    blocks = [random_array(rng, (n, 3), np.float64) for _ in range(3)]
+    compiled_p = p.lower(blocks[0]).compile()
+    for b in blocks:
+        np.testing.assert_array_equal(np.asarray(compiled_p(b)), np.broadcast_to(b.reshape(-1), (n, 3 * n)))
+    # Programs without an ordered effect keep JAX's fast path.
+    plain = jax.jit(lambda v: v * 2).lower(np.ones(3, np.float32)).compile()
+    assert isinstance(plain._executable, pxla.MeshExecutable)
+    assert plain._executable.create_cpp_call(plain._params) is not None
 
 
 _PIPELINED = textwrap.dedent("""

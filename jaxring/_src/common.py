@@ -80,6 +80,7 @@ for _effect_set in (
 ):
     _effect_set.add_type(CollectiveEffect)
 runtime_tokens.install(CollectiveEffect)
+runtime_tokens.guard_compiled_calls()
 
 def reset_after_error() -> None:
     """Lets later programs run after a jaxring collective raised (a timeout or a mismatch).

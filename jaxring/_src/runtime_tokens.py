@@ -130,6 +130,39 @@ def _expected_run() -> bool:
         jax_pjit, "_pjit_call_impl_python")
 
 
+_compiled_calls_guarded = False
+
+
+def guard_compiled_calls() -> bool:
+    """Keeps ahead-of-time compiled programs with an ordered effect off JAX's C++ fast path.
+
+    `jax.jit(f).lower(x).compile()` returns a Compiled whose calls JAX moves, from the second on,
+    to a C++ path that passes no token. `MeshExecutable.create_cpp_call` (jax 0.10 and 0.11)
+    refuses that path to programs with unordered effects or host callbacks, but not to programs
+    with ordered effects, whose executables take the token as their first argument: the second
+    call of a compiled jaxring program ran with one argument too few and crashed the process
+    (jaxring's effect is the only ordered one without a host callback, so only its programs met
+    this). Such programs now keep JAX's Python path, which passes the token as a jitted call
+    does. Applied whatever `JAXRING_FAST_TOKENS` says, since it is about correctness. Returns
+    whether it applied (False where this JAX has no such method to guard)."""
+    global _compiled_calls_guarded
+    if _compiled_calls_guarded:
+        return True
+    jax_create = getattr(pxla.MeshExecutable, "create_cpp_call", None)
+    if jax_create is None:
+        return False
+
+    @functools.wraps(jax_create)
+    def create_cpp_call(self, *args, **kwargs):
+        if getattr(getattr(self, "unsafe_call", None), "ordered_effects", None):
+            return None
+        return jax_create(self, *args, **kwargs)
+
+    pxla.MeshExecutable.create_cpp_call = create_cpp_call
+    _compiled_calls_guarded = True
+    return True
+
+
 def install(effect_type: type) -> bool:
     """Routes tokens of `effect_type` through the cached layouts. Returns whether it did."""
     global _installed
