@@ -159,10 +159,9 @@ def get() -> Config:
 
 
 def _finish_dispatched_programs() -> None:
-    """Waits for the programs already dispatched. Each device reads the configuration when its
-    call runs, so a change that lands while a program runs could reach some of its devices and
-    not others, and devices that disagree on the algorithm or the ring's slice size would read
-    each other's buffers at the wrong time."""
+    """Waits for the programs already dispatched, so that each runs wholly under the
+    configuration it was dispatched under. (The devices of one in-process call always share one:
+    the configuration in force when the call's first device arrived.)"""
     from jaxring._src import common  # which imports this module
 
     common.wait_for_dispatched_programs()

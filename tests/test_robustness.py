@@ -346,6 +346,52 @@ def test_calls_of_many_runs_at_once_meet_the_calls_of_their_own_run():
         np.testing.assert_array_equal(outputs[:, :, rank], expected)
 
 
+def test_a_call_runs_under_the_configuration_its_first_device_found():
+    """Each device once read jaxring.config when its own call ran, so a change landing between
+    two devices' calls of one collective split it: rank 0 ran the ring while rank 1 ran the
+    direct path, and each waited for the other until the timeout. A call's devices now share the
+    configuration in force when its first device arrived. Rank 0 arrives under the ring with
+    small slices and waits; the configuration changes to the direct path; rank 1 arrives. Both
+    must finish with the sum, checked against float64, and so must a call after the change."""
+    n, count = 2, 100_003
+    rng = np.random.default_rng(31)
+    key = int(rng.integers(1 << 40, 1 << 50))  # a fresh in-process communicator
+    sum_f32 = (common.COLLECTIVE_CODES["all_reduce"], common.REDUCE_OPS["sum"],
+               common.DTYPE_CODES[np.dtype(np.float32)])
+    inputs = rng.standard_normal((2, n, count), dtype=np.float32)
+    outputs = np.full((2, n, count), np.nan, np.float32)
+    errors = []
+
+    def call(run, rank):
+        error = native.extension.collective_on_host(
+            key, "configuration test", rank, n, *sum_f32, inputs[run, rank], outputs[run, rank],
+            run_id=7000 + run, op_id=1)
+        if error:
+            errors.append(error)
+
+    with jaxring.config.override(algorithm="ring", pipeline_slice_bytes=4096,
+                                 timeout_seconds=20.0):
+        first = threading.Thread(target=call, args=(0, 0), daemon=True)
+        first.start()
+        time.sleep(0.2)  # rank 0 waits in the call, having found the ring
+        jaxring.config.update(algorithm="direct")
+        call(0, 1)
+        first.join(timeout=60)  # the native wait times out after 20 s
+        assert not first.is_alive(), "a native wait outlived its timeout"
+        assert not errors, errors
+        threads = [threading.Thread(target=call, args=(1, rank), daemon=True) for rank in range(n)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=60)
+            assert not thread.is_alive(), "a native wait outlived its timeout"
+    assert not errors, errors
+    for run in range(2):
+        expected = inputs[run].astype(np.float64).sum(0)
+        for rank in range(n):
+            assert_close(outputs[run, rank], expected, np.float32, count=n)
+
+
 def test_programs_dispatched_back_to_back_do_not_starve_the_device_threads():
     """300 programs with compute around an all-reduce, dispatched without waiting: PJRT CPU holds
     a pool thread per device for a whole program, so programs that overlap on the devices can

@@ -90,9 +90,10 @@ Status FailLinked(const JaxringHostCall& c, Status status) {
 
 HostResult RunCollectiveCall(const JaxringHostCall& c, const Header& header,
                              HostCompletion* complete) {
-  const Config config = CurrentConfig();
   const CollectiveBuffers buffers{c.input, c.output, c.output_count};
   if (OfProcesses(c)) {
+    // Each process its own configuration: the headers carry what of it ranks must share.
+    const Config config = CurrentConfig();
     if (auto processes = ShmCommunicator::Find(c.comm)) {
       Status status = CheckProcess(*processes, header, c.rank, c.size);
       return {status.ok() ? FailLinked(c, RunStaged(*processes, header, buffers, config))
@@ -106,13 +107,15 @@ HostResult RunCollectiveCall(const JaxringHostCall& c, const Header& header,
     }
     return {ProcessCommunicatorGone(c, header)};
   }
+  CommunicatorId comm{c.comm, c.group, c.size, CommName(c)};
+  LocalTransport::Entry entry = LocalTransport::Enter(comm, c.run_id, c.rank);
+  const Config config = entry.config();  // the call's, the same on every device
   const Algorithm algorithm = ChooseAlgorithm(header, c.size, config);
   const size_t scratch_bytes = ScratchBytes(header, c.size, algorithm);
   ScratchLease scratch = ScratchLease::Acquire(scratch_bytes);
   if (scratch_bytes > 0 && scratch.data() == nullptr)  // its peers time out, naming this rank
     return {Status::Error(Where(header, CommName(c), c.rank, c.size) + ": out of memory for " +
                           std::to_string(scratch_bytes) + " bytes of scratch")};
-  CommunicatorId comm{c.comm, c.group, c.size, CommName(c)};
   const bool copy_input =
       algorithm == Algorithm::kDirect &&
       header.count * static_cast<int64_t>(ByteWidth(header.dtype)) <= config.copy_input_bytes;
@@ -128,9 +131,9 @@ HostResult RunCollectiveCall(const JaxringHostCall& c, const Header& header,
   const auto output_uncached = [output = c.output, probed_bytes] {
     return OutputLooksUncached(output, probed_bytes);
   };
-  std::shared_ptr<LocalTransport> transport = LocalTransport::Join(
-      comm, c.run_id, c.rank, header, c.input, c.output, scratch.data(), copy_input,
-      output_uncached, config.timeout_seconds, config.spin_iterations);
+  std::shared_ptr<LocalTransport> transport =
+      LocalTransport::Join(std::move(entry), comm, header, c.input, c.output, scratch.data(),
+                           copy_input, output_uncached);
   auto rest = [transport, algorithm, config, buffers] {
     Status status = transport->WaitForPeers();
     return status.ok() ? RunCollective(*transport, algorithm, config, buffers) : status;

@@ -34,8 +34,9 @@ struct PeerSlot {
 
 class Meeting {
  public:
-  explicit Meeting(int size) : size(size), peers(new PeerSlot[size]) {}
+  Meeting(int size, const Config& config) : size(size), config(config), peers(new PeerSlot[size]) {}
   const int size;
+  const Config config;  // LocalTransport::Entry::config
   std::unique_ptr<PeerSlot[]> peers;
   Flag arrivals;
   Flag pieces_done;  // Share()
@@ -68,20 +69,23 @@ inline void StallIfArmed(uint64_t comm, int rank) {
   stalls_taken.fetch_add(1);
 }
 
+}  // namespace
+
 // The calls of one group of one communicator: the call each rank makes next in each of its
 // recent XLA runs, and the meetings that not every rank has reached yet. Each group has its own
 // lock, which only its ranks take; once they have all called, a call allocates nothing here but
 // its meeting.
 class GroupCalls {
  public:
-  // Returns the meeting for `rank`'s next call in run `run_id`, and its place in the run.
+  // Returns the meeting for `rank`'s next call in run `run_id`, and its place in the run. The
+  // rank that makes the meeting gives it the configuration in force.
   std::shared_ptr<Meeting> Enter(int size, int64_t run_id, int rank, uint64_t* sequence) {
     std::lock_guard<std::mutex> lock(mutex_);
     if (static_cast<size_t>(rank) >= ranks_.size()) ranks_.resize(rank + 1);
     *sequence = ranks_[rank].Next(run_id);
     for (const Open& open : open_)
       if (open.run_id == run_id && open.sequence == *sequence) return open.meeting;
-    open_.push_back({run_id, *sequence, std::make_shared<Meeting>(size)});
+    open_.push_back({run_id, *sequence, std::make_shared<Meeting>(size, CurrentConfig())});
     return open_.back().meeting;
   }
 
@@ -131,6 +135,8 @@ class GroupCalls {
   std::vector<Open> open_;
 };
 
+namespace {
+
 // Where ranks find each other: every group's calls, by (comm, group). Groups live for good, so
 // each device thread keeps the last one it used and takes the registry's lock only to change it.
 GroupCalls& Calls(const CommunicatorId& comm) {
@@ -161,16 +167,24 @@ GroupCalls& Calls(const CommunicatorId& comm) {
 
 }  // namespace
 
-std::unique_ptr<LocalTransport> LocalTransport::Join(const CommunicatorId& comm, int64_t run_id,
-                                                     int rank, const Header& header,
-                                                     const void* input, void* output,
-                                                     void* scratch, bool copy_input,
-                                                     const std::function<bool()>& output_uncached,
-                                                     double timeout_seconds,
-                                                     int64_t spin_iterations) {
-  uint64_t sequence = 0;
-  GroupCalls& calls = Calls(comm);
-  std::shared_ptr<Meeting> meeting = calls.Enter(comm.size, run_id, rank, &sequence);
+const Config& LocalTransport::Entry::config() const { return meeting_->config; }
+
+LocalTransport::Entry LocalTransport::Enter(const CommunicatorId& comm, int64_t run_id, int rank) {
+  Entry entry;
+  entry.run_id_ = run_id;
+  entry.rank_ = rank;
+  entry.calls_ = &Calls(comm);
+  entry.meeting_ = entry.calls_->Enter(comm.size, run_id, rank, &entry.sequence_);
+  return entry;
+}
+
+std::unique_ptr<LocalTransport> LocalTransport::Join(Entry entry, const CommunicatorId& comm,
+                                                     const Header& header, const void* input,
+                                                     void* output, void* scratch, bool copy_input,
+                                                     const std::function<bool()>& output_uncached) {
+  const int rank = entry.rank_;
+  const uint64_t sequence = entry.sequence_;
+  std::shared_ptr<Meeting> meeting = std::move(entry.meeting_);
   PeerSlot& me = meeting->peers[rank];
   me.header = header;
   const size_t input_bytes = header.count * ByteWidth(header.dtype);
@@ -190,9 +204,10 @@ std::unique_ptr<LocalTransport> LocalTransport::Join(const CommunicatorId& comm,
   me.scratch = scratch;
   me.arrived.store(true, std::memory_order_release);
   if ((meeting->arrivals.Add(1) & ~Flag::kAbandoned) == static_cast<uint32_t>(comm.size))
-    calls.Leave(run_id, sequence);
-  return std::unique_ptr<LocalTransport>(
-      new LocalTransport(comm, rank, header, std::move(meeting), timeout_seconds, spin_iterations));
+    entry.calls_->Leave(entry.run_id_, sequence);
+  const Config& config = meeting->config;
+  return std::unique_ptr<LocalTransport>(new LocalTransport(
+      comm, rank, header, std::move(meeting), config.timeout_seconds, config.spin_iterations));
 }
 
 LocalTransport::LocalTransport(CommunicatorId comm, int rank, Header header,

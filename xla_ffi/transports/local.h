@@ -12,6 +12,7 @@
 #include <string>
 #include <vector>
 
+#include "common/config.h"
 #include "common/status.h"
 #include "common/types.h"
 #include "common/wait.h"
@@ -28,22 +29,42 @@ struct CommunicatorId {
 };
 
 class Meeting;
+class GroupCalls;
 
 class LocalTransport {
  public:
-  // Joins the next collective of `rank` in `comm` during XLA run `run_id`. Calls of one rank are
-  // matched with its peers' in program order; the header check then proves they are the same call.
-  // With `copy_input`, the rank first copies its input (header.count elements) into the
-  // meeting, which lives until the last rank lets go of it: peers then read the copy, never this
-  // rank's buffer, and once every rank did so nobody has to wait for the others to finish
-  // reading (inputs_copied()). For the first call of an XLA run on this communicator only,
-  // `output_uncached` is asked whether this rank's output is out of the cache, and its answer is
-  // published with the pointers (PeerOutputUncached); later calls of the run answer false.
-  static std::unique_ptr<LocalTransport> Join(const CommunicatorId& comm, int64_t run_id, int rank,
+  // The meeting of `rank`'s next collective in `comm` during XLA run `run_id`, before the rank
+  // publishes anything there (Join). Calls of one rank are matched with its peers' in program
+  // order; the header check then proves they are the same call.
+  class Entry {
+   public:
+    // The configuration in force when the meeting's first rank entered it, the same for every
+    // rank: a call's devices choose its algorithm, slices and copies from this, so that
+    // jaxring.config changing while a program runs (an update from another thread) cannot split
+    // one call between two algorithms, which waited for each other until the timeout.
+    const Config& config() const;
+
+   private:
+    friend class LocalTransport;
+    int64_t run_id_ = 0;
+    int rank_ = 0;
+    uint64_t sequence_ = 0;
+    GroupCalls* calls_ = nullptr;
+    std::shared_ptr<Meeting> meeting_;
+  };
+  static Entry Enter(const CommunicatorId& comm, int64_t run_id, int rank);
+
+  // Publishes this rank's call in the meeting it entered. With `copy_input`, the rank first
+  // copies its input (header.count elements) into the meeting, which lives until the last rank
+  // lets go of it: peers then read the copy, never this rank's buffer, and once every rank did
+  // so nobody has to wait for the others to finish reading (inputs_copied()). For the first call
+  // of an XLA run on this communicator only, `output_uncached` is asked whether this rank's
+  // output is out of the cache, and its answer is published with the pointers
+  // (PeerOutputUncached); later calls of the run answer false.
+  static std::unique_ptr<LocalTransport> Join(Entry entry, const CommunicatorId& comm,
                                               const Header& header, const void* input,
                                               void* output, void* scratch, bool copy_input,
-                                              const std::function<bool()>& output_uncached,
-                                              double timeout_seconds, int64_t spin_iterations);
+                                              const std::function<bool()>& output_uncached);
   ~LocalTransport();
 
   int rank() const { return rank_; }
