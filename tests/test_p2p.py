@@ -245,6 +245,34 @@ def test_mismatched_ppermutes_name_both_sides():
     _check_recovery(m, x)
 
 
+@pytest.mark.parametrize("axes", [("x", "y"), ("y", "x")])
+def test_a_tuple_of_axes_numbers_devices_as_lax_ppermute_does(axes):
+    """Over a tuple of mesh axes, lax.ppermute numbers a group's devices by their place in the
+    sorted group (the mesh's order), whatever the tuple's order, unlike lax.axis_index.
+    jaxring's ppermute once followed the tuple's order, and moved other devices' data than
+    lax.ppermute did where the tuple was not in mesh order. ppermute and send/recv against
+    lax.ppermute, with a permutation that tells the orders apart, inside a 3-D mesh whose third
+    axis makes groups."""
+    m = jax.make_mesh((2, 4, 1), ("x", "y", "z"), devices=jax.devices()[:8])
+    spec = P(("x", "y", "z"))
+    rng = np.random.default_rng(41)
+    perm = [(0, 1), (1, 4), (4, 7), (7, 0), (2, 3)]  # 1 is (x0, y1) in mesh order, (y0, x1) not
+    x = shard(random_array(rng, (8 * 3,), np.float32), m, spec)
+
+    def run(f):
+        return np.asarray(shmap(f, m, in_specs=spec, out_specs=spec)(x))
+
+    def send_recv(v):
+        jaxring.send(v, axes, perm)
+        return jaxring.recv(v, axes, perm)
+
+    theirs = run(lambda v: lax.ppermute(v, axes, perm))
+    np.testing.assert_array_equal(run(lambda v: jaxring.ppermute(v, axes, perm)), theirs)
+    np.testing.assert_array_equal(run(send_recv), theirs)
+    # lax.ppermute over the tuple in mesh order moves the same data whatever the tuple's order
+    np.testing.assert_array_equal(theirs, run(lambda v: lax.ppermute(v, ("x", "y"), perm)))
+
+
 def test_a_message_no_receive_took_is_refused_by_a_later_program():
     """Device 0 sends device 1 a message that no recv takes (the recv's perm leaves that pair
     out): the program finishes, and mailboxes outlive it. The next program's receive on that

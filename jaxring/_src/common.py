@@ -328,12 +328,20 @@ def communicator(name: str, axis_name) -> AxisCommunicator:
 
 def point_to_point_communicator(name: str, axis_name) -> AxisCommunicator:
     """`communicator`, for ppermute/send/recv: refuses a process communicator whose MPI
-    transport is unavailable (jaxring built without MPI, or against another MPI)."""
+    transport is unavailable (jaxring built without MPI, or against another MPI). A tuple of
+    mesh axes is taken in the mesh's order, whatever its own: lax.ppermute (and psend/precv)
+    number a group's devices by their place in the sorted group, which is the mesh's order,
+    while lax.axis_index and the other collectives follow the tuple's."""
     unavailable = getattr(axis_name, "point_to_point_unavailable", None)
     if unavailable:
         raise NotImplementedError(
             f"jaxring.{name} over {axis_name.name} needs jaxring's MPI transport, but "
             f"{unavailable}")
+    if isinstance(axis_name, (tuple, list)):
+        order = _mesh_axes()
+        # Axes the mesh lacks go last, in their order, for communicator() to name.
+        axis_name = tuple(sorted(axis_name, key=lambda a: order.index(a) if a in order
+                                 else len(order)))
     return communicator(name, axis_name)
 
 

@@ -23,7 +23,10 @@ def ppermute(x, axis_name, perm):
     repeat. A device that is no pair's destination receives zeros. `x` may be a pytree. Messages
     up to ``jaxring.config`` ``p2p_eager_bytes`` are delivered eagerly (the sender never waits
     for the receiver); larger ones are copied once, straight from the sender's buffer. Its
-    transpose is the inverse permutation, so ``jax.grad`` flows back through pipelines.
+    transpose is the inverse permutation, so ``jax.grad`` flows back through pipelines. Over a
+    tuple of mesh axes, indices run in the mesh's order of those axes, whatever the tuple's, as
+    ``lax.ppermute`` numbers them (``lax.axis_index`` follows the tuple's order instead); so do
+    ``send`` and ``recv``.
     """
 
     def permute_leaf(leaf):
