@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax import lax
+from jax._src import config as jax_config
 from jax.sharding import PartitionSpec as P
 
 import jaxring
@@ -248,11 +249,12 @@ def test_mismatched_ppermutes_name_both_sides():
 @pytest.mark.parametrize("axes", [("x", "y"), ("y", "x")])
 def test_a_tuple_of_axes_numbers_devices_as_lax_ppermute_does(axes):
     """Over a tuple of mesh axes, lax.ppermute numbers a group's devices by their place in the
-    sorted group (the mesh's order), whatever the tuple's order, unlike lax.axis_index.
-    jaxring's ppermute once followed the tuple's order, and moved other devices' data than
-    lax.ppermute did where the tuple was not in mesh order. ppermute and send/recv against
+    sorted group (the mesh's order) before jax 0.11, and in the tuple's order from 0.11, which
+    refuses by default a tuple whose order differs from the mesh's. jaxring's ppermute once
+    followed the tuple's order on every jax, and moved other devices' data than lax.ppermute
+    did on 0.10 where the tuple was not in mesh order. ppermute and send/recv against
     lax.ppermute, with a permutation that tells the orders apart, inside a 3-D mesh whose third
-    axis makes groups."""
+    axis makes groups; where lax refuses, jaxring must refuse too, and agree once allowed."""
     m = jax.make_mesh((2, 4, 1), ("x", "y", "z"), devices=jax.devices()[:8])
     spec = P(("x", "y", "z"))
     rng = np.random.default_rng(41)
@@ -266,11 +268,27 @@ def test_a_tuple_of_axes_numbers_devices_as_lax_ppermute_does(axes):
         jaxring.send(v, axes, perm)
         return jaxring.recv(v, axes, perm)
 
+    jaxrings = (lambda v: jaxring.ppermute(v, axes, perm), send_recv)
+    in_mesh_order = run(lambda v: lax.ppermute(v, ("x", "y"), perm))
+    allow = getattr(jax_config, "raise_on_ppermute_sort_diff", None)
+    if allow is not None and axes != ("x", "y"):  # jax 0.11: refused by both unless allowed
+        with pytest.raises(RuntimeError, match="order"):
+            run(lambda v: lax.ppermute(v, axes, perm))
+        for f in jaxrings:
+            with pytest.raises(RuntimeError, match=r"not in the mesh's order \('x', 'y', 'z'\)"):
+                run(f)
+        with allow(False):
+            theirs = run(lambda v: lax.ppermute(v, axes, perm))
+            for f in jaxrings:
+                np.testing.assert_array_equal(run(f), theirs)
+        # numbered in the tuple's order now, which this permutation tells from the mesh's
+        assert not np.array_equal(theirs, in_mesh_order)
+        return
     theirs = run(lambda v: lax.ppermute(v, axes, perm))
-    np.testing.assert_array_equal(run(lambda v: jaxring.ppermute(v, axes, perm)), theirs)
-    np.testing.assert_array_equal(run(send_recv), theirs)
-    # lax.ppermute over the tuple in mesh order moves the same data whatever the tuple's order
-    np.testing.assert_array_equal(theirs, run(lambda v: lax.ppermute(v, ("x", "y"), perm)))
+    for f in jaxrings:
+        np.testing.assert_array_equal(run(f), theirs)
+    # before 0.11, lax.ppermute moves the same data whatever the tuple's order
+    np.testing.assert_array_equal(theirs, in_mesh_order)
 
 
 def test_a_message_no_receive_took_is_refused_by_a_later_program():

@@ -275,6 +275,11 @@ class AxisCommunicator:
         return jnp.asarray(rank, jnp.int32), jnp.asarray(group, jnp.int32)
 
 
+# jax 0.11 numbers ppermute's devices over a tuple of axes in the tuple's order, and refuses by
+# default an order that differs from the mesh's; before it, the group was sorted (None here).
+_RAISE_ON_PPERMUTE_SORT_DIFF = getattr(jax_config, "raise_on_ppermute_sort_diff", None)
+
+
 def _mesh_axes() -> tuple[Any, ...]:
     mesh = jax.sharding.get_abstract_mesh()
     names = tuple(mesh.axis_names) if mesh is not None and not mesh.empty else ()
@@ -328,10 +333,13 @@ def communicator(name: str, axis_name) -> AxisCommunicator:
 
 def point_to_point_communicator(name: str, axis_name) -> AxisCommunicator:
     """`communicator`, for ppermute/send/recv: refuses a process communicator whose MPI
-    transport is unavailable (jaxring built without MPI, or against another MPI). A tuple of
-    mesh axes is taken in the mesh's order, whatever its own: lax.ppermute (and psend/precv)
-    number a group's devices by their place in the sorted group, which is the mesh's order,
-    while lax.axis_index and the other collectives follow the tuple's."""
+    transport is unavailable (jaxring built without MPI, or against another MPI). Over a tuple
+    of mesh axes, devices are numbered as the installed jax's lax.ppermute (and psend/precv)
+    numbers them. Before jax 0.11 that is their place in the sorted group, the mesh's order of
+    the axes, whatever the tuple's. From 0.11 it is the tuple's order, as lax.axis_index and
+    the other collectives have it, and a tuple whose order numbers the devices differently
+    from the mesh's is refused while jax's ``jax_raise_on_ppermute_sort_diff`` is on (the default),
+    as lax.ppermute refuses it."""
     unavailable = getattr(axis_name, "point_to_point_unavailable", None)
     if unavailable:
         raise NotImplementedError(
@@ -340,8 +348,20 @@ def point_to_point_communicator(name: str, axis_name) -> AxisCommunicator:
     if isinstance(axis_name, (tuple, list)):
         order = _mesh_axes()
         # Axes the mesh lacks go last, in their order, for communicator() to name.
-        axis_name = tuple(sorted(axis_name, key=lambda a: order.index(a) if a in order
-                                 else len(order)))
+        in_mesh_order = tuple(sorted(axis_name, key=lambda a: order.index(a) if a in order
+                                     else len(order)))
+        if _RAISE_ON_PPERMUTE_SORT_DIFF is None:  # jax before 0.11: the sorted group
+            axis_name = in_mesh_order
+        elif _RAISE_ON_PPERMUTE_SORT_DIFF.value:
+            mesh = jax.sharding.get_abstract_mesh()
+            numbering = [a for a in axis_name if a in order and mesh.shape[a] > 1]
+            if numbering != [a for a in in_mesh_order if a in numbering]:
+                raise RuntimeError(
+                    f"jaxring.{name}: the axes {tuple(axis_name)!r} are not in the mesh's order "
+                    f"{order!r}, so devices would be numbered otherwise than in the mesh, which "
+                    f"lax.ppermute refuses as well; name them in the mesh's order, or allow it "
+                    f"with jax.config.update('jax_raise_on_ppermute_sort_diff', False) (then "
+                    f"devices are numbered in the tuple's order, as lax.ppermute numbers them)")
     return communicator(name, axis_name)
 
 

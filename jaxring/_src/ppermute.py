@@ -24,9 +24,10 @@ def ppermute(x, axis_name, perm):
     up to ``jaxring.config`` ``p2p_eager_bytes`` are delivered eagerly (the sender never waits
     for the receiver); larger ones are copied once, straight from the sender's buffer. Its
     transpose is the inverse permutation, so ``jax.grad`` flows back through pipelines. Over a
-    tuple of mesh axes, indices run in the mesh's order of those axes, whatever the tuple's, as
-    ``lax.ppermute`` numbers them (``lax.axis_index`` follows the tuple's order instead); so do
-    ``send`` and ``recv``.
+    tuple of mesh axes, indices run as the installed jax's ``lax.ppermute`` numbers them: in the
+    mesh's order of those axes before jax 0.11, in the tuple's from 0.11, which refuses a tuple
+    out of the mesh's order unless jax's option ``jax_raise_on_ppermute_sort_diff`` is off; so
+    do ``send`` and ``recv``.
     """
 
     def permute_leaf(leaf):
