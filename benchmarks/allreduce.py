@@ -1,7 +1,8 @@
 """In-process collectives on CPU devices: jaxring against its lax twins, measured in one run.
 
-    python benchmarks/allreduce.py            # 2, 4, 8 devices, 4 B .. 64 MiB per device
+    python benchmarks/allreduce.py            # 2, 4, 8 devices, 4 B .. 256 MiB per device
     python benchmarks/allreduce.py --quick    # a short run (the README's demo)
+    python benchmarks/allreduce.py --min-bytes 256MiB --name runs/allreduce-cpu-<k>  # one size
 
 For each device count and size it times (median of many repetitions, the cases taking turns call
 by call so that all see the same machine, glibc malloc keeping freed memory as in
@@ -44,7 +45,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import jaxring  # noqa: E402
 from jaxring._src.common import make_varying  # noqa: E402
 from common import (bus_factor, copy_ways, effect_floor_ratio, environment,  # noqa: E402
-                    human_bytes, issue2_target, keep_freed_memory, medians_in_turns,
+                    human_bytes, issue2_target, keep_freed_memory, medians_in_turns, parse_bytes,
                     memory_bandwidth_gbps, native_floor, output_bytes, steal_sentence,
                     with_jaxring_effect, write_results)
 
@@ -158,10 +159,9 @@ _CORES = len(os.sched_getaffinity(0))
 _POOL = concurrent.futures.ThreadPoolExecutor(_CORES)
 
 
-def copy_floor(nbytes: int, copy):
-    """fn() copying `nbytes` with `copy(dst, src)` on every core, each a contiguous part."""
-    src = np.ones(max(1, nbytes // 4), np.float32)
-    dst = np.empty_like(src)
+def copy_floor(src: np.ndarray, dst: np.ndarray, copy):
+    """fn() copying `src` into `dst` with `copy(dst, src)` on every core, each a contiguous
+    part."""
     bounds = np.linspace(0, src.size, _CORES + 1).astype(int)
     parts = [slice(a, b) for a, b in zip(bounds[:-1], bounds[1:])]
 
@@ -192,17 +192,32 @@ def _min_rounds(nbytes: int) -> int:
     return 20 if issue2_target(nbytes) < 1 else 10
 
 
+# From this size per device the lone cases share their inputs, one array per shape: they must all
+# be held while the cases take turns, and one per case, 17 of 8 x 256 MiB on 8 devices, would
+# not fit this machine's 24 GiB. Every case only reads its input, and at these sizes none stays
+# in the 32 MiB last-level cache from one turn to the next, so sharing changes nothing a case
+# pays. Below it every case keeps its own input, as the stored runs were measured.
+SHARED_INPUT_BYTES = 128 << 20
+
+
 def measure(n: int, nbytes: int) -> list[dict]:
     """Every case at `nbytes` per device, the cases taking turns call by call."""
     mesh = jax.make_mesh((n,), ("i",), devices=jax.devices()[:n])
-    runs, sizes = {}, {}
+    runs, sizes, shared = {}, {}, {}
     floors = [(f"{FLOOR}[{collective}]", collective, None,
                lambda v, floor=floor: with_jaxring_effect(floor(v, n)))
               for collective, floor in FLOOR_BODIES.items()]
 
     def program(body, per_device, on=mesh, spec=P("i")):
-        x = jax.device_put(np.random.default_rng(0).standard_normal(n * per_device, np.float32),
-                           NamedSharding(on, spec))
+        def make():
+            return jax.device_put(
+                np.random.default_rng(0).standard_normal(n * per_device, np.float32),
+                NamedSharding(on, spec))
+        if nbytes < SHARED_INPUT_BYTES:
+            x = make()
+        else:
+            key = (per_device, on, spec)
+            x = shared[key] = shared[key] if key in shared else make()
         f = jax.jit(jax.shard_map(body, mesh=on, in_specs=spec, out_specs=spec))
         return lambda: f(x).block_until_ready()
 
@@ -226,8 +241,11 @@ def measure(n: int, nbytes: int) -> list[dict]:
                              per_device)
     copies = ({f"{COPY}[{way}]": copy for way, copy in COPY_WAYS.items()}
               if nbytes >= COPY_FLOOR_BYTES else {})
+    if copies:  # one pair of buffers for every way (2 x 2 GiB at 256 MiB on 8 devices)
+        src = np.ones(n * nbytes // 4, np.float32)
+        dst = np.empty_like(src)
     for name, copy in copies.items():
-        runs[name] = copy_floor(n * nbytes, copy)
+        runs[name] = copy_floor(src, dst, copy)
     algorithms = {name: algorithm or "auto" for name, _, algorithm, _ in CASES + floors}
     algorithms.update(dict.fromkeys([*copies, *NATIVE_WAYS.values(),
                                      *(name for name, _ in locals_ + reads)], "auto"))
@@ -326,6 +344,8 @@ def _synced(one_pass):
 
 def loop_repeats(nbytes: int) -> int:
     """Passes of a loop program (measure_in_loop says why this many)."""
+    if nbytes > 64 << 20:
+        return 2
     return int(min(64, max(8, (128 << 20) // nbytes)))
 
 
@@ -341,9 +361,10 @@ def donated_loop(step, mesh, repeats: int):
 def measure_in_loop(n: int, nbytes: int) -> list[dict]:
     """Per collective inside one compiled loop that feeds each result to the next, with nothing
     else in the loop: the collective's own cost, without the program launch that dominates a lone
-    call's. The loop runs at least 64 times up to 2 MiB and fewer above (8 at 16 MiB and up): each
-    program still pays one launch, jaxring's dearer for its ordered effect, and a short loop would
-    count an eighth of it in every call. The program donates its input, which becomes the loop
+    call's. The loop runs at least 64 times up to 2 MiB and fewer above (8 from 16 MiB to 64 MiB):
+    each program still pays one launch, jaxring's dearer for its ordered effect, and a short loop
+    would count an eighth of it in every call. Above 64 MiB it runs twice: a pass takes a tenth of
+    a second or more there, a thousand launches. The program donates its input, which becomes the loop
     carry and then the output, as a training step's state does: without that, XLA copies the
     argument into the carry and writes a fresh output on every launch, which at 64 MiB on 8
     devices cost 180 ms a program, more than the eight passes' collectives. Each timed call gets
@@ -363,14 +384,17 @@ def measure_in_loop(n: int, nbytes: int) -> list[dict]:
         for collective in READ_OF:
             read = f"{READ}[{collective}]"
             natives[SYNCED + read] = (collective, _synced(LOOP_CASES[read][1]))
+    starts = {}  # per_device -> the start values, which the cases of that size share (read only)
     for name, (collective, one_pass) in {**LOOP_CASES, **natives}.items():
         per_device, sizes[name] = _elements(collective, n, nbytes)
-        start = np.random.default_rng(0).standard_normal(n * per_device, np.float32) * 2.0 ** -100
-        inputs[name] = [start, None]  # the start values, and the array the next call donates
+        if per_device not in starts:
+            starts[per_device] = (np.random.default_rng(0).standard_normal(
+                n * per_device, np.float32) * 2.0 ** -100)
+        inputs[name] = [starts[per_device], None]  # the start values, and the array the next call donates
         f = donated_loop(lambda a, one_pass=one_pass: one_pass(a, n), mesh, repeats)
 
         def run(f=f, held=inputs[name]):
-            held[1] = f(held[1])  # a warm-up without a fresh input donates the last output
+            held[1] = f(held[1])  # donates the fresh input fresh_input placed
             held[1].block_until_ready()
         runs[name] = run
 
@@ -380,6 +404,7 @@ def measure_in_loop(n: int, nbytes: int) -> list[dict]:
         held[1] = jax.device_put(held[0], sharding)
         held[1].block_until_ready()
         yield
+        held[1] = None  # the output, which no call takes (each gets a fresh input): memory back
 
     medians = medians_in_turns(runs, budget_seconds=0.6, min_rounds=_min_rounds(nbytes),
                                context=fresh_input)
@@ -568,7 +593,9 @@ def plot(rows: list[dict], ceiling: float, path) -> None:
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--devices", default="2,4,8")
-    parser.add_argument("--max-bytes", type=int, default=64 << 20)
+    parser.add_argument("--min-bytes", type=parse_bytes, default=4,
+                        help="smallest size per device (4 B x a power of 4), e.g. 256MiB")
+    parser.add_argument("--max-bytes", type=parse_bytes, default=256 << 20)
     parser.add_argument("--quick", action="store_true", help="8 devices, 4 B .. 4 MiB, no files")
     parser.add_argument("--name", default="allreduce-cpu")
     args = parser.parse_args(argv)
@@ -578,6 +605,9 @@ def main(argv=None) -> None:
     sizes = [4]
     while sizes[-1] * 4 <= max_bytes:
         sizes.append(sizes[-1] * 4)
+    sizes = [size for size in sizes if size >= args.min_bytes]
+    if not sizes:
+        parser.error(f"no size from --min-bytes {args.min_bytes} to --max-bytes {max_bytes}")
 
     env = environment()
     ceiling = memory_bandwidth_gbps()

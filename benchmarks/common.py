@@ -3,6 +3,7 @@ record of the machine and versions that goes with every result."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import platform
@@ -321,6 +322,23 @@ def human_bytes(n: int) -> str:
             return f"{n:g} {unit}"
         n /= 1024
     return f"{n} B"
+
+
+def parse_bytes(text: str) -> int:
+    """A size on a command line: bytes, or a number with B, KiB, MiB or GiB ("256MiB")."""
+    units = {"GiB": 1 << 30, "MiB": 1 << 20, "KiB": 1 << 10, "B": 1}
+    stripped = text.strip()
+    for unit, scale in units.items():
+        if stripped.endswith(unit):
+            stripped, factor = stripped[:-len(unit)], scale
+            break
+    else:
+        factor = 1
+    try:
+        return int(float(stripped) * factor)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"not a size: {text!r} (bytes, or with B, KiB, MiB or GiB)") from None
 
 
 def write_results(name: str, payload: dict, markdown: str) -> Path:

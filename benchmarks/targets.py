@@ -214,20 +214,20 @@ DIAGNOSTIC_FLOORS = frozenset({"local"})
 
 
 def judge(per_run: list[dict]) -> list[dict]:
-    """One verdict per row present in every run, from the medians over the runs. Each floor kind
-    is taken at its median over the runs that measured it (all of them, but for a floor defined
-    after the earlier runs); one above jaxring's median over those same runs is refuted (its
+    """One verdict per row, from the medians over the runs that measured it (every run, but for
+    sizes that only some runs measure: 256 MiB). Each floor kind is taken at its median over the
+    runs that measured it (all of them, but for a floor defined after the earlier runs); one above jaxring's median over those same runs is refuted (its
     program ran slower than jaxring's collective, so it bounds nothing there), and the row's
     floor is the largest of the others, DIAGNOSTIC_FLOORS aside. A row met in any run is not
     `impossible`: that run met it."""
-    keys = [k for k in per_run[0] if all(k in rows for rows in per_run)]
+    keys = dict.fromkeys(k for rows in per_run for k in rows)
     verdicts = []
     for key in keys:
-        ratios = [rows[key][0] for rows in per_run]
+        measured = [rows[key] for rows in per_run if key in rows]
+        ratios = [ratio for ratio, _ in measured]
         ratio = statistics.median(ratios)
-        kinds = dict.fromkeys(k for rows in per_run for k in rows[key][1])
-        pairs = {k: [(rows[key][1][k], rows[key][0]) for rows in per_run if k in rows[key][1]]
-                 for k in kinds}
+        kinds = dict.fromkeys(k for _, floors in measured for k in floors)
+        pairs = {k: [(floors[k], r) for r, floors in measured if k in floors] for k in kinds}
         per_kind = {k: [f for f, _ in p] for k, p in pairs.items()}
         floors = {k: statistics.median(f) for k, f in per_kind.items()}
         refuted = {k: floors[k] for k, p in pairs.items()

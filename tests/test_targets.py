@@ -89,11 +89,15 @@ def test_judge_takes_a_floor_at_its_median_over_the_runs_that_measured_it():
     assert (no_floor["floor"], no_floor["verdict"]) == (None, "unmet")
 
 
-def test_judge_keeps_only_rows_present_in_every_run():
+def test_judge_takes_each_row_over_the_runs_that_measured_it():
+    """Row b (a size some runs leave out, as 256 MiB) is judged over the run that has it alone,
+    and row a over both; neither is dropped, and b's one run counts as one of one."""
     a, b = ("lone", "all_reduce", 2, 4), ("lone", "all_reduce", 2, 16)
     verdicts = targets.judge([{a: (0.9, {}), b: (0.9, {})}, {a: (1.1, {})}])
-    assert [v["key"] for v in verdicts] == [list(a)]
-    assert verdicts[0]["ratio"] == pytest.approx(1.0)
+    assert [v["key"] for v in verdicts] == [list(a), list(b)]
+    assert verdicts[0]["ratio"] == pytest.approx(1.0) and verdicts[0]["ratios"] == [0.9, 1.1]
+    assert verdicts[1]["ratios"] == [0.9] and verdicts[1]["met_runs"] == 1
+    assert verdicts[1]["verdict"] == "met"
 
 
 def test_a_floor_of_jaxrings_own_call_is_shown_but_never_makes_a_row_impossible():
