@@ -223,32 +223,42 @@ class Communicator:
                                                      direct_headers)
             except RuntimeError as error:  # e.g. MPI initialised without MPI_THREAD_MULTIPLE
                 if transport != "shm":
+                    node.Free()
                     raise
                 self.point_to_point_unavailable = str(error)
             else:
                 native.extension.process_register(self.key, transport_capsule)
         if transport == "shm":
-            self._attach_shared_memory(slot_bytes)
+            try:
+                self._attach_shared_memory(slot_bytes)
+            except BaseException:
+                node.Free()
+                raise
         if transport == "hierarchical":
-            across = mpi_comm.Split(node.Get_rank(), key=self.rank)
             gpu_levels = dict(gpu_transport=gpu_options.transport,
                               gpu_workspace_bytes=gpu_options.workspace_bytes,
                               gpu_staging_bytes=gpu_options.staging_bytes)
             # Each level on every rank before the next: a rank whose node level failed (say, its
             # node's /dev/shm is full) must not leave the other nodes' ranks waiting for it in
-            # the set-up of the level across nodes.
-            def level(make):
-                return common.set_up_on_every_rank(mpi_comm, make, self.rank, self.name)
+            # the set-up of the level across nodes. Each level owns its MPI communicator (freed
+            # if the level fails), and places its ranks on nodes as this communicator did, not
+            # from JAXRING_MPI_RANKS_PER_NODE, which the caller may have overridden.
+            def level(comm, make):
+                return common.set_up_on_every_rank(mpi_comm, lambda: _owning(comm, make),
+                                                   self.rank, self.name, Communicator._release)
 
+            node_level = None
             try:
-                node_level = level(lambda: Communicator(
-                    node, label=f"{label} node", transport="shm", slot_bytes=slot_bytes,
-                    **gpu_levels))
-                self.levels = (node_level, level(lambda: Communicator(
-                    across, label=f"{label} across nodes", transport="mpi", **gpu_levels)))
-                node_level._owned.append(node)
-                self.levels[1]._owned.append(across)
+                node_level = level(node, lambda comm: Communicator(
+                    comm, label=f"{label} node", transport="shm", slot_bytes=slot_bytes,
+                    ranks_per_node=comm.Get_size() if ranks_per_node else 0, **gpu_levels))
+                across = mpi_comm.Split(node.Get_rank(), key=self.rank)
+                self.levels = (node_level, level(across, lambda comm: Communicator(
+                    comm, label=f"{label} across nodes", transport="mpi",
+                    ranks_per_node=1 if ranks_per_node else 0, **gpu_levels)))
             except RuntimeError:
+                if node_level is not None:
+                    node_level._release()  # and with it the node's MPI communicator
                 _detach(self.key)
                 raise
             # A failed call on any of the three makes this rank leave the other two, so that its
@@ -305,18 +315,28 @@ class Communicator:
         levels; one passed in stays the caller's to free). Collective, like MPI_Comm_free: every
         rank calls it after its last call on the communicator, and it waits (up to the timeout,
         naming the ranks that never came) for all of them, so that no peer still reads this
-        rank's memory. Later calls on it fail, saying so; a second free() does nothing. A GPU
-        transport's device memory is not yet returned (README, "GPUs")."""
+        rank's memory. Later calls on it fail, saying so; a second free() does nothing. Where the
+        barrier fails (a communicator that failed refuses it, as every later call), this rank's
+        part is released all the same and the barrier's error raised. A GPU transport's device
+        memory is not yet returned (README, "GPUs")."""
         if self._freed:
             return
-        if self._finalizer.alive:  # not yet released at interpreter exit
-            import jax
+        if not self._finalizer.alive:  # released at interpreter exit
+            self._release()
+            return
+        import jax
 
-            from jaxring._src.barrier import barrier_to_free
+        from jaxring._src.barrier import barrier_to_free
 
+        try:
             jax.jit(lambda: barrier_to_free(self))()
             jax.effects_barrier()  # this process's programs on it (the barrier last) are done
-        self._release()
+        finally:
+            # Released even where the barrier failed, so that a communicator that failed (which
+            # refuses every later call, this barrier too) can still be freed: its peers keep
+            # their own mappings of the shared memory, and a broken MPI transport leaves its MPI
+            # communicator allocated for messages still on their way.
+            self._release()
 
     def _release(self) -> None:
         """free() once every rank is there (which covers the levels' ranks too)."""

@@ -106,12 +106,18 @@ def test_a_level_that_fails_on_one_node_fails_every_rank_of_a_hierarchical_commu
     """Two pretend nodes of two ranks; the second node cannot set up its shared memory (as when
     its /dev/shm is full). Its ranks raised while the first node's went on to set up the level
     across nodes and waited there for ever for them (mpi4py's collectives have no timeout); now
-    every rank raises, quoting the failure."""
+    every rank raises, quoting the failure, and has freed the node communicators it made (the
+    first node's ranks, whose node level was made, left it and its communicator allocated)."""
     result = run_script(4, timeout=120, source="""
         import jaxring.mpi
         from jaxring._src import native
         from mpi4py import MPI
         rank = MPI.COMM_WORLD.Get_rank()
+        made = []
+        def recorded(comm, pretend, make=jaxring.mpi._node_communicator):
+            made.append(make(comm, pretend))
+            return made[-1]
+        jaxring.mpi._node_communicator = recorded
         if rank >= 2:
             def full(*args):
                 raise RuntimeError("no room in /dev/shm (test)")
@@ -122,11 +128,15 @@ def test_a_level_that_fails_on_one_node_fails_every_rank_of_a_hierarchical_commu
             print(f"rank {rank} set up", flush=True)
         except RuntimeError as error:
             print(f"rank {rank} raised: {error}", flush=True)
+        freed = all(comm == MPI.COMM_NULL for comm in made)
+        print(f"rank {rank} made {len(made)} node communicators, all freed: {freed}", flush=True)
     """)
     assert result.returncode == 0, result.stdout + result.stderr
     for rank in range(4):
         assert re.search(rf"rank {rank} raised: jaxring.mpi: cannot set up .*no room in /dev/shm "
                          r"\(test\)", result.stdout), result.stdout
+        assert re.search(rf"rank {rank} made [1-9]\d* node communicators, all freed: True",
+                         result.stdout), result.stdout
 
 
 @pytest.mark.parametrize("transport", ["auto", "mpi"])

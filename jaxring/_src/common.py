@@ -192,17 +192,20 @@ def perm_attribute(perm: tuple[tuple[int, int], ...]) -> np.ndarray:
     return np.asarray(perm, np.int64).reshape(-1)
 
 
-def set_up_on_every_rank(mpi_comm, step, rank: int, what: str):
+def set_up_on_every_rank(mpi_comm, step, rank: int, what: str, undo=None):
     """Runs `step()` (a part of setting up `what` that returns a result or raises) on every rank
     of `mpi_comm`; if any rank failed, every rank raises one error naming each failure, so that
     none goes on to wait in the next collective of the set-up for a peer that failed (mpi4py's
-    collectives have no timeout)."""
+    collectives have no timeout). A rank whose own step succeeded first passes its result, which
+    nothing will use, to `undo`."""
     try:
         result, error = step(), None
     except Exception as e:  # noqa: BLE001 - reported on every rank below
         result, error = None, f"rank {rank}: {e}"
     errors = [e for e in mpi_comm.allgather(error) if e]
     if errors:
+        if error is None and undo is not None:
+            undo(result)
         raise RuntimeError(f"jaxring.mpi: cannot set up {what}: " + "; ".join(errors))
     return result
 

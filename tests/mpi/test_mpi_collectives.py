@@ -401,11 +401,64 @@ def test_the_header_exchange_is_fixed_when_the_communicator_is_made():
 
 
 @pytest.mark.skipif(COMM.transport != "shm", reason="a shared-memory communicator")
-def test_a_segment_larger_than_dev_shm_is_an_error_not_a_crash():
+def test_a_segment_larger_than_dev_shm_is_an_error_not_a_crash(monkeypatch):
     """The segment's pages are reserved when it is made; mapping more than /dev/shm holds would
-    otherwise only fail at the first large collective, with SIGBUS on every rank."""
-    with pytest.raises(RuntimeError, match=r"cannot reserve \d+ bytes of shared memory"):
-        jaxring.mpi.Communicator(MPI_COMM.Dup(), slot_bytes=1 << 40)
+    otherwise only fail at the first large collective, with SIGBUS on every rank. The failed
+    set-up frees the node communicator it made (it was left allocated)."""
+    made = []
+
+    def recorded(comm, pretend, make=jaxring.mpi._node_communicator):
+        made.append(make(comm, pretend))
+        return made[-1]
+    monkeypatch.setattr(jaxring.mpi, "_node_communicator", recorded)
+    dup = MPI_COMM.Dup()
+    try:
+        with pytest.raises(RuntimeError, match=r"cannot reserve \d+ bytes of shared memory"):
+            jaxring.mpi.Communicator(dup, slot_bytes=1 << 40)
+    finally:
+        dup.Free()
+    assert made and all(comm == MPI.COMM_NULL for comm in made), made
+
+
+@pytest.mark.skipif(COMM.size < 2, reason="needs two ranks")
+def test_a_communicator_that_failed_is_released_by_free():
+    """A failed call leaves a communicator refusing every later call, free()'s barrier too, so
+    free() raised before releasing anything: its shared memory, MPI transport and the MPI
+    communicators split made stayed for the rest of the process, and every later free() raised
+    again. Now free() releases this rank's part and then raises the barrier's error."""
+    sub = COMM.split(0, key=COMM.rank)
+    made = [sub.mpi_comm] + [level.mpi_comm for level in sub.levels or ()]
+    x = np.ones(3 if COMM.rank == 0 else 5, np.float32)
+    with jaxring.config.override(timeout_seconds=30.0):
+        with pytest.raises(Exception, match="mismatched collectives"):
+            np.asarray(jax.jit(lambda v: jaxring.all_reduce(v, sub))(x))
+    jaxring.reset_after_error()
+    try:
+        with pytest.raises(Exception, match="failed earlier"):
+            sub.free()
+    finally:
+        jaxring.reset_after_error()
+    assert all(comm == MPI.COMM_NULL for comm in made), made
+    sub.free()  # released: nothing more to do, and nothing raised
+    with pytest.raises(ValueError, match="was freed"):
+        jax.jit(lambda v: jaxring.all_reduce(v, sub))(x)
+    MPI_COMM.Barrier()
+
+
+@pytest.mark.skipif(COMM.size < 4 or COMM.size % 2, reason="needs two nodes of two ranks")
+def test_the_levels_place_ranks_on_nodes_as_their_communicator_was_told(monkeypatch):
+    """A hierarchical communicator made with ranks_per_node=2 while JAXRING_MPI_RANKS_PER_NODE
+    says 1: its node level read the variable, found its two ranks on two nodes, and every rank
+    refused the shared-memory transport it had asked for. An all-reduce large enough to go
+    through the levels, against float64."""
+    monkeypatch.setenv("JAXRING_MPI_RANKS_PER_NODE", "1")
+    with jaxring.mpi.Communicator(MPI_COMM, transport="hierarchical", ranks_per_node=2) as comm:
+        assert comm.transport == "hierarchical"
+        assert [level.size for level in comm.levels] == [2, COMM.size // 2]
+        x = random_array(np.random.default_rng(COMM.rank),
+                         (comm.levels_threshold_bytes // 4 + 5,), np.float32)
+        y = np.asarray(jax.jit(lambda v: jaxring.all_reduce(v, comm))(x))
+        assert_close(y, gathered(x).astype(np.float64).sum(0), np.float32, COMM.size)
 
 
 @pytest.mark.skipif(COMM.size < 2 or len(jax.local_devices()) < 2,
