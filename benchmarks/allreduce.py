@@ -363,9 +363,9 @@ def measure_in_loop(n: int, nbytes: int) -> list[dict]:
     else in the loop: the collective's own cost, without the program launch that dominates a lone
     call's. The loop runs at least 64 times up to 2 MiB and fewer above (8 from 16 MiB to 64 MiB):
     each program still pays one launch, jaxring's dearer for its ordered effect, and a short loop
-    would count an eighth of it in every call. Above 64 MiB it runs twice: a pass takes a tenth of
-    a second or more there, a thousand launches. The program donates its input, which becomes the loop
-    carry and then the output, as a training step's state does: without that, XLA copies the
+    would count an eighth of it in every call. Above 64 MiB it runs twice: a pass takes 50 ms or
+    more there, hundreds of launches. The program donates its input, which becomes the loop carry
+    and then the output, as a training step's state does: without that, XLA copies the
     argument into the carry and writes a fresh output on every launch, which at 64 MiB on 8
     devices cost 180 ms a program, more than the eight passes' collectives. Each timed call gets
     a fresh copy of the input, made outside the clock. A reduction multiplies the values by about
@@ -390,7 +390,8 @@ def measure_in_loop(n: int, nbytes: int) -> list[dict]:
         if per_device not in starts:
             starts[per_device] = (np.random.default_rng(0).standard_normal(
                 n * per_device, np.float32) * 2.0 ** -100)
-        inputs[name] = [starts[per_device], None]  # the start values, and the array the next call donates
+        # the start values, and the array the next call donates
+        inputs[name] = [starts[per_device], None]
         f = donated_loop(lambda a, one_pass=one_pass: one_pass(a, n), mesh, repeats)
 
         def run(f=f, held=inputs[name]):

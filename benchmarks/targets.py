@@ -216,9 +216,10 @@ DIAGNOSTIC_FLOORS = frozenset({"local"})
 def judge(per_run: list[dict]) -> list[dict]:
     """One verdict per row, from the medians over the runs that measured it (every run, but for
     sizes that only some runs measure: 256 MiB). Each floor kind is taken at its median over the
-    runs that measured it (all of them, but for a floor defined after the earlier runs); one above jaxring's median over those same runs is refuted (its
-    program ran slower than jaxring's collective, so it bounds nothing there), and the row's
-    floor is the largest of the others, DIAGNOSTIC_FLOORS aside. A row met in any run is not
+    runs that measured it (all of them, but for a floor defined after the earlier runs); one
+    above jaxring's median over those same runs is refuted (its program ran slower than
+    jaxring's collective, so it bounds nothing there), and the row's floor is the largest of the
+    others, DIAGNOSTIC_FLOORS aside. A row met in any run is not
     `impossible`: that run met it."""
     keys = dict.fromkeys(k for rows in per_run for k in rows)
     verdicts = []

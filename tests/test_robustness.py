@@ -277,7 +277,8 @@ def test_ahead_of_time_compiled_programs_take_the_token_on_every_call():
     blocks = [random_array(rng, (n, 3), np.float64) for _ in range(3)]
     compiled_p = p.lower(blocks[0]).compile()
     for b in blocks:
-        np.testing.assert_array_equal(np.asarray(compiled_p(b)), np.broadcast_to(b.reshape(-1), (n, 3 * n)))
+        np.testing.assert_array_equal(np.asarray(compiled_p(b)),
+                                      np.broadcast_to(b.reshape(-1), (n, 3 * n)))
     # Programs without an ordered effect keep JAX's fast path.
     plain = jax.jit(lambda v: v * 2).lower(np.ones(3, np.float32)).compile()
     assert isinstance(plain._executable, pxla.MeshExecutable)

@@ -341,8 +341,8 @@ def point_to_point_communicator(name: str, axis_name) -> AxisCommunicator:
     numbers them. Before jax 0.11 that is their place in the sorted group, the mesh's order of
     the axes, whatever the tuple's. From 0.11 it is the tuple's order, as lax.axis_index and
     the other collectives have it, and a tuple whose order numbers the devices differently
-    from the mesh's is refused while jax's ``jax_raise_on_ppermute_sort_diff`` is on (the default),
-    as lax.ppermute refuses it."""
+    from the mesh's is refused while jax's ``jax_raise_on_ppermute_sort_diff`` is on (the
+    default), as lax.ppermute refuses it."""
     unavailable = getattr(axis_name, "point_to_point_unavailable", None)
     if unavailable:
         raise NotImplementedError(
