@@ -83,11 +83,14 @@ def _mpi_extension():
 
 def _check_slot_bytes(slot_bytes, size: int) -> None:
     """A slot holds one step of every collective: for reduce_scatter one element of the widest
-    dtype (8 bytes) per rank, so that each step moves at least one element per rank."""
+    dtype (8 bytes) per rank, so that each step moves at least one element per rank. Rank r's
+    slot starts r x slot_bytes into the segment, so a multiple of 64 starts every slot on a cache
+    line, aligned for every dtype (the reductions read elements in place)."""
     value = common.as_index(slot_bytes)
-    if value is None or value < 8 * size:
+    if value is None or value < 8 * size or value % 64:
         raise ValueError(f"jaxring.mpi: slot_bytes must be an int of at least 8 x {size} ranks = "
-                         f"{8 * size} bytes, got {slot_bytes!r}")
+                         f"{8 * size} bytes and a multiple of 64 (every rank's slot starts on a "
+                         f"cache line), got {slot_bytes!r}")
 
 
 def _ranks(ranks: list[int]) -> str:

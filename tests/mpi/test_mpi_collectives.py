@@ -250,8 +250,10 @@ def test_bad_arguments_are_refused_at_trace_time():
         jax.jit(lambda v: jaxring.all_reduce(v, COMM))(np.ones(3, np.uint8))
     with pytest.raises(ValueError, match="unsupported op 'prod'"):
         jax.jit(lambda v: jaxring.all_reduce(v, COMM, "prod"))(np.ones(3))
-    for slot_bytes in (0, 8 * COMM.size - 1, 4096.0):  # too small for one element per rank
-        with pytest.raises(ValueError, match=r"slot_bytes must be an int of at least 8 x"):
+    # too small for one element per rank, not an int, slots off a cache line (misaligned)
+    for slot_bytes in (0, 8 * COMM.size - 1, 4096.0, 4096 + 8):
+        with pytest.raises(ValueError, match=r"slot_bytes must be an int of at least 8 x \d+ "
+                                             r"ranks = \d+ bytes and a multiple of 64"):
             jaxring.mpi.Communicator(MPI_COMM, slot_bytes=slot_bytes)
 
 
