@@ -217,7 +217,9 @@ def measure(n: int, nbytes: int) -> list[dict]:
             x = make()
         else:
             key = (per_device, on, spec)
-            x = shared[key] = shared[key] if key in shared else make()
+            if key not in shared:
+                shared[key] = make()
+            x = shared[key]
         f = jax.jit(jax.shard_map(body, mesh=on, in_specs=spec, out_specs=spec))
         return lambda: f(x).block_until_ready()
 
