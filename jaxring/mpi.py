@@ -180,16 +180,42 @@ class Communicator:
         self.size = mpi_comm.Get_size()
         self.name = f"MPI communicator {label or hex(id(mpi_comm))} ({self.size} processes)"
         self.levels = None  # (this node's communicator, the one across nodes) when hierarchical
+        self._requested = (transport, ranks_per_node)
+        self._gpu_requested = gpu_options
+        self._finalizer = None
         node = _node_communicator(mpi_comm, ranks_per_node)
+        self._owned.append(node)  # until the node level takes it over, or the set-up ends
+        levels = []  # the levels made so far
+        try:
+            self._set_up(node, levels, label, transport, slot_bytes, ranks_per_node,
+                         gpu_options, direct_headers)
+        except BaseException:
+            # Whatever the set-up made is released on this rank, wherever it failed: its levels,
+            # its native state and the MPI communicators it made.
+            self._freed = True
+            try:
+                for level in levels:
+                    level._release()
+                if self._finalizer is not None:
+                    self._finalizer()
+            finally:
+                for comm in self._owned:
+                    comm.Free()
+                self._owned.clear()
+            raise
+
+    def _set_up(self, node, levels: list, label: str, transport: str, slot_bytes: int,
+                ranks_per_node: int, gpu_options, direct_headers: bool) -> None:
+        """__init__'s collective part, once the ranks agree on the options."""
+        mpi_comm = self.mpi_comm
+        MPI = _mpi()
         node_sizes = mpi_comm.allgather(node.Get_size())
         on_one_node = node_sizes[0] == self.size
         extension, self.point_to_point_unavailable = _mpi_extension()
-        self._requested = (transport, ranks_per_node)
         if transport == "auto":
             transport = "shm" if on_one_node else "hierarchical"
         if transport == "hierarchical" and (on_one_node or len(set(node_sizes)) > 1):
             transport = "shm" if on_one_node else "mpi"  # uneven nodes: one flat MPI ring
-        problem = None  # the same on every rank
         # A hierarchical communicator's all-reduces larger than this many bytes per rank go
         # through its levels, as decided at trace time. Ranks deciding differently would wait for
         # each other on different communicators until the timeout, so it is fixed now, agreed.
@@ -200,43 +226,38 @@ class Communicator:
             self.levels_threshold_bytes = everyone[0]
             for rank, threshold in enumerate(everyone):
                 thresholds.setdefault(threshold, []).append(rank)
+        # Each problem below is the same on every rank.
         if len(thresholds) > 1:
-            problem = ValueError(
+            raise ValueError(
                 f"jaxring.mpi: every rank of the hierarchical {self.name} must have the same "
                 "jaxring.config mpi_ring_threshold_bytes, above which its all-reduces go through "
                 "its levels, but " + "; ".join(f"{_ranks(ranks)} {threshold}"
                                                for threshold, ranks in thresholds.items()))
-        elif transport == "shm" and not on_one_node:
-            problem = ValueError(f"jaxring.mpi: the ranks of {self.name} are on several nodes; "
-                                 "the shared-memory transport needs them on one (use "
-                                 "transport='mpi')")
-        elif transport != "shm" and extension is None:
-            problem = RuntimeError(f"jaxring.mpi: {self.name} needs the MPI transport"
-                                   f"{'' if on_one_node else ' (its ranks are on several nodes)'}"
-                                   f", but {self.point_to_point_unavailable}")
-        if problem is not None:
-            node.Free()
-            raise problem
+        if transport == "shm" and not on_one_node:
+            raise ValueError(f"jaxring.mpi: the ranks of {self.name} are on several nodes; "
+                             "the shared-memory transport needs them on one (use "
+                             "transport='mpi')")
+        if transport != "shm" and extension is None:
+            raise RuntimeError(f"jaxring.mpi: {self.name} needs the MPI transport"
+                               f"{'' if on_one_node else ' (its ranks are on several nodes)'}"
+                               f", but {self.point_to_point_unavailable}")
         self.transport = transport
         self.key = mpi_comm.bcast(
             secrets.randbits(62) | common.PROCESS_KEY_BIT if self.rank == 0 else None, root=0)
+        self._finalizer = weakref.finalize(self, _detach, self.key)
         if extension is not None:
             try:
                 transport_capsule = extension.create(MPI._addressof(mpi_comm), self.name,
                                                      direct_headers)
             except RuntimeError as error:  # e.g. MPI initialised without MPI_THREAD_MULTIPLE
                 if transport != "shm":
-                    node.Free()
                     raise
                 self.point_to_point_unavailable = str(error)
             else:
                 native.extension.process_register(self.key, transport_capsule)
         if transport == "shm":
-            try:
-                self._attach_shared_memory(slot_bytes)
-            except BaseException:
-                node.Free()
-                raise
+            self._attach_shared_memory(slot_bytes)
+        self._owned.remove(node)
         if transport == "hierarchical":
             gpu_levels = dict(gpu_transport=gpu_options.transport,
                               gpu_workspace_bytes=gpu_options.workspace_bytes,
@@ -247,30 +268,22 @@ class Communicator:
             # if the level fails), and places its ranks on nodes as this communicator did, not
             # from JAXRING_MPI_RANKS_PER_NODE, which the caller may have overridden.
             def level(comm, make):
-                return common.set_up_on_every_rank(mpi_comm, lambda: _owning(comm, make),
-                                                   self.rank, self.name, Communicator._release)
+                levels.append(common.set_up_on_every_rank(
+                    mpi_comm, lambda: _owning(comm, make), self.rank, self.name,
+                    Communicator._release))
 
-            node_level = None
-            try:
-                node_level = level(node, lambda comm: Communicator(
-                    comm, label=f"{label} node", transport="shm", slot_bytes=slot_bytes,
-                    ranks_per_node=comm.Get_size() if ranks_per_node else 0, **gpu_levels))
-                across = mpi_comm.Split(node.Get_rank(), key=self.rank)
-                self.levels = (node_level, level(across, lambda comm: Communicator(
-                    comm, label=f"{label} across nodes", transport="mpi",
-                    ranks_per_node=1 if ranks_per_node else 0, **gpu_levels)))
-            except RuntimeError:
-                if node_level is not None:
-                    node_level._release()  # and with it the node's MPI communicator
-                _detach(self.key)
-                raise
+            level(node, lambda comm: Communicator(
+                comm, label=f"{label} node", transport="shm", slot_bytes=slot_bytes,
+                ranks_per_node=comm.Get_size() if ranks_per_node else 0, **gpu_levels))
+            level(mpi_comm.Split(node.Get_rank(), key=self.rank), lambda comm: Communicator(
+                comm, label=f"{label} across nodes", transport="mpi",
+                ranks_per_node=1 if ranks_per_node else 0, **gpu_levels))
+            self.levels = tuple(levels)
             # A failed call on any of the three makes this rank leave the other two, so that its
             # peers there (on other nodes too) fail at once instead of after a timeout.
             native.extension.link_failures([self.key] + [level.key for level in self.levels])
         else:
             node.Free()
-        self._finalizer = weakref.finalize(self, _detach, self.key)
-        self._gpu_requested = gpu_options
         # The transport GPU calls take ("none" in processes without GPUs), and whether MPI takes
         # device pointers (with how that was found out).
         self.gpu_transport, self.cuda_aware_mpi, self.cuda_aware_mpi_source = gpu.attach(
@@ -296,7 +309,6 @@ class Communicator:
         except RuntimeError:
             if self.rank == 0:
                 native.extension.shm_unlink(path)
-            _detach(self.key)
             raise
         if self.rank == 0:
             native.extension.shm_unlink(path)  # every rank has it mapped; nothing to clean up

@@ -422,6 +422,45 @@ def test_a_segment_larger_than_dev_shm_is_an_error_not_a_crash(monkeypatch):
     assert made and all(comm == MPI.COMM_NULL for comm in made), made
 
 
+@pytest.mark.parametrize("transport", ["auto", "hierarchical"])
+def test_a_set_up_that_fails_at_its_last_step_releases_what_it_made(monkeypatch, transport):
+    """The GPU transport is attached last, after the levels of a hierarchical communicator are
+    made. A failure there left this rank's MPI transport and shared memory registered, and the
+    levels with their MPI communicators allocated, for the rest of the process."""
+    made, nodes = [], []
+
+    def recording(comm, make, owning=jaxring.mpi._owning):
+        made.append(owning(comm, make))
+        return made[-1]
+
+    def node(comm, pretend, split=jaxring.mpi._node_communicator):
+        nodes.append(split(comm, pretend))
+        return nodes[-1]
+
+    def attach(mpi_comm, key, rank, size, name, *rest, real=jaxring.mpi.gpu.attach):
+        if "communicator late (" in name:  # not its levels
+            raise RuntimeError("imagined: no GPU transport")
+        return real(mpi_comm, key, rank, size, name, *rest)
+    monkeypatch.setattr(jaxring.mpi, "_owning", recording)
+    monkeypatch.setattr(jaxring.mpi, "_node_communicator", node)
+    monkeypatch.setattr(jaxring.mpi.gpu, "attach", attach)
+    hierarchical = transport == "hierarchical" and COMM.size > 1
+    monkeypatch.setenv("JAXRING_MPI_RANKS_PER_NODE", "1" if hierarchical else "0")
+    dup = MPI_COMM.Dup()
+    try:
+        with pytest.raises(RuntimeError, match="imagined"):
+            jaxring.mpi.Communicator(dup, label="late", transport=transport)
+    finally:
+        dup.Free()
+    assert len(made) == (2 if hierarchical else 0)
+    assert nodes and all(comm == MPI.COMM_NULL for comm in nodes), nodes
+    for level in made:
+        assert level._freed and level.mpi_comm == MPI.COMM_NULL, level
+        with pytest.raises(ValueError, match="was freed"):
+            jax.jit(lambda v, level=level: jaxring.all_reduce(v, level))(np.ones(3, np.float32))
+    MPI_COMM.Barrier()
+
+
 @pytest.mark.skipif(COMM.size < 2, reason="needs two ranks")
 def test_a_communicator_that_failed_is_released_by_free():
     """A failed call leaves a communicator refusing every later call, free()'s barrier too, so
