@@ -54,6 +54,21 @@ def test_grad_of_max_picks_the_winner():
     np.testing.assert_allclose(got, expected, rtol=1e-12)
 
 
+@pytest.mark.parametrize("op", ["sum", "mean", "max", "min"])
+def test_grad_over_an_axis_of_one_device_is_the_identity(op):
+    """Over one device every op returns its input; max and min had no gradient there (they
+    took lax.pmax and lax.pmin, which have no derivative), on a (4, 1) mesh as on one device."""
+    m = jax.make_mesh((N, 1), ("d", "i"), devices=jax.devices()[:N])
+    x = np.random.default_rng(3).standard_normal((N, 5))
+    with jax.set_mesh(m):
+        f = jax.shard_map(lambda v: jaxring.all_reduce(v, "i", op) * 3.0, mesh=m,
+                          in_specs=P("d"), out_specs=P("d"))
+        y, g = jax.jit(jax.value_and_grad(lambda v: jnp.sum(jnp.sin(f(v)))))(
+            jax.device_put(x, jax.NamedSharding(m, P("d"))))
+    np.testing.assert_allclose(y, np.sum(np.sin(3 * x)), rtol=1e-12)
+    np.testing.assert_allclose(np.asarray(g), 3 * np.cos(3 * x), rtol=1e-12)
+
+
 def test_grad_of_broadcast_flows_to_root():
     m = mesh(N)
     x = np.random.default_rng(2).standard_normal((N, 5))

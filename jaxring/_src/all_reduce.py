@@ -43,8 +43,11 @@ def all_reduce(x, axis_name, op: str = "sum", *, in_place: bool | None = None):
         comm = common.communicator("all_reduce", axis_name)
         if op == "mean" and jnp.issubdtype(leaf.dtype, jnp.integer):
             return all_reduce(leaf, axis_name, "sum", in_place=in_place) / comm.size  # as pmean
-        if comm.size == 1:  # nothing to exchange: the lax twin, which XLA elides
-            return LAX_TWINS[op](leaf, comm.axes) if comm.axes else leaf
+        if comm.size == 1:
+            # Nothing to exchange: every op is the identity. lax.psum, which XLA elides, makes
+            # the value invariant over the axes as every all-reduce does, and has a derivative
+            # (lax.pmax and lax.pmin have none).
+            return lax.psum(leaf, comm.axes) if comm.axes else leaf
         # A hierarchical jaxring.mpi communicator: large all-reduces go through its levels.
         levels = getattr(axis_name, "levels", None)
         nbytes = leaf.size * leaf.dtype.itemsize
@@ -53,9 +56,6 @@ def all_reduce(x, axis_name, op: str = "sum", *, in_place: bool | None = None):
         return _bind(leaf, comm, op, in_place)
 
     return jax.tree.map(reduce_leaf, x)
-
-
-LAX_TWINS = {"sum": lax.psum, "mean": lax.pmean, "max": lax.pmax, "min": lax.pmin}
 
 
 def _bind(x, comm: common.AxisCommunicator, op: str, in_place: bool | None = None):
