@@ -48,6 +48,24 @@ def test_pipeline_apply_equals_unsharded_model(n, dtype):
     np.testing.assert_allclose(np.asarray(got), expected, rtol=rtol, atol=rtol)
 
 
+@pytest.mark.parametrize("axes", [("a", "b"), ("b", "a")])
+def test_a_pipeline_over_a_tuple_of_axes_in_either_order_equals_unsharded(axes):
+    """8 stages over a 2 x 4 mesh. Stages are numbered in the tuple's order (lax.axis_index's,
+    and P(axes)'s placement of the layers), while jax 0.10's ppermute numbered a tuple's
+    devices in the mesh's order: over ("b", "a") the activations went to the wrong stages."""
+    rng = np.random.default_rng(11)
+    layers = make_layers(rng, np.float64)
+    microbatches = rng.standard_normal((5, 3, WIDTH))
+    m = jax.make_mesh((2, 4), ("a", "b"), devices=jax.devices()[:8])
+    body = lambda p, x: pipeline.pipeline_apply(pipeline.scan_layers(layer), p, x, axes)  # noqa
+    apply = jax.jit(jax.shard_map(body, mesh=m, in_specs=(P(axes), P()), out_specs=P()))
+    with jax.set_mesh(m):
+        stages = jax.device_put(pipeline.stack_stages(layers, 8), jax.NamedSharding(m, P(axes)))
+        got = apply(stages, microbatches)
+    np.testing.assert_allclose(np.asarray(got), unsharded(layers, microbatches), rtol=1e-12,
+                               atol=1e-12)
+
+
 @pytest.mark.parametrize("check_vma", [True, False])
 def test_gradient_through_a_4_stage_pipeline_equals_unsharded(check_vma):
     n = 4

@@ -25,6 +25,7 @@ from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 import jaxring
@@ -71,8 +72,25 @@ def local_stage(stage_params: PyTree) -> PyTree:
     return jax.tree.map(unblock, stage_params)
 
 
-def _hand_off(n: int, ring: bool):
-    return [(s, s + 1) for s in range(n - 1)] + ([(n - 1, 0)] if ring else [])
+def _hand_off(axis_name, n: int, ring: bool):
+    """The axes to ppermute over and the pairs (stage s, stage s + 1), the stages numbered as
+    lax.axis_index(axis_name) and shard_map's P(axis_name) number them: in a tuple's order. Over
+    a tuple of mesh axes the hand-off goes over the same axes in the mesh's order, the pairs
+    renumbered to match, since jax numbers that order alike in every version (before 0.11,
+    lax.ppermute numbered any tuple's devices in the mesh's order; from 0.11 in the tuple's,
+    refusing an order other than the mesh's by default)."""
+    pairs = [(s, s + 1) for s in range(n - 1)] + ([(n - 1, 0)] if ring else [])
+    order = common._mesh_axes()
+    if not isinstance(axis_name, (tuple, list)) or not set(axis_name) <= set(order):
+        return axis_name, pairs  # one axis, a process communicator, or an error to name
+    shape = jax.sharding.get_abstract_mesh().shape
+    axes = tuple(sorted(axis_name, key=order.index))
+
+    def renumber(stage):
+        coordinates = dict(zip(axis_name, np.unravel_index(stage, [shape[a] for a in axis_name])))
+        return int(np.ravel_multi_index([coordinates[a] for a in axes], [shape[a] for a in axes]))
+
+    return axes, [(renumber(a), renumber(b)) for a, b in pairs]
 
 
 def pipeline_step(stage_fn, stage_params: PyTree, carry: PyTree, axis_name, *,
@@ -85,7 +103,7 @@ def pipeline_step(stage_fn, stage_params: PyTree, carry: PyTree, axis_name, *,
     """
     n = common.communicator("pipeline", axis_name).size
     output = stage_fn(local_stage(stage_params), carry)
-    return output, jaxring.ppermute(output, axis_name, _hand_off(n, ring))
+    return output, jaxring.ppermute(output, *_hand_off(axis_name, n, ring))
 
 
 def pipeline_apply(stage_fn, stage_params: PyTree, microbatches: PyTree, axis_name) -> PyTree:
