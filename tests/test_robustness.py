@@ -639,11 +639,44 @@ def test_an_extended_dtype_is_refused_with_allowed_values():
             shmap(lambda v, call=call: (call(jax.random.key(0)), v)[1], m)(x)
 
 
+def test_a_sum_over_axes_the_input_varies_over_only_partly_is_refused_as_lax_refuses_it():
+    """Over ("a", "b") of an input that varies over "b" only, jaxring summed every copy along
+    "a", while lax.psum refuses it: it is unclear whether they count once or once each. An input
+    invariant over every axis counts every copy in both, and max takes either."""
+    m = jax.make_mesh((2, 2), ("a", "b"), devices=jax.devices()[:4])
+    x = np.random.default_rng(5).standard_normal((4, 6))
+    calls = {"all_reduce": (lambda v: jaxring.all_reduce(v, ("a", "b")),
+                            lambda v: lax.psum(v, ("a", "b"))),
+             "reduce_scatter": (lambda v: jaxring.reduce_scatter(v, ("a", "b"), "mean"),
+                                lambda v: lax.psum_scatter(v, ("a", "b"), tiled=True))}
+    with jax.set_mesh(m):
+        for spec in (P("b"), P()):
+            xs = jax.device_put(x, jax.NamedSharding(m, spec))
+            for name, (ours, theirs) in calls.items():
+                f = lambda call: jax.jit(jax.shard_map(call, mesh=m, in_specs=spec,  # noqa
+                                                       out_specs=P(("a", "b"))))(xs)
+                if spec == P():
+                    expected = np.asarray(f(theirs)) / (4 if name == "reduce_scatter" else 1)
+                    np.testing.assert_allclose(np.asarray(f(ours)), expected, rtol=1e-12)
+                    continue
+                with pytest.raises(ValueError, match="can only accept axis_name"):
+                    f(theirs)
+                with pytest.raises(ValueError, match=rf"jaxring.{name}: the input varies over "
+                                                     r"\('b',\) but not over \('a',\)"):
+                    f(ours)
+        got = jax.jit(jax.shard_map(lambda v: jaxring.all_reduce(v, ("a", "b"), "max"), mesh=m,
+                                    in_specs=P("b"), out_specs=P()))(
+            jax.device_put(x, jax.NamedSharding(m, P("b"))))
+    np.testing.assert_array_equal(np.asarray(got), np.maximum(x[:2], x[2:]))
+
+
 def test_unsupported_op_and_bad_arguments():
     m = mesh(4)
     x = shard(np.zeros((8, 3), np.float32), m)
     with pytest.raises(ValueError, match=r"unsupported op 'prod'; allowed: 'sum', 'mean'"):
         shmap(lambda v: jaxring.all_reduce(v, "i", "prod"), m)(x)
+    with pytest.raises(ValueError, match=r"unsupported op \['sum'\]; allowed: 'sum'"):
+        shmap(lambda v: jaxring.all_reduce(v, "i", ["sum"]), m)(x)
     with pytest.raises(NameError, match="unbound axis name 'j'"):
         shmap(lambda v: jaxring.all_reduce(v, "j"), m)(x)
     with pytest.raises(ValueError, match="must be divisible by the 4 devices"):

@@ -41,6 +41,7 @@ def all_reduce(x, axis_name, op: str = "sum", *, in_place: bool | None = None):
         leaf = jnp.asarray(leaf)
         common.check_dtype("all_reduce", leaf)
         comm = common.communicator("all_reduce", axis_name)
+        common.refuse_partly_varying("all_reduce", leaf, comm, op)
         if op == "mean" and jnp.issubdtype(leaf.dtype, jnp.integer):
             return all_reduce(leaf, axis_name, "sum", in_place=in_place) / comm.size  # as pmean
         if comm.size == 1:

@@ -51,7 +51,7 @@ def check_dtype(name: str, x) -> None:
 
 
 def check_op(name: str, op: str) -> None:
-    if op not in REDUCE_OPS:
+    if not isinstance(op, str) or op not in REDUCE_OPS:
         raise ValueError(
             f"jaxring.{name}: unsupported op {op!r}; allowed: {', '.join(map(repr, REDUCE_OPS))}"
         )
@@ -442,6 +442,24 @@ def reduced_invariant(comm: AxisCommunicator, aval) -> bool:
     (shard_map's vma typing); otherwise it is one device's share, to be summed (pmap and process
     communicators, where every process differentiates its own copy, as mpi4jax does)."""
     return bool(comm.axes) and vma_checking() and set(comm.axes) <= varying_axes(aval)
+
+
+def refuse_partly_varying(name: str, x, comm: AxisCommunicator, op: str) -> None:
+    """A sum over axes where `x` varies over some but not all: lax.psum and lax.psum_scatter
+    refuse it, since it is unclear whether the copies along the other axes count once or once
+    each; so do jaxring's sums and means (max and min, which copies do not change, take it, as
+    lax.pmax does)."""
+    if op not in ("sum", "mean") or not comm.axes or not vma_checking():
+        return
+    varying = varying_axes(core.typeof(x))
+    over = [a for a in comm.axes if a in varying]
+    if over and len(over) < len(comm.axes):
+        raise ValueError(
+            f"jaxring.{name}: the input varies over {tuple(over)!r} but not over "
+            f"{tuple(a for a in comm.axes if a not in varying)!r}, of the axes {comm.axes!r} "
+            f"it would be summed over, which lax.psum refuses as well: sum over the axes it "
+            f"varies over, or make it vary over all of them first (jax.lax.pcast(x, axes, "
+            f"to='varying'), which counts every copy)")
 
 
 def make_varying(x, axes: tuple[Any, ...]):

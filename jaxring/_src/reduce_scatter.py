@@ -31,6 +31,7 @@ def reduce_scatter(x, axis_name, op: str = "sum", scatter_dimension: int = 0):
         leaf = jnp.asarray(leaf)
         common.check_dtype("reduce_scatter", leaf)
         comm = common.communicator("reduce_scatter", axis_name)
+        common.refuse_partly_varying("reduce_scatter", leaf, comm, op)
         if leaf.ndim == 0:
             raise ValueError("jaxring.reduce_scatter: needs an array of rank >= 1, got a scalar")
         dim = _canonical_dimension(scatter_dimension, leaf.ndim)
