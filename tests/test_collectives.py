@@ -501,21 +501,28 @@ def test_large_outputs_are_written_to_huge_pages(collective):
 @pytest.mark.parametrize("n", DEVICE_COUNTS)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("dim", [0, 1])
-def test_reduce_scatter(n, dtype, dim):
+@pytest.mark.parametrize("op", ["sum", "mean", "max", "min"])
+def test_reduce_scatter(n, dtype, dim, op):
     rng = np.random.default_rng(7 * n + dim)
     m = mesh(n)
     shape = [n * 3, 4 * n + 0, 2]
     shape[dim] = n * n * 3  # per-device block divisible by n along dim
     x = random_array(rng, (n * shape[0], *shape[1:]), dtype)
     xs = shard(x, m)
-    ours = _run_variants(shmap(lambda v: jaxring.reduce_scatter(v, "i", scatter_dimension=dim), m), xs)
+    ours = _run_variants(shmap(lambda v: jaxring.reduce_scatter(v, "i", op, dim), m), xs)
     theirs = np.asarray(shmap(lambda v: lax.psum_scatter(v, "i", scatter_dimension=dim,
                                                          tiled=True), m)(xs))
-    expected = x.astype(np.float64).reshape(n, *shape).sum(0)  # the full reduction
+    per_device = x.astype(np.float64).reshape(n, *shape)
+    expected = getattr(per_device, op)(0)  # the full reduction
     expected = np.concatenate(np.split(expected, n, axis=dim), axis=0)  # device blocks, stacked
     for algorithm, out in ours.items():
-        assert out.shape == theirs.shape and out.dtype == theirs.dtype
-        assert_close(out, expected, dtype, count=n)
+        assert out.shape == theirs.shape
+        if op == "mean" and np.issubdtype(dtype, np.integer):
+            assert out.dtype.kind == "f", "integer mean divides like lax.pmean"
+            np.testing.assert_allclose(out, expected, rtol=1e-6)
+            continue
+        assert out.dtype == theirs.dtype
+        assert_close(out, expected, dtype, count=n if op in ("sum", "mean") else 1)
 
 
 @pytest.mark.parametrize("n", DEVICE_COUNTS)

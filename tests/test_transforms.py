@@ -173,6 +173,29 @@ def test_pmap():
     np.testing.assert_array_equal(np.asarray(got), np.tile(x.reshape(-1), (8, 1)))
 
 
+@pytest.mark.parametrize("axes", [("data", "model"), ("model", "data")])
+def test_every_collective_over_a_tuple_of_axes_in_either_order_matches_lax(axes):
+    """Over a tuple, devices are numbered in the tuple's order, as lax.axis_index,
+    lax.all_gather and psum_scatter number them (broadcast's root likewise)."""
+    m = jax.make_mesh((4, 2), ("data", "model"))
+    x = np.random.default_rng(8).standard_normal((4 * 16, 2 * 3))
+    xs = shard(x, m, P("data", "model"))
+    spec = P("data", "model")
+    pairs = {
+        "all_gather": (lambda v: jaxring.all_gather(v, axes, axis=1),
+                       lambda v: lax.all_gather(v, axes, axis=1, tiled=True)),
+        "reduce_scatter": (lambda v: jaxring.reduce_scatter(v, axes),
+                           lambda v: lax.psum_scatter(v, axes, tiled=True)),
+        "broadcast": (lambda v: jaxring.broadcast(v, axes, root=5),
+                      lambda v: lax.psum(jnp.where(lax.axis_index(axes) == 5, v, 0), axes)),
+    }
+    for name, (ours, theirs) in pairs.items():
+        got = np.asarray(shmap(ours, m, spec, spec)(xs))
+        expected = np.asarray(shmap(theirs, m, spec, spec)(xs))
+        assert got.shape == expected.shape, name
+        assert_close(got, expected, np.float64, count=8)
+
+
 def test_two_dimensional_mesh_keeps_groups_apart():
     """Reducing over one mesh axis: the groups along the other axis must never mix."""
     m = jax.make_mesh((4, 2), ("data", "model"))
