@@ -64,6 +64,17 @@ def random_dataset(rng, count=10, feature_dim=5):
         [f"utt{i}" for i in range(count)], ["v"] * count)
 
 
+def test_a_transcript_longer_than_max_label_length_is_an_error_not_cut():
+    """The labels were cut to max_label_length while the audio was kept whole, so CTC would
+    have learned a wrong transcript."""
+    dataset = random_dataset(np.random.default_rng(4), count=3)
+    longest = max(len(labels) for labels in dataset.labels)
+    batch = data.make_batch(dataset, [0, 1, 2], 4, 8, max_label_length=longest)
+    assert batch.label_mask.sum() == sum(len(labels) for labels in dataset.labels)
+    with pytest.raises(ValueError, match=rf"has {longest} labels, more than max_label_length"):
+        data.make_batch(dataset, [0, 1, 2], 4, 8, max_label_length=longest - 1)
+
+
 def test_batches_sortagrad_then_shuffled_with_masks():
     rng = np.random.default_rng(0)
     dataset = random_dataset(rng, count=23)

@@ -181,6 +181,23 @@ def test_no_speaker_means_no_speaker_term():
                                    local=local, return_logits=True), expected)
 
 
+def test_zero_samples_from_every_sampler():
+    """The fused samplers divided by a chunk of min(chunk_steps, 0) steps."""
+    config, batch = CONDITIONED, 3
+    weights = random_weights(config, seed=29)
+    key = jax.random.key(30)
+    speaker, local = conditioning(config, batch, 0, seed=31)
+    stages = mesh(2, "stage")
+    for sample in (sampler.sample_incremental, fused_sampler.sample_fused,
+                   functools.partial(pipeline_sampler.sample_layer_sharded, mesh=stages,
+                                     axis="stage"),
+                   functools.partial(pipeline_sampler.sample_layer_sharded_fused, mesh=stages,
+                                     axis="stage", chunk_steps=8)):
+        tokens, logits = sample(weights, config, key, 0, batch, speaker=speaker, local=local,
+                                return_logits=True)
+        assert tokens.shape == (batch, 0) and logits.shape == (batch, 0, config.quantization_levels)
+
+
 def test_incremental_equals_naive(case):
     config, batch, weights, key, speaker, local, naive = case
     incremental = sampler.sample_incremental(weights, config, key, NUM_SAMPLES, batch, speaker,
@@ -361,6 +378,25 @@ def test_speech_choices_do_not_depend_on_clip_lengths(monkeypatch):
     assert asked_short == asked_long
     for clip, longer in zip(short, long, strict=True):
         np.testing.assert_array_equal(clip, longer[:len(clip)])
+
+
+def test_the_command_line_trains_and_every_sampler_draws_the_same_samples(tmp_path):
+    """models.wavenet.main: a short training run, then the fused sampler and the two
+    layer-sharded ones (2 stages) from its checkpoint, which must write the same WAV files."""
+    from models.wavenet import main
+
+    workdir = tmp_path / "run"
+    main.main(["train", "--config", "tiny", "--workdir", str(workdir),
+               "--set", "num_epochs=1", "steps_per_epoch=2"])
+    written = {}
+    for name in ("fused", "layer_sharded", "layer_sharded_fused"):
+        main.main(["sample", "--config", "tiny", "--workdir", str(workdir), "--sampler", name,
+                   "--stages", "2", "--streams", "2", "--seconds", "0.05",
+                   "--out", str(tmp_path / "out")])
+        written[name] = [(tmp_path / "out" / f"{name}-{s}.wav").read_bytes() for s in (0, 1)]
+    assert written["fused"][0] != written["fused"][1]  # two streams, two draws
+    assert written["layer_sharded"] == written["fused"]
+    assert written["layer_sharded_fused"] == written["fused"]
 
 
 def test_training_loss_falls_and_resumes(tmp_path):

@@ -75,7 +75,7 @@ CONFIGS = {
     # data-parallel replicas (one per core) and Adam, which needs fewer steps than Nesterov
     # momentum to get there.
     "tiny": Config(optimizer="adam", learning_rate=2e-3, num_devices=2, epochs=3),
-    # The same task with room to spare: 3 convolutions as the paper, wider GRUs.
+    # The same task with room to spare: more utterances, wider GRUs, 20 epochs.
     "small": Config(
         train_utterances=20000, conv_channels=(32, 32), conv_kernels=((11, 41), (11, 21)),
         conv_strides=((2, 2), (1, 2)), rnn_layers=3, rnn_hidden=384, dense=384, epochs=20),

@@ -158,6 +158,9 @@ def run_chunks(steps_fn, config: ModelConfig, key, num_samples: int, batch: int,
         tokens, queues, logits = steps_fn(local_chunk, noise, token, queues, first_step)
         return (queues, tokens[-1]), (tokens, logits)
 
+    if num_samples == 0:
+        return (jnp.zeros((batch, 0), jnp.int32),
+                jnp.zeros((batch, 0, levels), jnp.float32))
     length = min(chunk_steps, num_samples)
     full_chunks, remainder = divmod(num_samples, length)
     starts = jnp.arange(full_chunks, dtype=jnp.int32) * length

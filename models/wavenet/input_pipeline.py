@@ -112,7 +112,7 @@ def load_dataset(config: Config, cache_dir) -> dict[str, np.ndarray]:
 
 def random_crops(stream: np.ndarray, batch: int, length: int, rng) -> np.ndarray:
     """`[batch, length + 1]` crops: inputs are `[:, :-1]`, targets `[:, 1:]`."""
-    starts = rng.integers(0, len(stream) - length - 1, size=batch)
+    starts = rng.integers(0, len(stream) - length, size=batch)  # the last start included
     return np.stack([stream[s: s + length + 1] for s in starts])
 
 

@@ -3,6 +3,11 @@
     python -m models.wavenet.main train --config small --workdir workdir/wavenet-small
     python -m models.wavenet.main sample --config small --workdir workdir/wavenet-small \
         --seconds 2 --sampler fused
+    python -m models.wavenet.main sample --config small --workdir workdir/wavenet-small \
+        --seconds 2 --sampler layer_sharded_fused --stages 4 --streams 4
+
+The layer-sharded samplers place the layers on `--stages` devices (on CPU, that many host
+devices of this process), handing activations on with jaxring's point-to-point transfers.
 """
 
 from __future__ import annotations
@@ -13,7 +18,8 @@ import dataclasses
 import time
 from pathlib import Path
 
-SAMPLERS = ("naive", "incremental", "python_loop", "fused", "fused_f16")
+SAMPLERS = ("naive", "incremental", "python_loop", "fused", "fused_f16", "layer_sharded",
+            "layer_sharded_fused")
 
 
 def parse_overrides(pairs: list[str]) -> dict:
@@ -31,11 +37,25 @@ def sample_command(config, args) -> None:
     import jax
     import jax.numpy as jnp
 
-    from models.wavenet import audio, fused_sampler, sampler, train
+    if args.sampler.startswith("layer_sharded") and jax.config.jax_platforms in (None, "", "cpu"):
+        try:
+            jax.config.update("jax_num_cpu_devices", args.stages)
+        except RuntimeError:  # jax has started (a caller's process): its devices as they are
+            pass
+
+    from models.wavenet import audio, fused_sampler, pipeline_sampler, sampler, train
 
     weights = train.load_weights(args.workdir, config)
     num_samples = int(args.seconds * config.sample_rate)
     key = jax.random.key(args.seed)
+
+    if args.sampler.startswith("layer_sharded"):
+        if len(jax.devices()) < args.stages:
+            raise SystemExit(f"--stages {args.stages}: this process has {len(jax.devices())} "
+                             "devices")
+        stages = jax.make_mesh((args.stages,), ("stage",), devices=jax.devices()[:args.stages])
+        # Restored onto one device; the samplers place each stage's share themselves.
+        weights = jax.device_put(weights, jax.NamedSharding(stages, jax.P()))
     run = {
         "naive": lambda: sampler.sample_naive(weights, config.model, key, num_samples,
                                               args.streams),
@@ -47,6 +67,10 @@ def sample_command(config, args) -> None:
                                                     args.streams),
         "fused_f16": lambda: fused_sampler.sample_fused(weights, config.model, key, num_samples,
                                                         args.streams, weight_dtype=jnp.float16),
+        "layer_sharded": lambda: pipeline_sampler.sample_layer_sharded(
+            weights, config.model, key, num_samples, args.streams, stages, "stage"),
+        "layer_sharded_fused": lambda: pipeline_sampler.sample_layer_sharded_fused(
+            weights, config.model, key, num_samples, args.streams, stages, "stage"),
     }[args.sampler]
     start = time.perf_counter()
     tokens = jax.block_until_ready(run())
@@ -73,6 +97,8 @@ def main(argv=None) -> None:
     parser.add_argument("--seconds", type=float, default=1.0)
     parser.add_argument("--streams", type=int, default=1)
     parser.add_argument("--sampler", choices=SAMPLERS, default="fused")
+    parser.add_argument("--stages", type=int, default=2,
+                        help="devices the layer-sharded samplers place the layers on")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default=None, help="folder for WAV + PNG (default: WORKDIR/samples)")
     args = parser.parse_args(argv)

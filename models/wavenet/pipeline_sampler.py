@@ -57,6 +57,9 @@ def sample_layer_sharded(weights, config: ModelConfig, key, num_samples: int, ba
     residual, skip = config.residual_channels, config.skip_channels
     hidden, levels = config.output_channels, config.quantization_levels
     message_width = max(residual + skip, hidden)
+    if num_samples == 0:  # the pipeline would index a time axis of none
+        tokens = jnp.zeros((batch, 0), jnp.int32)
+        return (tokens, jnp.zeros((batch, 0, levels), jnp.float32)) if return_logits else tokens
     ticks = num_samples * n + microbatches
     pass_on = functools.partial(PERMUTES[permute], axis_name=axis,
                                 perm=[(s, (s + 1) % n) for s in range(n)])
