@@ -119,6 +119,27 @@ def test_all_reduce_matches_lax_psum(n, dtype):
         assert_close(out, theirs.astype(np.float64), dtype, count=2 * n, exact_reference=False)
 
 
+@pytest.mark.parametrize("n", [3, 8])
+@pytest.mark.parametrize("dtype", [np.int32, np.int64], ids=str)
+def test_integer_sums_that_overflow_wrap_as_psum_does(n, dtype):
+    """Two's complement wrapping (the kernels add integers as unsigned: a signed overflow is
+    undefined behaviour in C++), every element against lax.psum and against numpy's wrapping."""
+    info = np.iinfo(dtype)
+    x = np.random.default_rng(n).integers(info.max // 2, info.max, size=(n * 1008,), dtype=dtype)
+    x[::7] = info.min + np.arange(len(x[::7]), dtype=dtype)  # and some that wrap downwards
+    m = mesh(n)
+    xs = shard(x, m)
+    expected = x.reshape(n, -1).sum(0, dtype=dtype)  # numpy wraps
+    theirs = np.asarray(shmap(lambda v: lax.psum(v, "i"), m, out_specs=P())(xs))
+    np.testing.assert_array_equal(theirs, expected)
+    for algorithm, out in _run_variants(shmap(lambda v: jaxring.all_reduce(v, "i"), m,
+                                              out_specs=P()), xs, replicated=True).items():
+        for device in out:
+            np.testing.assert_array_equal(device, expected, err_msg=algorithm)
+    got = np.asarray(shmap(lambda v: jaxring.reduce_scatter(v, "i"), m)(xs))
+    np.testing.assert_array_equal(got, expected)
+
+
 @pytest.mark.parametrize("n", [2, 3, 4, 8])
 @pytest.mark.parametrize("dtype", [np.float32, np.float64], ids=str)
 def test_mean_divides_the_sum_bit_for_bit(n, dtype):
