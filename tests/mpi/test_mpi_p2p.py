@@ -329,6 +329,48 @@ def test_messages_of_several_pieces_arrive_whole():
 
 
 @pytest.mark.skipif(N < 2, reason="needs two ranks")
+@pytest.mark.parametrize("first", ["collective", "point-to-point"])
+def test_a_failure_of_either_kind_of_call_refuses_the_other_kind(first):
+    """A shared-memory communicator's point-to-point calls go over MPI: a failed collective left
+    them working, and a failed ppermute left the collectives working."""
+    sub = COMM.split(0, key=COMM.rank)
+    bad = np.ones(3 if COMM.rank == 0 else 4, np.float32)
+    collective = jax.jit(lambda v: jaxring.all_reduce(v, sub))
+    point_to_point = jax.jit(lambda v: jaxring.ppermute(v, sub, permutations()["shift"]))
+    failing, other = ((collective, point_to_point) if first == "collective"
+                      else (point_to_point, collective))
+    with jaxring.config.override(timeout_seconds=30.0):
+        try:  # every rank fails, at once or on its peers' notice
+            np.asarray(failing(bad))
+        except Exception:  # noqa: BLE001 - what each rank raises is tested elsewhere
+            pass
+        jaxring.reset_after_error()
+        with pytest.raises(Exception, match="failed earlier"):
+            np.asarray(other(np.ones(4, np.float32)))
+    jaxring.reset_after_error()
+    MPI_COMM.Barrier()
+
+
+@pytest.mark.skipif(N < 2, reason="needs two ranks")
+def test_a_failed_collective_reaches_a_peer_waiting_in_a_receive_at_once():
+    """Rank 0's all-reduce times out (rank 1 is in a receive from it, not there): over shared
+    memory rank 1 waited out its own 60 s timeout instead of failing on rank 0's notice."""
+    sub = COMM.split(0, key=COMM.rank)
+    start = time.monotonic()
+    if COMM.rank == 0:
+        with jaxring.config.override(timeout_seconds=3.0):
+            with pytest.raises(Exception, match="timed out after 3 s"):
+                np.asarray(jax.jit(lambda v: jaxring.all_reduce(v, sub))(np.ones(4, np.float32)))
+    elif COMM.rank == 1:
+        with jaxring.config.override(timeout_seconds=60.0):
+            with pytest.raises(Exception, match="rank 0 gave up"):
+                np.asarray(jax.jit(lambda v: jaxring.recv(v, sub, [(0, 1)]))(np.ones(4)))
+        assert time.monotonic() - start < 30
+    jaxring.reset_after_error()
+    MPI_COMM.Barrier()
+
+
+@pytest.mark.skipif(N < 2, reason="needs two ranks")
 def test_missing_sender_times_out_naming_it():
     sub = COMM.split(0, key=COMM.rank)
     if COMM.rank == 0:  # rank 1 never sends

@@ -81,10 +81,11 @@ HostResult GoOnElsewhere(HostCompletion* complete, std::function<Status()> rest)
   return result;
 }
 
-// A process communicator's failed call fails the communicators linked to it too
-// (ProcessTransport::FailLinked: a hierarchical communicator and its levels).
-Status FailLinked(const JaxringHostCall& c, Status status) {
-  if (!status.ok()) ProcessTransport::FailLinked(c.comm, status.message());
+// A process communicator's failed call makes this rank leave all of it and the communicators
+// linked to it (ProcessTransport::CallFailed). `held`: the process transport that ran the call,
+// whose mutex this thread holds, or null (its shared memory ran it).
+Status LeaveIfFailed(const JaxringHostCall& c, const ProcessTransport* held, Status status) {
+  if (!status.ok()) ProcessTransport::CallFailed(c.comm, held, status.message());
   return status;
 }
 
@@ -96,14 +97,16 @@ HostResult RunCollectiveCall(const JaxringHostCall& c, const Header& header,
     const Config config = CurrentConfig();
     if (auto processes = ShmCommunicator::Find(c.comm)) {
       Status status = CheckProcess(*processes, header, c.rank, c.size);
-      return {status.ok() ? FailLinked(c, RunStaged(*processes, header, buffers, config))
-                          : status};
+      return {status.ok()
+                  ? LeaveIfFailed(c, nullptr, RunStaged(*processes, header, buffers, config))
+                  : status};
     }
     if (auto processes = ProcessTransport::Find(c.comm)) {
       Status status = CheckProcess(*processes, header, c.rank, c.size);
       if (!status.ok()) return {status};
       std::lock_guard<std::mutex> lock(processes->mutex());
-      return {FailLinked(c, processes->RunCollective(header, buffers, config))};
+      return {LeaveIfFailed(c, processes.get(),
+                            processes->RunCollective(header, buffers, config))};
     }
     return {ProcessCommunicatorGone(c, header)};
   }
@@ -150,13 +153,13 @@ Status RunAgreeCall(const JaxringHostCall& c, const Header& header) {
   const Config config = CurrentConfig();
   if (auto processes = ShmCommunicator::Find(c.comm)) {
     Status status = CheckProcess(*processes, header, c.rank, c.size);
-    return status.ok() ? FailLinked(c, RunAgree(*processes, header, config)) : status;
+    return status.ok() ? LeaveIfFailed(c, nullptr, RunAgree(*processes, header, config)) : status;
   }
   if (auto processes = ProcessTransport::Find(c.comm)) {
     Status status = CheckProcess(*processes, header, c.rank, c.size);
     if (!status.ok()) return status;
     std::lock_guard<std::mutex> lock(processes->mutex());
-    return FailLinked(c, processes->Agree(header, config));
+    return LeaveIfFailed(c, processes.get(), processes->Agree(header, config));
   }
   if (OfProcesses(c)) return ProcessCommunicatorGone(c, header);
   return Status::Error(Where(header, CommName(c), c.rank, c.size) +
@@ -199,7 +202,7 @@ HostResult RunPointToPointCall(const JaxringHostCall& c, const Header& header,
       if (!status.ok()) return {status};
       std::lock_guard<std::mutex> lock(processes->mutex());
       processes->Configure(config);
-      return {FailLinked(c, run(*processes))};
+      return {LeaveIfFailed(c, processes.get(), run(*processes))};
     }
     if (auto processes = ShmCommunicator::Find(c.comm))
       return {Status::Error(processes->Where(header) + ": this process communicator has no "

@@ -18,10 +18,12 @@ std::map<uint64_t, std::vector<uint64_t>>& Links() {  // each key's linked keys,
 }
 
 // This rank leaves the communicators under `key` (shared memory's, a process transport's) with
-// `why`. A process transport whose mutex is held runs a call, and is skipped (process.h).
-void AbandonKey(uint64_t key, const std::string& why) {
-  if (auto shm = ShmCommunicator::Find(key)) shm->Abandon(why);
-  if (auto transport = ProcessTransport::Find(key)) {
+// `why`. A process transport whose mutex is held runs a call, and is skipped (process.h); so is
+// `held`, whose failed call this thread runs, holding its mutex (it has left already).
+void AbandonKey(uint64_t key, const std::string& why, const ProcessTransport* held = nullptr) {
+  if (auto shm = ShmCommunicator::Find(key)) shm->Abandon(why);  // its first error stands
+  auto transport = ProcessTransport::Find(key);
+  if (transport && transport.get() != held) {
     std::unique_lock<std::mutex> lock(transport->mutex(), std::try_to_lock);
     if (lock.owns_lock()) transport->Abandon(why);
   }
@@ -74,6 +76,12 @@ void ProcessTransport::FailLinked(uint64_t key, const std::string& why) {
 
 void ProcessTransport::Leave(uint64_t key, const std::string& why) {
   AbandonKey(key, why);
+  FailLinked(key, why);
+}
+
+void ProcessTransport::CallFailed(uint64_t key, const ProcessTransport* held,
+                                  const std::string& why) {
+  AbandonKey(key, why, held);
   FailLinked(key, why);
 }
 

@@ -54,6 +54,12 @@ class ProcessTransport : public PointToPoint {
   // This rank leaves communicator `key` and those linked to it with `why`, between calls (a GPU
   // collective failed outside the host library: kJaxringHostLeave).
   static void Leave(uint64_t key, const std::string& why);
+  // A call on communicator `key` failed with `why`: this rank leaves all of it, its shared memory
+  // and its process transport (a shared-memory communicator's point-to-point calls go over MPI;
+  // a failure of either must refuse later calls on both and reach peers waiting in the other at
+  // once), and the communicators linked to it. `held`: the process transport whose call failed,
+  // whose mutex the caller holds (it has left already), or null.
+  static void CallFailed(uint64_t key, const ProcessTransport* held, const std::string& why);
 
  private:
   std::mutex mutex_;
