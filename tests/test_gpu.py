@@ -143,6 +143,20 @@ def test_cuda_aware_mpi_detection_and_override():
     assert isinstance(aware, bool) and "MPIX_Query_cuda_support" in how
 
 
+def test_device_pointers_go_to_mpi_only_where_the_cuda_aware_path_can_take_them():
+    """Past 16 ranks (one reduce kernel takes every rank's piece) the CUDA-aware path's set-up
+    refused, and a communicator of 17 GPU processes with a CUDA-aware MPI could not be made."""
+    max_ranks = native.extension.gpu_defaults()["ipc_max_ranks"]
+    extension = object()
+    assert gpu.device_pointers_to_mpi(True, "asked", max_ranks, extension) == (True, "asked")
+    assert gpu.device_pointers_to_mpi(False, "no", max_ranks, extension) == (False, "no")
+    aware, how = gpu.device_pointers_to_mpi(True, "asked", max_ranks + 1, extension)
+    assert not aware and re.fullmatch(rf"asked, but the CUDA-aware path takes at most "
+                                      rf"{max_ranks} ranks .*: pinned staging", how), how
+    aware, how = gpu.device_pointers_to_mpi(True, "JAXRING_CUDA_AWARE_MPI=1", 2, None)
+    assert not aware and "MPI transport is unavailable: pinned staging" in how, how
+
+
 def test_a_cpu_process_communicator_has_no_gpu_transport():
     comm = jaxring.mpi.world()
     expected = "none" if not native.has_cuda_backend() else comm.gpu_transport

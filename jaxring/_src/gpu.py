@@ -116,6 +116,22 @@ def cuda_aware_mpi(choice: str, extension) -> tuple[bool, str]:
     return tuple(extension.cuda_aware())
 
 
+def device_pointers_to_mpi(aware: bool, how: str, size: int, extension) -> tuple[bool, str]:
+    """Whether the staged transport of `size` ranks hands MPI device pointers, given whether
+    every rank's MPI takes them (`aware`, `how` we know): not without jaxring's MPI extension,
+    nor past the ranks that one reduce kernel takes (the CUDA-aware path's set-up refused those,
+    failing the communicator); pinned staging then, saying why."""
+    if not aware:
+        return False, how
+    if extension is None:
+        return False, f"{how}, but jaxring's MPI transport is unavailable: pinned staging"
+    max_ranks = native.extension.gpu_defaults()["ipc_max_ranks"]
+    if size > max_ranks:
+        return False, (f"{how}, but the CUDA-aware path takes at most {max_ranks} ranks (one "
+                       f"reduce kernel for every rank's piece): pinned staging")
+    return True, how
+
+
 def local_device() -> int:
     import jax
 
@@ -178,7 +194,8 @@ def attach(mpi_comm, key: int, rank: int, size: int, name: str, options: GpuOpti
             # A CUDA-aware MPI gets device pointers, over messages of its own (collective).
             what = f"the staged GPU transport of {name}"
             messages = None
-            if aware and extension is not None:
+            aware, how = device_pointers_to_mpi(aware, how, size, extension)
+            if aware:
                 from mpi4py import MPI
 
                 messages = common.set_up_on_every_rank(mpi_comm, lambda: extension.message_ops(
