@@ -180,6 +180,7 @@ class Communicator:
         self.size = mpi_comm.Get_size()
         self.name = f"MPI communicator {label or hex(id(mpi_comm))} ({self.size} processes)"
         self.levels = None  # (this node's communicator, the one across nodes) when hierarchical
+        self.slot_bytes = slot_bytes
         self._requested = (transport, ranks_per_node)
         self._gpu_requested = gpu_options
         self._finalizer = None
@@ -314,14 +315,16 @@ class Communicator:
             native.extension.shm_unlink(path)  # every rank has it mapped; nothing to clean up
 
     def split(self, color: int, key: int = 0) -> "Communicator":
-        """Ranks with the same `color` form a new communicator, ordered by `key` (MPI_Comm_split).
+        """Ranks with the same `color` form a new communicator, ordered by `key` (MPI_Comm_split),
+        asking for what this one asked for (transport, slot_bytes, ranks_per_node, GPU options).
         Its MPI communicator is its own: free() frees it."""
         self._check_not_freed()
         transport, ranks_per_node = self._requested
         options = self._gpu_requested
         return _owning(self.mpi_comm.Split(color, key), lambda comm: Communicator(
             comm, label=f"split(color={color})", transport=transport,
-            ranks_per_node=ranks_per_node, gpu_transport=options.transport,
+            slot_bytes=self.slot_bytes, ranks_per_node=ranks_per_node,
+            gpu_transport=options.transport,
             gpu_workspace_bytes=options.workspace_bytes, gpu_staging_bytes=options.staging_bytes))
 
     def free(self) -> None:

@@ -232,6 +232,16 @@ def test_split_communicators_never_mix():
     np.testing.assert_array_equal(np.asarray(got), np.full(4, sum(r + 1.0 for r in members)))
 
 
+def test_a_split_asks_for_its_parents_slot_bytes():
+    """A split took the default slots (1 MiB per rank) whatever its parent's, which a /dev/shm
+    too small for them refuses. With 64 KiB slots, 300_001 elements move in many chunks."""
+    with SMALL_SLOTS.split(0, key=COMM.rank) as sub:
+        assert sub.slot_bytes == SMALL_SLOTS.slot_bytes == 64 << 10
+        x = random_array(np.random.default_rng(COMM.rank), (300_001,), np.float32)
+        y = np.asarray(jax.jit(lambda v: jaxring.all_reduce(v, sub))(x))
+        assert_close(y, gathered(x).astype(np.float64).sum(0), np.float32, COMM.size)
+
+
 def test_deterministic_across_runs():
     rng = np.random.default_rng(COMM.rank + 20)
     x = rng.standard_normal(100_000).astype(np.float32)

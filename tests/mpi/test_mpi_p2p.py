@@ -340,12 +340,12 @@ def test_a_failure_of_either_kind_of_call_refuses_the_other_kind(first):
     failing, other = ((collective, point_to_point) if first == "collective"
                       else (point_to_point, collective))
     with jaxring.config.override(timeout_seconds=30.0):
-        try:  # every rank fails, at once or on its peers' notice
+        try:  # a rank fails, or finds out later that a peer did (a ppermute on 3 or more ranks)
             np.asarray(failing(bad))
         except Exception:  # noqa: BLE001 - what each rank raises is tested elsewhere
             pass
         jaxring.reset_after_error()
-        with pytest.raises(Exception, match="failed earlier"):
+        with pytest.raises(Exception, match="failed earlier|gave up on this communicator"):
             np.asarray(other(np.ones(4, np.float32)))
     jaxring.reset_after_error()
     MPI_COMM.Barrier()
