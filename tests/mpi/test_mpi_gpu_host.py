@@ -225,7 +225,7 @@ class SharedSlots:
         import ctypes
         import mmap
 
-        self.comm, self.slot_bytes, self.step = comm, slot_bytes, 0
+        self.comm, self.slot_bytes, self.step, self.trace = comm, slot_bytes, 0, []
         path = MPI_COMM.bcast(f"/dev/shm/jaxring-ipc-test-{comm.key:016x}", root=0)
         nbytes = 2 * comm.size * slot_bytes
         if comm.rank == 0:
@@ -240,11 +240,64 @@ class SharedSlots:
         self.address = ctypes.addressof(ctypes.c_char.from_buffer(self.map))
 
     def run(self, kind, op, x, output_count, root=0, op_id=0):
-        out, self.step = native.extension.ipc_steps_on_host(
+        out, self.step, trace = native.extension.ipc_steps_on_host(
             self.comm.key, self.comm.name, self.comm.rank, self.comm.size, self.address,
             self.slot_bytes, self.step, kind, OPS[op], DIRECT_DTYPES[x.dtype], x.tobytes(),
             output_count, root, op_id)
+        self.trace += trace
         return np.frombuffer(out, x.dtype)
+
+
+STAGED, REDUCED, DONE = 0, 1, 2  # gpu::IpcEvent
+
+
+def check_ipc_ordering(trace, me):
+    """The order that cuda-ipc's steps need on a GPU, where copies and kernels run on a stream
+    and only events order them against other processes (cuda/ipc.h), checked on the trace of
+    this rank's operations (HostIpcOps), since on the host every copy is done when it returns:
+    - a step of parity p touches only slots of parity p and ends by recording `done` p;
+    - from the third step on, this rank writes its slot only after waiting for every rank's
+      `done` p, its own included (every reader of that slot two steps ago has finished);
+    - before each exchange (`agree`) it records `staged` p, or in a two-shot all-reduce's
+      second one `reduced` p, after its last write to its slot;
+    - it reads a peer's slot only after the latest exchange, and after waiting, since then,
+      for that peer's event recorded before it."""
+    steps, current = [], []
+    for entry in trace:
+        current.append(entry.split())
+        if current[-1][:2] == ["record", str(DONE)]:
+            steps.append(current)
+            current = []
+    assert not current, f"a step that never recorded `done`: {current}"
+    for number, ops in enumerate(steps):
+        p = number % 2
+        where = f"step {number}: {[' '.join(op) for op in ops]}"
+        assert all(int(op[2]) == p for op in ops if op[0] in ("read", "write", "record")), where
+        assert all(int(op[2]) == p for op in ops if op[0] == "wait"), where
+        done_waited = number < 2
+        agreed = 0  # exchanges so far in this step
+        recorded = waited = None  # the events recorded and waited for since the last exchange
+        for op in ops:
+            if op[0] == "wait" and int(op[1]) == DONE:
+                assert op[3:] == ["-1", "1"], where  # every rank's, this one's too
+                done_waited = True
+            elif op[0] == "write" and int(op[1]) == me:
+                assert done_waited, f"wrote its slot before every reader was done; {where}"
+                recorded = None  # a record before this write would publish too early
+            elif op[0] == "record" and int(op[1]) != DONE:
+                recorded = int(op[1])
+            elif op[0] == "agree":
+                assert recorded == (STAGED if agreed == 0 else REDUCED), (
+                    f"exchange {agreed} without its event recorded after the last write; {where}")
+                agreed, recorded, waited = agreed + 1, None, None
+            elif op[0] == "wait":
+                waited = (int(op[1]), int(op[3]))
+            elif op[0] == "read" and int(op[1]) != me:
+                expected = STAGED if agreed == 1 else REDUCED
+                assert agreed and waited is not None and waited[0] == expected and (
+                    waited[1] in (-1, int(op[1]))), (
+                    f"read rank {op[1]}'s slot without waiting for its event; {where}")
+        assert ops[-1][:2] == ["record", str(DONE)], where
 
 
 @pytest.mark.parametrize("slot_bytes", [4096, 512 << 10], ids=["4 KiB slots", "512 KiB slots"])
@@ -282,6 +335,7 @@ def test_the_ipc_steps_against_float64(dtype, slot_bytes):
             np.testing.assert_array_equal(y, MPI_COMM.bcast(x, root=root))
     expected_steps = slots.step
     assert MPI_COMM.allgather(expected_steps) == [expected_steps] * n
+    check_ipc_ordering(slots.trace, me)
 
 
 @pytest.mark.skipif(COMM.size < 2, reason="needs two ranks")

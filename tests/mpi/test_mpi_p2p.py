@@ -345,7 +345,7 @@ def test_a_failure_of_either_kind_of_call_refuses_the_other_kind(first):
         except Exception:  # noqa: BLE001 - what each rank raises is tested elsewhere
             pass
         jaxring.reset_after_error()
-        with pytest.raises(Exception, match="failed earlier|gave up on this communicator"):
+        with pytest.raises(Exception, match="failed earlier|gave up on this|left the communicator"):
             np.asarray(other(np.ones(4, np.float32)))
     jaxring.reset_after_error()
     MPI_COMM.Barrier()

@@ -90,40 +90,66 @@ struct StepsTest {
 
 // cuda-ipc's steps on host memory that every process of a communicator maps (CPU tests): copies
 // are memcpy, reductions the CPU kernels, and events nothing, since every operation is done
-// when it returns; the header exchange is the real one.
+// when it returns; the header exchange is the real one. Every operation is also written to
+// `trace` (the slots it reads and writes, the events it records and waits for), so that tests
+// can check the ordering a GPU's streams need, which the host's synchronous copies never show.
 class HostIpcOps final : public jaxring::gpu::IpcOps {
  public:
-  HostIpcOps(const JaxringHostCall& call, char* shared, int64_t slot_bytes)
-      : call_(call), shared_(shared), slot_bytes_(slot_bytes) {}
+  HostIpcOps(const JaxringHostCall& call, char* shared, int64_t slot_bytes,
+             std::vector<std::string>* trace)
+      : call_(call), shared_(shared), slot_bytes_(slot_bytes), trace_(trace) {}
   char* Slot(int rank, int parity) override {
     return shared_ + (2 * static_cast<int64_t>(rank) + parity) * slot_bytes_;
   }
   jaxring::Status Copy(void* dst, const void* src, size_t bytes) override {
+    Touch("read", src);
+    Touch("write", dst);
     return jaxring::gpu::HostCopyRows(dst, bytes, src, bytes, bytes, 1);
   }
   jaxring::Status Copy2D(void* dst, size_t dst_pitch, const void* src, size_t src_pitch,
                          size_t row_bytes, size_t height) override {
+    Touch("read", src);
+    Touch("write", dst);
     return jaxring::gpu::HostCopyRows(dst, dst_pitch, src, src_pitch, row_bytes, height);
   }
   jaxring::Status Reduce(jaxring::DType dtype, jaxring::ReduceOp op, const void* const* srcs,
                          int n, void* dst, int64_t count, int64_t divisor) override {
+    for (int i = 0; i < n; ++i) Touch("read", srcs[i]);
+    Touch("write", dst);
     return jaxring::gpu::HostReduce(dtype, op, srcs, n, dst, count, divisor);
   }
   jaxring::Status Synchronize() override { return jaxring::Status(); }
-  jaxring::Status Record(jaxring::gpu::IpcEvent, int) override { return jaxring::Status(); }
-  jaxring::Status Wait(jaxring::gpu::IpcEvent, int, int, bool) override {
+  jaxring::Status Record(jaxring::gpu::IpcEvent kind, int parity) override {
+    trace_->push_back("record " + std::to_string(kind) + " " + std::to_string(parity));
+    return jaxring::Status();
+  }
+  jaxring::Status Wait(jaxring::gpu::IpcEvent kind, int parity, int only_rank,
+                       bool include_self) override {
+    trace_->push_back("wait " + std::to_string(kind) + " " + std::to_string(parity) + " " +
+                      std::to_string(only_rank) + " " + std::to_string(include_self));
     return jaxring::Status();
   }
   jaxring::Status Agree() override {
+    trace_->push_back("agree");
     JaxringHostCall agree = call_;
     agree.role = kJaxringHostAgree;
     return RunOnHost(agree);
   }
 
  private:
+  // "read R P" or "write R P" where `at` lies in rank R's slot of parity P.
+  void Touch(const char* what, const void* at) {
+    const int64_t offset = static_cast<const char*>(at) - shared_;
+    if (offset < 0 || offset >= 2 * static_cast<int64_t>(call_.size) * slot_bytes_) return;
+    const int64_t slot = offset / slot_bytes_;
+    trace_->push_back(std::string(what) + " " + std::to_string(slot / 2) + " " +
+                      std::to_string(slot % 2));
+  }
+
   const JaxringHostCall& call_;
   char* shared_;
   int64_t slot_bytes_;
+  std::vector<std::string>* trace_;
 };
 
 // The staged transport's pipeline on host memory (CPU tests): "device" and pinned buffers are
@@ -436,7 +462,8 @@ NB_MODULE(_jaxring, m) {
          int64_t slot_bytes, uint64_t step, int kind, int op, int dtype, const nb::bytes& input,
          int64_t output_count, int64_t root, int64_t op_id) {
         StepsTest t(key, name, rank, size, kind, op, dtype, input, output_count, root, op_id);
-        HostIpcOps ops(t.call, reinterpret_cast<char*>(shared), slot_bytes);
+        std::vector<std::string> trace;
+        HostIpcOps ops(t.call, reinterpret_cast<char*>(shared), slot_bytes, &trace);
         jaxring::Status status;
         {
           nb::gil_scoped_release release;
@@ -444,14 +471,14 @@ NB_MODULE(_jaxring, m) {
                                              slot_bytes, &step, ops, "ipc steps on the host");
         }
         if (!status.ok()) throw std::runtime_error(status.message());
-        return std::make_tuple(nb::bytes(t.output.data(), t.output.size()), step);
+        return std::make_tuple(nb::bytes(t.output.data(), t.output.size()), step, trace);
       },
       nb::arg("key"), nb::arg("name"), nb::arg("rank"), nb::arg("size"), nb::arg("shared"),
       nb::arg("slot_bytes"), nb::arg("step"), nb::arg("kind"), nb::arg("op"), nb::arg("dtype"),
       nb::arg("input"), nb::arg("output_count"), nb::arg("root"), nb::arg("op_id"),
       "Runs cuda-ipc's steps (gpu/ipc_steps.h) on host memory shared by the processes of "
-      "process communicator `key` (2 * size slots of slot_bytes at `shared`); returns the output "
-      "and the step counter to pass to the next call.");
+      "process communicator `key` (2 * size slots of slot_bytes at `shared`); returns the output, "
+      "the step counter to pass to the next call, and the trace of its operations (HostIpcOps).");
   m.def(
       "staged_steps_on_host",
       [](uint64_t key, const std::string& name, int rank, int size, int64_t chunk_bytes,
