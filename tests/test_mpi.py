@@ -149,8 +149,9 @@ def test_a_killed_rank_is_named_instead_of_hanging(tmp_path, transport, when):
     # 2026-12-05 most runs, in jobs without jaxring too) the launcher kills the survivor anyway,
     # before its timeout, with SIGKILL, which leaves the report empty; so up to twelve jobs are
     # run, and one of them must show the survivor naming the dead rank, unless jobs that run
-    # mpi4py alone then show the launcher killing their survivor too (in one of three). A survivor that crashes
-    # instead writes Python's fault dump into the report, which fails the test at once.
+    # mpi4py alone then show the launcher killing their survivor too (in one of three). A
+    # survivor that crashes instead writes Python's fault dump into the report, which fails the
+    # test at once.
     # "before": rank 1 dies before a small all-reduce. "during": it dies in the middle of a loop
     # of 4 MB all-reduces, whose messages MPI then fails as often as they time out (MPICH's
     # process_vm_readv from a dead process); either error must name rank 1.

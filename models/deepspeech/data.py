@@ -249,9 +249,10 @@ def make_batch(dataset: Dataset, indices, batch_size: int, frame_multiple: int,
                   np.zeros((batch_size, max_label_length), np.float32), [""] * batch_size)
     for row, index in enumerate(indices):
         features, labels = dataset.features[index], dataset.labels[index]
-        if len(labels) > max_label_length:  # cut, CTC would learn a wrong transcript
+        if len(labels) > max_label_length:  # cut, they would teach CTC a wrong transcript
             raise ValueError(f"utterance {index} has {len(labels)} labels, more than "
-                             f"max_label_length {max_label_length}: {dataset.transcripts[index]!r}")
+                             f"max_label_length {max_label_length}: "
+                             f"{dataset.transcripts[index]!r}")
         batch.features[row, :len(features)] = features
         batch.feature_mask[row, :len(features)] = 1
         batch.labels[row, :len(labels)] = labels
