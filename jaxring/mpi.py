@@ -191,18 +191,10 @@ class Communicator:
             self._set_up(node, levels, label, transport, slot_bytes, ranks_per_node,
                          gpu_options, direct_headers)
         except BaseException:
-            # Whatever the set-up made is released on this rank, wherever it failed: its levels,
-            # its native state and the MPI communicators it made.
-            self._freed = True
-            try:
-                for level in levels:
-                    level._release()
-                if self._finalizer is not None:
-                    self._finalizer()
-            finally:
-                for comm in self._owned:
-                    comm.Free()
-                self._owned.clear()
+            # Whatever the set-up made is released on this rank, wherever it failed: the levels
+            # made so far, its native state and the MPI communicators it made.
+            self.levels = tuple(levels) or None
+            self._release()
             raise
 
     def _set_up(self, node, levels: list, label: str, transport: str, slot_bytes: int,
@@ -360,7 +352,8 @@ class Communicator:
         """free() once every rank is there (which covers the levels' ranks too)."""
         self._freed = True
         try:
-            self._finalizer()  # _detach, once
+            if self._finalizer is not None:  # None where the set-up failed before its key
+                self._finalizer()  # _detach, once
             for level in self.levels or ():
                 level._release()
         finally:
