@@ -840,11 +840,60 @@ def test_a_rank_later_than_a_peers_timeout_is_told_which_peer_gave_up_and_why():
         second = run(1)
         elapsed = time.perf_counter() - start
     assert "timed out after 0.5 s waiting for rank(s) [1] to arrive" in first, first
-    assert ("rank 1 of 2): rank 0 gave up waiting for this collective before every rank arrived"
+    assert ("rank 1 of 2): rank 0 gave up on this collective before every rank arrived"
             in second), second
     assert "The error on rank 0: " + first in second, second
     assert elapsed < timeout / 2, elapsed
     np.testing.assert_array_equal(outputs[1], np.zeros(1000, np.float32))
+
+
+def test_a_rank_without_memory_for_its_scratch_fails_its_peers_at_once():
+    """Device 1 of 3 finds no memory for the ring's scratch (a test hook fails its allocation):
+    it returns at once, and so do its peers, whichever came first, naming device 1 and quoting its
+    error, long before their 30 s timeout. The communicator then runs the next all-reduce right,
+    against float64."""
+    n, count, timeout = 3, 50_000, 30.0
+    rng = np.random.default_rng(23)
+    inputs = [rng.standard_normal(count, dtype=np.float32) for _ in range(n)]
+    outputs = [np.zeros(count, np.float32) for _ in range(n)]
+    codes = (common.COLLECTIVE_CODES["all_reduce"], common.REDUCE_OPS["sum"],
+             common.DTYPE_CODES[np.dtype(np.float32)])
+    key = int(rng.integers(1 << 40, 1 << 50))  # a fresh in-process communicator
+    errors = {}
+
+    def run(rank, run_id):
+        errors[rank] = native.extension.collective_on_host(
+            key, "scratch test", rank, n, *codes, inputs[rank], outputs[rank], run_id=run_id,
+            op_id=0)
+
+    def run_all(run_id):
+        threads = [threading.Thread(target=run, args=(rank, run_id), daemon=True)
+                   for rank in range(n)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=2 * timeout)
+            assert not thread.is_alive(), "a native wait outlived its timeout"
+
+    with jaxring.config.override(timeout_seconds=timeout, algorithm="ring"):
+        native.extension.fail_next_scratch(key, 1)
+        try:
+            start = time.perf_counter()
+            run_all(1)
+            elapsed = time.perf_counter() - start
+        finally:
+            native.extension.fail_next_scratch(key, -1)
+        assert "(rank 1 of 3): out of memory for 200000 bytes of scratch" in errors[1], errors[1]
+        for rank in (0, 2):
+            assert f"(rank {rank} of 3): rank 1 gave up on this collective before every rank " \
+                   f"arrived, so it cannot run. The error on rank 1: {errors[1]}" in errors[rank], \
+                errors[rank]
+        assert elapsed < timeout / 4, elapsed
+        run_all(2)
+    assert errors == {0: "", 1: "", 2: ""}, errors
+    expected = np.sum(np.asarray(inputs, np.float64), axis=0)
+    for output in outputs:
+        np.testing.assert_allclose(output, expected, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("shape, axes, group", [

@@ -351,16 +351,21 @@ def test_the_ipc_steps_report_a_mismatch_on_every_rank():
 
 # ---- the staged transport's pipeline (gpu/staged_steps.h), on host memory ---------------------
 
-def staged(comm, kind, op, x, output_count, chunk_bytes, root=0, fail_copy_out=-1):
+def staged(comm, kind, op, x, output_count, chunk_bytes, root=0, fail_copy_out=-1,
+           deferred=False):
     out = native.extension.staged_steps_on_host(
         comm.key, comm.name, comm.rank, comm.size, chunk_bytes, kind, OPS[op],
-        DIRECT_DTYPES[x.dtype], x.tobytes(), output_count, root, 3, fail_copy_out)
+        DIRECT_DTYPES[x.dtype], x.tobytes(), output_count, root, 3, fail_copy_out, deferred)
     return np.frombuffer(out, x.dtype)
 
 
+@pytest.mark.parametrize("deferred", [False, True], ids=["copies at once", "copies deferred"])
 @pytest.mark.parametrize("chunk_bytes", [4096, 64 << 10], ids=["4 KiB chunks", "64 KiB chunks"])
 @pytest.mark.parametrize("dtype", list(DIRECT_DTYPES), ids=str)
-def test_the_staged_pipeline_against_float64(dtype, chunk_bytes):
+def test_the_staged_pipeline_against_float64(dtype, chunk_bytes, deferred):
+    """Copies deferred run as late as a GPU stream may run them (HostStagingOps): a chunk read
+    before the pipeline waited for its copy in, or a result buffer written before its last copy
+    out, gives wrong results there."""
     from helpers import assert_close, random_array
 
     n, me = COMM.size, COMM.rank
@@ -371,17 +376,17 @@ def test_the_staged_pipeline_against_float64(dtype, chunk_bytes):
         for op in OPS:
             if op == "mean" and dtype.kind == "i":
                 continue
-            y = staged(COMM, ALL_REDUCE, op, x, size, chunk_bytes)
+            y = staged(COMM, ALL_REDUCE, op, x, size, chunk_bytes, deferred=deferred)
             assert_close(y, REFERENCE[op](everyone), dtype, count=n)
         b = size // n
         block = x[:b * n]
         everyone = np.stack(MPI_COMM.allgather(block)).astype(np.float64)
-        y = staged(COMM, REDUCE_SCATTER, "max", block, b, chunk_bytes)
+        y = staged(COMM, REDUCE_SCATTER, "max", block, b, chunk_bytes, deferred=deferred)
         np.testing.assert_array_equal(y, everyone.max(0)[me * b:(me + 1) * b].astype(dtype))
-        y = staged(COMM, ALL_GATHER, "sum", x, size * n, chunk_bytes)
+        y = staged(COMM, ALL_GATHER, "sum", x, size * n, chunk_bytes, deferred=deferred)
         np.testing.assert_array_equal(y, np.concatenate(MPI_COMM.allgather(x)))
         for root in sorted({0, n - 1}):
-            y = staged(COMM, BROADCAST, "sum", x, size, chunk_bytes, root=root)
+            y = staged(COMM, BROADCAST, "sum", x, size, chunk_bytes, root=root, deferred=deferred)
             np.testing.assert_array_equal(y, MPI_COMM.bcast(x, root=root))
 
 

@@ -9,7 +9,11 @@ namespace jaxring {
 class Status {
  public:
   Status() = default;
-  static Status Error(std::string message) { return Status(std::move(message)); }
+  // An error is an error whatever its text: one built from an empty message (an MPI error
+  // string that came back empty, say) still fails, with a text that says so.
+  static Status Error(std::string message) {
+    return Status(message.empty() ? "jaxring: an error without a message" : std::move(message));
+  }
   bool ok() const { return message_.empty(); }
   const std::string& message() const { return message_; }
 

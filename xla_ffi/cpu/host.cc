@@ -116,9 +116,12 @@ HostResult RunCollectiveCall(const JaxringHostCall& c, const Header& header,
   const Algorithm algorithm = ChooseAlgorithm(header, c.size, config);
   const size_t scratch_bytes = ScratchBytes(header, c.size, algorithm);
   ScratchLease scratch = ScratchLease::Acquire(scratch_bytes);
-  if (scratch_bytes > 0 && scratch.data() == nullptr)  // its peers time out, naming this rank
-    return {Status::Error(Where(header, CommName(c), c.rank, c.size) + ": out of memory for " +
-                          std::to_string(scratch_bytes) + " bytes of scratch")};
+  if (scratch_bytes > 0 && (scratch.data() == nullptr || ScratchFailsForTest(c.comm, c.rank))) {
+    const std::string error = Where(header, CommName(c), c.rank, c.size) + ": out of memory for " +
+                              std::to_string(scratch_bytes) + " bytes of scratch";
+    entry.GiveUp(error);
+    return {Status::Error(error)};
+  }
   const bool copy_input =
       algorithm == Algorithm::kDirect &&
       header.count * static_cast<int64_t>(ByteWidth(header.dtype)) <= config.copy_input_bytes;

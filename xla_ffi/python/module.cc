@@ -153,11 +153,17 @@ class HostIpcOps final : public jaxring::gpu::IpcOps {
 };
 
 // The staged transport's pipeline on host memory (CPU tests): "device" and pinned buffers are
-// all host memory, copies are synchronous; the chunks run on the real host transport.
+// all host memory, and the chunks run on the real host transport. Copies run at once, or, with
+// `deferred`, as late as a GPU stream may run them: a chunk's copy into ToHost(b) only when
+// WaitIn(b) waits for it, a result's copy out of FromHost(b) only when WaitOut(b) waits for the
+// buffer, and whatever is left at End(). A pipeline that reads a staging buffer before waiting
+// for its copy, or writes one before its last copy out, then gets wrong results, where copies
+// run at once would hide it; copies run at once catch a copy issued into a buffer still in use.
 class HostStagingOps final : public jaxring::gpu::StagingOps {
  public:
   // `fail_copy_out` >= 0: that result copy (counted from 0) fails, as a CUDA copy may on a GPU.
-  HostStagingOps(int64_t chunk_bytes, int fail_copy_out) : fail_copy_out_(fail_copy_out) {
+  HostStagingOps(int64_t chunk_bytes, int fail_copy_out, bool deferred)
+      : fail_copy_out_(fail_copy_out), deferred_(deferred) {
     for (auto& b : to_host_) b.resize(chunk_bytes);
     for (auto& b : from_host_) b.resize(chunk_bytes);
   }
@@ -170,23 +176,26 @@ class HostStagingOps final : public jaxring::gpu::StagingOps {
   jaxring::Status CopyIn(int b, const void* src, size_t src_pitch, size_t row_bytes,
                          size_t rows) override {
     if (row_bytes * rows > to_host_[b].size()) return Overflow();
-    return jaxring::gpu::HostCopyRows(to_host_[b].data(), row_bytes, src, src_pitch, row_bytes,
-                                      rows);
+    return Queue(&in_[b], {to_host_[b].data(), row_bytes, src, src_pitch, row_bytes, rows});
   }
-  jaxring::Status WaitIn(int) override { return jaxring::Status(); }
-  jaxring::Status WaitOut(int) override { return jaxring::Status(); }
+  jaxring::Status WaitIn(int b) override { return Run(&in_[b]); }
+  jaxring::Status WaitOut(int b) override { return Run(&out_[b]); }
   jaxring::Status CopyOut(int b, void* dst, size_t dst_pitch, size_t row_bytes,
                           size_t rows) override {
     if (row_bytes * rows > from_host_[b].size()) return Overflow();
     if (copies_out_++ == fail_copy_out_)
       return jaxring::Status::Error("copying result chunk " + std::to_string(fail_copy_out_) +
                                     " to the device failed (injected)");
-    return jaxring::gpu::HostCopyRows(dst, dst_pitch, from_host_[b].data(), row_bytes, row_bytes,
-                                      rows);
+    return Queue(&out_[b], {dst, dst_pitch, from_host_[b].data(), row_bytes, row_bytes, rows});
   }
   jaxring::Status End() override {
     ended_ = true;
-    return jaxring::Status();
+    jaxring::Status status;
+    for (std::vector<Rows>* queue : {&in_[0], &in_[1], &out_[0], &out_[1]}) {
+      const jaxring::Status ran = Run(queue);
+      if (status.ok()) status = ran;
+    }
+    return status;
   }
   jaxring::Status RunOnHost(const JaxringHostCall& chunk) override {
     return ::RunOnHost(chunk);
@@ -196,12 +205,34 @@ class HostStagingOps final : public jaxring::gpu::StagingOps {
   bool Ended() const { return ended_ || !began_; }
 
  private:
+  struct Rows {  // HostCopyRows' arguments
+    void* dst;
+    size_t dst_pitch;
+    const void* src;
+    size_t src_pitch, row_bytes, rows;
+  };
   static jaxring::Status Overflow() {
     return jaxring::Status::Error("a chunk overflows its host buffer");
   }
+  jaxring::Status Queue(std::vector<Rows>* queue, const Rows& copy) {
+    queue->push_back(copy);
+    return deferred_ ? jaxring::Status() : Run(queue);
+  }
+  static jaxring::Status Run(std::vector<Rows>* queue) {
+    jaxring::Status status;
+    for (const Rows& c : *queue) {
+      if (status.ok())
+        status = jaxring::gpu::HostCopyRows(c.dst, c.dst_pitch, c.src, c.src_pitch, c.row_bytes,
+                                            c.rows);
+    }
+    queue->clear();
+    return status;
+  }
   std::vector<char> to_host_[2], from_host_[2];
+  std::vector<Rows> in_[2], out_[2];  // copies queued into ToHost(b), out of FromHost(b)
   bool began_ = false, ended_ = false;
   const int fail_copy_out_;
+  const bool deferred_;
   int copies_out_ = 0;
 };
 
@@ -483,12 +514,12 @@ NB_MODULE(_jaxring, m) {
       "staged_steps_on_host",
       [](uint64_t key, const std::string& name, int rank, int size, int64_t chunk_bytes,
          int kind, int op, int dtype, const nb::bytes& input, int64_t output_count, int64_t root,
-         int64_t op_id, int fail_copy_out) {
+         int64_t op_id, int fail_copy_out, bool deferred_copies) {
         StepsTest t(key, name, rank, size, kind, op, dtype, input, output_count, root, op_id);
         const std::string bad =
             jaxring::gpu::CheckSlotBytes(jaxring::gpu::Transport::kStaged, chunk_bytes, size);
         if (!bad.empty()) throw nb::value_error(bad.c_str());
-        HostStagingOps ops(chunk_bytes, fail_copy_out);
+        HostStagingOps ops(chunk_bytes, fail_copy_out, deferred_copies);
         jaxring::Status status;
         {
           nb::gil_scoped_release release;
@@ -507,8 +538,10 @@ NB_MODULE(_jaxring, m) {
       nb::arg("key"), nb::arg("name"), nb::arg("rank"), nb::arg("size"), nb::arg("chunk_bytes"),
       nb::arg("kind"), nb::arg("op"), nb::arg("dtype"), nb::arg("input"), nb::arg("output_count"),
       nb::arg("root"), nb::arg("op_id"), nb::arg("fail_copy_out") = -1,
+      nb::arg("deferred_copies") = false,
       "Runs the staged transport's pipeline (gpu/staged_steps.h) on host memory, each chunk on "
-      "process communicator `key`'s host transport; result copy `fail_copy_out` (if >= 0) fails. "
+      "process communicator `key`'s host transport; result copy `fail_copy_out` (if >= 0) fails; "
+      "with `deferred_copies` every copy runs as late as a GPU stream may run it (HostStagingOps). "
       "After a failure this rank leaves the communicator, as a GPU communicator does.");
   // For tests of what a rank that gives up leaves behind (LocalTransport::Close): one rank's call
   // on an in-process communicator, on host arrays the test owns, so that it sees whether anyone
@@ -539,6 +572,9 @@ NB_MODULE(_jaxring, m) {
         "The next piece of shared work or ring slice of `rank` of in-process communicator `comm` "
         "sleeps `seconds` first (tests); rank -1 disarms it.");
   m.def("stalls_taken", &jaxring::StallsTakenForTest);
+  m.def("fail_next_scratch", &jaxring::FailNextScratchForTest, nb::arg("comm"), nb::arg("rank"),
+        "The next call of `rank` of in-process communicator `comm` that needs scratch finds "
+        "none, as when its allocation fails (tests); rank -1 disarms it.");
 
   m.def("gpu_defaults", []() {
     nb::dict d;

@@ -169,6 +169,22 @@ GroupCalls& Calls(const CommunicatorId& comm) {
 
 const Config& LocalTransport::Entry::config() const { return meeting_->config; }
 
+void LocalTransport::Entry::GiveUp(const std::string& why) {
+  Meeting& meeting = *meeting_;
+  {
+    std::lock_guard<std::mutex> lock(meeting.giving_up);
+    meeting.arrivals.AbandonBelow(static_cast<uint32_t>(meeting.size));  // this rank is missing
+    if (meeting.gave_up < 0) {
+      meeting.gave_up = rank_;
+      meeting.why = why;
+    }
+  }
+  // Counted as arrived, so that the meeting leaves the group once its last rank has come.
+  if ((meeting.arrivals.Add(1) & ~Flag::kAbandoned) == static_cast<uint32_t>(meeting.size))
+    calls_->Leave(run_id_, sequence_);
+  meeting_.reset();
+}
+
 LocalTransport::Entry LocalTransport::Enter(const CommunicatorId& comm, int64_t run_id, int rank) {
   Entry entry;
   entry.run_id_ = run_id;
@@ -249,8 +265,8 @@ Status LocalTransport::WaitForPeers() {
     if (!missing.empty()) return Status::Error(missing);
   }
   if (meeting_->arrivals.Load() & Flag::kAbandoned)
-    return Status::Error(Where() + ": " + WhoGaveUp("waiting for this collective before every "
-                                                    "rank arrived, so it cannot run"));
+    return Status::Error(Where() + ": " + WhoGaveUp("on this collective before every rank "
+                                                    "arrived, so it cannot run"));
   // Every rank checks every header, so a mismatch is reported on every rank.
   const Header& reference = meeting_->peers[0].header;
   for (int peer = 1; peer < comm_.size; ++peer) {
@@ -408,6 +424,24 @@ void StallNextPieceForTest(uint64_t comm, int rank, double seconds) {
 }
 
 int64_t StallsTakenForTest() { return stalls_taken.load(); }
+
+namespace {
+std::atomic<int> scratch_failure_rank{-1};
+std::atomic<uint64_t> scratch_failure_comm{0};
+}  // namespace
+
+void FailNextScratchForTest(uint64_t comm, int rank) {
+  scratch_failure_rank.store(-1);
+  scratch_failure_comm.store(comm);
+  scratch_failure_rank.store(rank, std::memory_order_release);
+}
+
+bool ScratchFailsForTest(uint64_t comm, int rank) {
+  int armed = rank;
+  return scratch_failure_rank.load(std::memory_order_acquire) == rank &&
+         scratch_failure_comm.load() == comm &&
+         scratch_failure_rank.compare_exchange_strong(armed, -1);
+}
 
 // ---- scratch pool ------------------------------------------------------------------------------
 

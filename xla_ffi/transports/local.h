@@ -43,6 +43,11 @@ class LocalTransport {
     // jaxring.config changing while a program runs (an update from another thread) cannot split
     // one call between two algorithms, which waited for each other until the timeout.
     const Config& config() const;
+    // For a rank that entered but cannot join (it found no memory for its scratch): marks the
+    // meeting given up, with `why` as this rank's error, and counts this rank as arrived, so that
+    // its peers fail at once, naming it and quoting `why`, instead of waiting out their timeout
+    // for a call it will never publish.
+    void GiveUp(const std::string& why);
 
    private:
     friend class LocalTransport;
@@ -160,6 +165,10 @@ class LocalTransport {
 // StallsTakenForTest counts the stalls slept so far.
 void StallNextPieceForTest(uint64_t comm, int rank, double seconds);
 int64_t StallsTakenForTest();
+// For tests: the next call of `rank` of in-process communicator `comm` that needs scratch finds
+// none, as when its allocation fails; rank -1 disarms it. ScratchFailsForTest takes the failure.
+void FailNextScratchForTest(uint64_t comm, int rank);
+bool ScratchFailsForTest(uint64_t comm, int rank);
 
 // Reusable scratch memory (the ring's float32 partial sums), so that a collective does not
 // allocate and fault in fresh pages on every call.
