@@ -133,6 +133,34 @@ def test_causality_and_receptive_field():
                 assert differs[position + reach - 1], "receptive field smaller than computed"
 
 
+def test_the_training_loss_counts_only_targets_with_a_whole_receptive_field():
+    """train.crop_nll against the NLL of the same targets computed from the whole stream, in
+    float64 from the forward pass's logits: a crop's counted targets see the same past as in the
+    stream, so the two agree; a target whose receptive field reached before its crop would see
+    zeros there instead (as every crop's first targets did before the context margin)."""
+    from models.wavenet import input_pipeline, train
+
+    config = get_config("tiny")
+    net, _ = train.create_model(config)
+    rng = np.random.default_rng(6)
+    stream = rng.integers(0, 256, 500)
+    context, length = model.receptive_field(config.model) - 1, 30
+    crops = input_pipeline.random_crops(stream, 5, length, np.random.default_rng(7), context)
+    assert crops.shape == (5, context + length + 1)
+    logits = np.asarray(jax.jit(model.forward, static_argnums=1)(
+        net.weights(), config.model, jnp.asarray(stream[None, :-1])))[0].astype(np.float64)
+    starts = [int(np.flatnonzero(np.all(
+        np.lib.stride_tricks.sliding_window_view(stream, crops.shape[1]) == crop, axis=1))[0])
+        for crop in crops]
+    expected = []
+    for start in starts:
+        for t in range(start + context, start + context + length):  # input t predicts t + 1
+            z = logits[t] - logits[t].max()
+            expected.append(np.log(np.exp(z).sum()) - z[stream[t + 1]])
+    np.testing.assert_allclose(float(train.crop_nll(net, jnp.asarray(crops), context)),
+                               np.mean(expected), rtol=1e-5)
+
+
 @pytest.mark.parametrize("batch,length", [(4, 4), (3, 40)], ids=["batch=time", "batch<time"])
 def test_speaker_conditioning_without_local(batch, length):
     """With a speaker and no local conditioning, the full forward pass equals each stream run

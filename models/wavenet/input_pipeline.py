@@ -110,13 +110,16 @@ def load_dataset(config: Config, cache_dir) -> dict[str, np.ndarray]:
     return dataset
 
 
-def random_crops(stream: np.ndarray, batch: int, length: int, rng) -> np.ndarray:
-    """`[batch, length + 1]` crops: inputs are `[:, :-1]`, targets `[:, 1:]`."""
-    starts = rng.integers(0, len(stream) - length, size=batch)  # the last start included
-    return np.stack([stream[s: s + length + 1] for s in starts])
+def random_crops(stream: np.ndarray, batch: int, length: int, rng, context: int = 0) -> np.ndarray:
+    """`[batch, context + length + 1]` crops: inputs are `[:, :-1]`, targets `[:, 1:]`, and the
+    loss counts the last `length` targets (see train.crop_nll)."""
+    span = context + length
+    starts = rng.integers(0, len(stream) - span, size=batch)  # the last start included
+    return np.stack([stream[s: s + span + 1] for s in starts])
 
 
-def evaluation_crops(stream: np.ndarray, count: int, length: int) -> np.ndarray:
-    """Evenly spaced crops, the same every epoch."""
-    starts = np.linspace(0, len(stream) - length - 1, count).astype(np.int64)
-    return np.stack([stream[s: s + length + 1] for s in starts])
+def evaluation_crops(stream: np.ndarray, count: int, length: int, context: int = 0) -> np.ndarray:
+    """Evenly spaced crops as random_crops', the same every epoch."""
+    span = context + length
+    starts = np.linspace(0, len(stream) - span - 1, count).astype(np.int64)
+    return np.stack([stream[s: s + span + 1] for s in starts])

@@ -5,6 +5,7 @@ learning curve."""
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 
@@ -26,19 +27,22 @@ def nll(logits, targets):
         logits.astype(jnp.float32), targets).mean()
 
 
-@nnx.jit
-def train_step(net: model.WaveNet, optimizer: nnx.Optimizer, crops):
-    def loss_fn(net):
-        return nll(net(crops[:, :-1]), crops[:, 1:])
+def crop_nll(net: model.WaveNet, crops, context: int):
+    """The NLL of each crop's last targets: the first `context` inputs (a receptive field less
+    one) only give the rest their past. So every counted target sees a whole receptive field of
+    real audio in every layer, as every sample after the first receptive field does in sampling;
+    without the margin, a target near a crop's start would see zeros where the audio was."""
+    return nll(net(crops[:, :-1])[:, context:], crops[:, context + 1:])
 
-    loss, grads = nnx.value_and_grad(loss_fn)(net)
+
+@functools.partial(nnx.jit, static_argnames="context")
+def train_step(net: model.WaveNet, optimizer: nnx.Optimizer, crops, context: int):
+    loss, grads = nnx.value_and_grad(crop_nll)(net, crops, context)
     optimizer.update(net, grads)
     return loss
 
 
-@nnx.jit
-def eval_step(net: model.WaveNet, crops):
-    return nll(net(crops[:, :-1]), crops[:, 1:])
+eval_step = nnx.jit(crop_nll, static_argnames="context")
 
 
 def create_model(config: Config):
@@ -107,8 +111,9 @@ def train_and_evaluate(config: Config, workdir) -> list[dict]:
     workdir = Path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     data = input_pipeline.load_dataset(config, workdir / "data")
+    context = model.receptive_field(config.model) - 1
     eval_crops = jnp.asarray(input_pipeline.evaluation_crops(
-        data["test"], config.eval_crops, config.crop_length))
+        data["test"], config.eval_crops, config.crop_length, context))
     net, optimizer = create_model(config)
     manager = checkpoint_manager(workdir)
     first_epoch = restore(manager, net, optimizer)
@@ -126,10 +131,10 @@ def train_and_evaluate(config: Config, workdir) -> list[dict]:
                    leave=False)
         for _ in bar:
             crops = input_pipeline.random_crops(data["train"], config.batch_size,
-                                                config.crop_length, rng)
-            losses.append(float(train_step(net, optimizer, jnp.asarray(crops))))
+                                                config.crop_length, rng, context)
+            losses.append(float(train_step(net, optimizer, jnp.asarray(crops), context)))
             bar.set_postfix(nll=f"{losses[-1]:.3f}")
-        test_nll = float(np.mean([eval_step(net, eval_crops[i: i + config.batch_size])
+        test_nll = float(np.mean([eval_step(net, eval_crops[i: i + config.batch_size], context)
                                   for i in range(0, len(eval_crops), config.batch_size)]))
         history.append({"epoch": epoch, "train_nll": float(np.mean(losses)),
                         "test_nll": test_nll, "step_losses": losses})

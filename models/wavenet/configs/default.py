@@ -26,7 +26,8 @@ class ModelConfig:
 class Config:
     model: ModelConfig = ModelConfig()
     sample_rate: int = 16000
-    # Training crops, in samples; every position of a crop is a prediction target.
+    # Prediction targets per training crop; each crop also holds a receptive field less one of
+    # earlier samples, their context (train.crop_nll).
     crop_length: int = 4096
     batch_size: int = 8
     learning_rate: float = 1e-3
