@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 import shutil
 import sys
 from pathlib import Path
@@ -418,13 +419,24 @@ def test_the_command_line_trains_and_every_sampler_draws_the_same_samples(tmp_pa
                "--set", "num_epochs=1", "steps_per_epoch=2"])
     written = {}
     for name in ("fused", "layer_sharded", "layer_sharded_fused"):
-        main.main(["sample", "--config", "tiny", "--workdir", str(workdir), "--sampler", name,
+        # No --config for the first: the work directory's is used (the default, small, is
+        # another model, which could not restore the checkpoint).
+        config = ["--config", "tiny"] if name != "fused" else []
+        main.main(["sample", *config, "--workdir", str(workdir), "--sampler", name,
                    "--stages", "2", "--streams", "2", "--seconds", "0.05",
                    "--out", str(tmp_path / "out")])
         written[name] = [(tmp_path / "out" / f"{name}-{s}.wav").read_bytes() for s in (0, 1)]
     assert written["fused"][0] != written["fused"][1]  # two streams, two draws
     assert written["layer_sharded"] == written["fused"]
     assert written["layer_sharded_fused"] == written["fused"]
+    # Another model than the run's: refused with the reason, for sampling and for resuming.
+    with pytest.raises(SystemExit, match="--config small: the run in .* trained another model"):
+        main.main(["sample", "--config", "small", "--workdir", str(workdir)])
+    with pytest.raises(ValueError, match="holds a run of another model"):
+        main.main(["train", "--config", "small", "--workdir", str(workdir)])
+    # Resumed without --config: the run's own configuration, one more epoch.
+    main.main(["train", "--workdir", str(workdir), "--set", "num_epochs=2", "steps_per_epoch=2"])
+    assert json.loads((workdir / "metrics.json").read_text())[-1]["epoch"] == 2
 
 
 def test_training_loss_falls_and_resumes(tmp_path):

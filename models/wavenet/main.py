@@ -90,7 +90,9 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("command", choices=("train", "sample"))
-    parser.add_argument("--config", default="small", help="a module of models/wavenet/configs")
+    parser.add_argument("--config", default=None,
+                        help="a module of models/wavenet/configs; by default the run's in "
+                             "WORKDIR/config.json, else small")
     parser.add_argument("--workdir", default="workdir/wavenet")
     parser.add_argument("--set", nargs="*", default=[], metavar="FIELD=VALUE",
                         help="override top-level config fields, e.g. num_epochs=3")
@@ -105,7 +107,17 @@ def main(argv=None) -> None:
 
     from models.wavenet import configs, train
 
-    config = dataclasses.replace(configs.get_config(args.config), **parse_overrides(args.set))
+    # A work directory keeps its run's configuration (WORKDIR/config.json): training without
+    # --config resumes it, and sampling uses it (a --config of another model is refused).
+    stored = train.stored_config(args.workdir)
+    config = (configs.get_config(args.config) if args.config
+              else stored or configs.get_config("small"))
+    if args.command == "sample" and stored is not None:
+        if config.model != stored.model:
+            raise SystemExit(f"--config {args.config}: the run in {args.workdir} trained another "
+                             f"model ({stored.model}); leave --config out to sample from it")
+        config = stored
+    config = dataclasses.replace(config, **parse_overrides(args.set))
     if args.command == "train":
         train.train_and_evaluate(config, args.workdir)
     else:

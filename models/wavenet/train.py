@@ -5,6 +5,7 @@ learning curve."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 from pathlib import Path
@@ -18,7 +19,7 @@ from flax import nnx
 from tqdm import tqdm
 
 from models.wavenet import input_pipeline, model
-from models.wavenet.configs.default import Config
+from models.wavenet.configs.default import Config, ModelConfig
 
 
 def nll(logits, targets):
@@ -43,6 +44,19 @@ def train_step(net: model.WaveNet, optimizer: nnx.Optimizer, crops, context: int
 
 
 eval_step = nnx.jit(crop_nll, static_argnames="context")
+
+
+def save_config(config: Config, workdir) -> None:
+    (Path(workdir) / "config.json").write_text(json.dumps(dataclasses.asdict(config), indent=1))
+
+
+def stored_config(workdir) -> Config | None:
+    """The configuration a training run in `workdir` was started with, if one was."""
+    path = Path(workdir) / "config.json"
+    if not path.exists():
+        return None
+    fields = json.loads(path.read_text())
+    return Config(**{**fields, "model": ModelConfig(**fields["model"])})
 
 
 def create_model(config: Config):
@@ -110,6 +124,11 @@ def train_and_evaluate(config: Config, workdir) -> list[dict]:
     one). Returns the per-epoch history, also written to `workdir/metrics.json`."""
     workdir = Path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
+    stored = stored_config(workdir)
+    if stored is not None and stored.model != config.model:
+        raise ValueError(f"{workdir} holds a run of another model ({stored.model}); this "
+                         f"configuration's is {config.model}: train in a fresh work directory")
+    save_config(config, workdir)
     data = input_pipeline.load_dataset(config, workdir / "data")
     context = model.receptive_field(config.model) - 1
     eval_crops = jnp.asarray(input_pipeline.evaluation_crops(
