@@ -13,6 +13,7 @@
 #include <cstdint>
 #include <cstring>
 #include <stdexcept>
+#include <functional>
 #include <vector>
 
 #include "common/config.h"
@@ -51,25 +52,48 @@ std::pair<bool, std::string> CudaAware() {
 }
 
 // Host memory in place of the device: the CUDA-aware path's algorithm, tested on CPU processes.
+// Copies and reductions run at once, or, with `deferred`, as late as a stream may run them: at
+// the next Synchronize(), or once the call has returned (Finish(), as XLA's stream runs what the
+// handler queued). Then an exchange that lets MPI touch memory before synchronising with the
+// kernels that write or read it gets wrong results, where running at once would hide it.
 class HostMemory final : public jaxring::gpu::DeviceOps {
  public:
   // `fail_reduce`: the reduction that fails instead, as a kernel launch may (-1: none).
-  explicit HostMemory(int fail_reduce) : fail_reduce_(fail_reduce) {}
+  HostMemory(int fail_reduce, bool deferred) : fail_reduce_(fail_reduce), deferred_(deferred) {}
   jaxring::Status Copy(void* dst, const void* src, size_t bytes) override {
-    return jaxring::gpu::HostCopyRows(dst, bytes, src, bytes, bytes, 1);
+    return Queue([=] { return jaxring::gpu::HostCopyRows(dst, bytes, src, bytes, bytes, 1); });
   }
   jaxring::Status Reduce(jaxring::DType dtype, jaxring::ReduceOp op, const void* const* srcs,
                          int n, void* dst, int64_t count, int64_t divisor) override {
     if (reduces_++ == fail_reduce_)
       return jaxring::Status::Error("reduction " + std::to_string(fail_reduce_) +
                                     " failed (injected)");
-    return jaxring::gpu::HostReduce(dtype, op, srcs, n, dst, count, divisor);
+    std::vector<const void*> sources(srcs, srcs + n);
+    return Queue([=] {
+      return jaxring::gpu::HostReduce(dtype, op, sources.data(), n, dst, count, divisor);
+    });
   }
-  jaxring::Status Synchronize() override { return jaxring::Status(); }
+  jaxring::Status Synchronize() override { return Finish(); }
+  jaxring::Status Finish() {
+    jaxring::Status status;
+    for (const auto& run : queued_) {
+      const jaxring::Status ran = run();
+      if (status.ok()) status = ran;
+    }
+    queued_.clear();
+    return status;
+  }
 
  private:
+  jaxring::Status Queue(std::function<jaxring::Status()> run) {
+    if (!deferred_) return run();
+    queued_.push_back(std::move(run));
+    return jaxring::Status();
+  }
   int fail_reduce_;
+  bool deferred_;
   int reduces_ = 0;
+  std::vector<std::function<jaxring::Status()>> queued_;
 };
 
 }  // namespace
@@ -118,7 +142,7 @@ NB_MODULE(_jaxring_mpi, m) {
       "direct_collective",
       [](uintptr_t ops_address, int rank, int size, int kind, int op, int dtype,
          const nb::bytes& input, int64_t output_count, int64_t root, int64_t scratch_bytes,
-         double timeout_seconds, int fail_reduce) {
+         double timeout_seconds, int fail_reduce, bool deferred) {
         jaxring::Header h;
         h.kind = static_cast<jaxring::Collective>(kind);
         h.op = static_cast<jaxring::ReduceOp>(op);
@@ -127,7 +151,7 @@ NB_MODULE(_jaxring_mpi, m) {
         const size_t width = jaxring::ByteWidth(h.dtype);
         h.count = static_cast<int64_t>(input.size() / width);
         std::vector<char> output(output_count * width), scratch(scratch_bytes);
-        HostMemory memory(fail_reduce);
+        HostMemory memory(fail_reduce, deferred);
         jaxring::Status status;
         {
           nb::gil_scoped_release release;
@@ -135,6 +159,8 @@ NB_MODULE(_jaxring_mpi, m) {
               h, input.c_str(), output.data(), rank, size, scratch.data(), scratch_bytes, memory,
               *reinterpret_cast<const JaxringMessageOps*>(ops_address), timeout_seconds,
               "jaxring direct " + jaxring::Describe(h));
+          const jaxring::Status finished = memory.Finish();  // what the stream still held
+          if (status.ok()) status = finished;
         }
         if (!status.ok()) throw std::runtime_error(status.message());
         return nb::bytes(output.data(), output.size());
@@ -142,7 +168,9 @@ NB_MODULE(_jaxring_mpi, m) {
       nb::arg("ops_address"), nb::arg("rank"), nb::arg("size"), nb::arg("kind"), nb::arg("op"),
       nb::arg("dtype"), nb::arg("input"), nb::arg("output_count"), nb::arg("root"),
       nb::arg("scratch_bytes"), nb::arg("timeout_seconds"), nb::arg("fail_reduce") = -1,
-      "Runs the CUDA-aware path's algorithm (gpu/direct.h) on host memory (tests).");
+      nb::arg("deferred") = false,
+      "Runs the CUDA-aware path's algorithm (gpu/direct.h) on host memory (tests); with "
+      "`deferred`, copies and reductions run as late as a stream may run them (HostMemory).");
 
   m.def(
       "create",
