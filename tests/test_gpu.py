@@ -174,27 +174,48 @@ def capacity_elements(transport, kind, n, nbytes, width):
     return nbytes // width // pieces
 
 
+def check_plan(transport, kind, n, block, nbytes, dtype):
+    """The steps of a call with blocks of `block` elements cover each once, in order, and fit."""
+    width = dtype.itemsize
+    count = block * n if kind == "reduce_scatter" else block
+    steps = native.extension.gpu_plan(transport, COLLECTIVES[kind], n, count, nbytes,
+                                      DTYPE_CODES[dtype])
+    assert len(steps) >= 1
+    covered = 0
+    capacity = capacity_elements(transport, kind, n, nbytes, width)
+    for i, (first, length, _) in enumerate(steps):
+        assert first == covered, (steps[max(0, i - 1):i + 1], i)
+        assert 0 <= length <= capacity
+        if i + 1 < len(steps):  # every step but the last keeps 16-byte alignment
+            assert length * width % 16 == 0 and length > 0
+        covered += length
+    assert covered == block
+
+
 @pytest.mark.parametrize("transport", ["ipc", "staged"])
 @pytest.mark.parametrize("kind", list(COLLECTIVES))
 @pytest.mark.parametrize("n", [1, 2, 3, 4, 7])
 def test_steps_cover_every_element_once_and_fit_their_buffers(transport, kind, n):
     for dtype in DTYPES:
-        width = dtype.itemsize
         for nbytes in (4096, 4096 + 16, 1 << 16, 1 << 20):
             for block in STEP_SIZES:
-                count = block * n if kind == "reduce_scatter" else block
-                steps = native.extension.gpu_plan(transport, COLLECTIVES[kind], n, count, nbytes,
-                                                  DTYPE_CODES[dtype])
-                assert len(steps) >= 1
-                covered = 0
-                capacity = capacity_elements(transport, kind, n, nbytes, width)
-                for i, (first, length, _) in enumerate(steps):
-                    assert first == covered, (steps, i)
-                    assert 0 <= length <= capacity
-                    if i + 1 < len(steps):  # every step but the last keeps 16-byte alignment
-                        assert length * width % 16 == 0 and length > 0
-                    covered += length
-                assert covered == block
+                check_plan(transport, kind, n, block, nbytes, dtype)
+
+
+@pytest.mark.parametrize("transport", ["ipc", "staged"])
+@pytest.mark.parametrize("kind", list(COLLECTIVES))
+@pytest.mark.parametrize("n", [2, 16, 17])
+def test_plans_and_shares_of_more_than_two_to_the_31_elements(transport, kind, n):
+    """Counts, offsets and shares past 32 bits (a 12 GiB float32 call), as int64 all the way."""
+    block = 3 * 2**30 + 7
+    for dtype in (np.dtype(np.float32), np.dtype(np.float16)):
+        check_plan(transport, kind, n, block, 32 << 20, dtype)
+    if kind == "all_reduce":
+        begins = native.extension.gpu_share(block, n, DTYPE_CODES[np.dtype(np.float32)])
+        shares = np.diff(begins)
+        assert begins[0] == 0 and begins[-1] == block and (shares >= 0).all()
+        assert all(b * 4 % 16 == 0 for b in begins[:-1])
+        assert shares.max() - shares.min() < 8, shares
 
 
 def test_an_empty_call_still_takes_one_step_so_that_headers_are_exchanged():
