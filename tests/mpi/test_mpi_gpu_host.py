@@ -244,11 +244,11 @@ class SharedSlots:
             os.unlink(path)
         self.address = ctypes.addressof(ctypes.c_char.from_buffer(self.map))
 
-    def run(self, kind, op, x, output_count, root=0, op_id=0):
+    def run(self, kind, op, x, output_count, root=0, op_id=0, fail_operation=-1):
         out, self.step, trace = native.extension.ipc_steps_on_host(
             self.comm.key, self.comm.name, self.comm.rank, self.comm.size, self.address,
             self.slot_bytes, self.step, kind, OPS[op], DIRECT_DTYPES[x.dtype], x.tobytes(),
-            output_count, root, op_id)
+            output_count, root, op_id, fail_operation)
         self.trace += trace
         return np.frombuffer(out, x.dtype)
 
@@ -352,6 +352,26 @@ def test_the_ipc_steps_report_a_mismatch_on_every_rank():
                                            r"all_reduce\(sum\) op 7 float32\[3\] but rank 1 "
                                            r"called all_reduce\(sum\) op 7 float32\[5\]"):
         slots.run(ALL_REDUCE, "sum", x, len(x), op_id=7)
+
+
+@pytest.mark.skipif(COMM.size < 2, reason="needs two ranks")
+def test_an_ipc_step_failing_fails_the_peers_at_once_quoting_it():
+    """Rank 0's reduction of step 1 (its second device operation) fails after every rank agreed
+    on step 1, as a kernel launch may: rank 0 leaves the host communicator, so its peers, waiting
+    for it in step 2's agreement, fail at once with its error instead of timing out; so does
+    every later call."""
+    import time
+
+    sub = COMM.split(0, key=COMM.rank)  # the failure breaks it; COMM must stay usable
+    slots = SharedSlots(sub, 4096)
+    x = np.ones(3000, np.float32)  # three steps of 1024 elements
+    with jaxring.config.override(timeout_seconds=20.0):
+        start = time.monotonic()
+        with pytest.raises(RuntimeError, match=r"device operation 1 failed \(injected\)"):
+            slots.run(ALL_REDUCE, "sum", x, len(x), fail_operation=1 if COMM.rank == 0 else -1)
+        assert time.monotonic() - start < 10.0
+        with pytest.raises(RuntimeError, match=r"injected"):
+            slots.run(ALL_REDUCE, "sum", x, len(x))
 
 
 # ---- the staged transport's pipeline (gpu/staged_steps.h), on host memory ---------------------

@@ -95,25 +95,30 @@ struct StepsTest {
 // can check the ordering a GPU's streams need, which the host's synchronous copies never show.
 class HostIpcOps final : public jaxring::gpu::IpcOps {
  public:
+  // `fail_operation` >= 0: that copy or reduction (counted from 0) fails, as a CUDA launch may.
   HostIpcOps(const JaxringHostCall& call, char* shared, int64_t slot_bytes,
-             std::vector<std::string>* trace)
-      : call_(call), shared_(shared), slot_bytes_(slot_bytes), trace_(trace) {}
+             std::vector<std::string>* trace, int fail_operation)
+      : call_(call), shared_(shared), slot_bytes_(slot_bytes), trace_(trace),
+        fail_operation_(fail_operation) {}
   char* Slot(int rank, int parity) override {
     return shared_ + (2 * static_cast<int64_t>(rank) + parity) * slot_bytes_;
   }
   jaxring::Status Copy(void* dst, const void* src, size_t bytes) override {
+    if (Fails()) return Injected();
     Touch("read", src);
     Touch("write", dst);
     return jaxring::gpu::HostCopyRows(dst, bytes, src, bytes, bytes, 1);
   }
   jaxring::Status Copy2D(void* dst, size_t dst_pitch, const void* src, size_t src_pitch,
                          size_t row_bytes, size_t height) override {
+    if (Fails()) return Injected();
     Touch("read", src);
     Touch("write", dst);
     return jaxring::gpu::HostCopyRows(dst, dst_pitch, src, src_pitch, row_bytes, height);
   }
   jaxring::Status Reduce(jaxring::DType dtype, jaxring::ReduceOp op, const void* const* srcs,
                          int n, void* dst, int64_t count, int64_t divisor) override {
+    if (Fails()) return Injected();
     for (int i = 0; i < n; ++i) Touch("read", srcs[i]);
     Touch("write", dst);
     return jaxring::gpu::HostReduce(dtype, op, srcs, n, dst, count, divisor);
@@ -137,6 +142,11 @@ class HostIpcOps final : public jaxring::gpu::IpcOps {
   }
 
  private:
+  bool Fails() { return operations_++ == fail_operation_; }
+  jaxring::Status Injected() const {
+    return jaxring::Status::Error("device operation " + std::to_string(fail_operation_) +
+                                  " failed (injected)");
+  }
   // "read R P" or "write R P" where `at` lies in rank R's slot of parity P.
   void Touch(const char* what, const void* at) {
     const int64_t offset = static_cast<const char*>(at) - shared_;
@@ -150,6 +160,8 @@ class HostIpcOps final : public jaxring::gpu::IpcOps {
   char* shared_;
   int64_t slot_bytes_;
   std::vector<std::string>* trace_;
+  const int fail_operation_;
+  int operations_ = 0;
 };
 
 // The staged transport's pipeline on host memory (CPU tests): "device" and pinned buffers are
@@ -491,15 +503,19 @@ NB_MODULE(_jaxring, m) {
       "ipc_steps_on_host",
       [](uint64_t key, const std::string& name, int rank, int size, uintptr_t shared,
          int64_t slot_bytes, uint64_t step, int kind, int op, int dtype, const nb::bytes& input,
-         int64_t output_count, int64_t root, int64_t op_id) {
+         int64_t output_count, int64_t root, int64_t op_id, int fail_operation) {
         StepsTest t(key, name, rank, size, kind, op, dtype, input, output_count, root, op_id);
         std::vector<std::string> trace;
-        HostIpcOps ops(t.call, reinterpret_cast<char*>(shared), slot_bytes, &trace);
+        HostIpcOps ops(t.call, reinterpret_cast<char*>(shared), slot_bytes, &trace,
+                       fail_operation);
         jaxring::Status status;
         {
           nb::gil_scoped_release release;
           status = jaxring::gpu::RunIpcSteps(t.header, input.c_str(), t.output.data(), rank, size,
                                              slot_bytes, &step, ops, "ipc steps on the host");
+          // As GpuCommunicator::Run (cuda/device.cc) after a failure.
+          if (!status.ok())
+            jaxring::gpu::LeaveAfterFailure(&JaxringRunHostCall, t.call, rank, status.message());
         }
         if (!status.ok()) throw std::runtime_error(status.message());
         return std::make_tuple(nb::bytes(t.output.data(), t.output.size()), step, trace);
@@ -507,9 +523,12 @@ NB_MODULE(_jaxring, m) {
       nb::arg("key"), nb::arg("name"), nb::arg("rank"), nb::arg("size"), nb::arg("shared"),
       nb::arg("slot_bytes"), nb::arg("step"), nb::arg("kind"), nb::arg("op"), nb::arg("dtype"),
       nb::arg("input"), nb::arg("output_count"), nb::arg("root"), nb::arg("op_id"),
+      nb::arg("fail_operation") = -1,
       "Runs cuda-ipc's steps (gpu/ipc_steps.h) on host memory shared by the processes of "
       "process communicator `key` (2 * size slots of slot_bytes at `shared`); returns the output, "
-      "the step counter to pass to the next call, and the trace of its operations (HostIpcOps).");
+      "the step counter to pass to the next call, and the trace of its operations (HostIpcOps). "
+      "Copy or reduction `fail_operation` (if >= 0) fails; this rank then leaves the "
+      "communicator, as a GPU communicator does.");
   m.def(
       "staged_steps_on_host",
       [](uint64_t key, const std::string& name, int rank, int size, int64_t chunk_bytes,
