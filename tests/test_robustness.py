@@ -850,8 +850,8 @@ def test_a_rank_later_than_a_peers_timeout_is_told_which_peer_gave_up_and_why():
 def test_a_rank_without_memory_for_its_scratch_fails_its_peers_at_once():
     """Device 1 of 3 finds no memory for the ring's scratch (a test hook fails its allocation):
     it returns at once, and so do its peers, whichever came first, naming device 1 and quoting its
-    error, long before their 30 s timeout. The communicator then runs the next all-reduce right,
-    against float64."""
+    error, long before their 30 s timeout, and the meeting leaves the group once all three came.
+    The communicator then runs the next all-reduce right, against float64."""
     n, count, timeout = 3, 50_000, 30.0
     rng = np.random.default_rng(23)
     inputs = [rng.standard_normal(count, dtype=np.float32) for _ in range(n)]
@@ -889,8 +889,10 @@ def test_a_rank_without_memory_for_its_scratch_fails_its_peers_at_once():
                    f"arrived, so it cannot run. The error on rank 1: {errors[1]}" in errors[rank], \
                 errors[rank]
         assert elapsed < timeout / 4, elapsed
+        assert native.extension.open_meetings(key) == 0  # the given-up meeting left the group
         run_all(2)
     assert errors == {0: "", 1: "", 2: ""}, errors
+    assert native.extension.open_meetings(key) == 0
     expected = np.sum(np.asarray(inputs, np.float64), axis=0)
     for output in outputs:
         np.testing.assert_allclose(output, expected, rtol=1e-5, atol=1e-5)

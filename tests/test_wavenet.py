@@ -432,11 +432,21 @@ def test_the_command_line_trains_and_every_sampler_draws_the_same_samples(tmp_pa
     # Another model than the run's: refused with the reason, for sampling and for resuming.
     with pytest.raises(SystemExit, match="--config small: the run in .* trained another model"):
         main.main(["sample", "--config", "small", "--workdir", str(workdir)])
-    with pytest.raises(ValueError, match="holds a run of another model"):
+    with pytest.raises(ValueError, match="holds a run of another model or sample rate"):
         main.main(["train", "--config", "small", "--workdir", str(workdir)])
+    with pytest.raises(ValueError, match="holds a run of another model or sample rate"):
+        main.main(["train", "--workdir", str(workdir), "--set", "sample_rate=16000"])
     # Resumed without --config: the run's own configuration, one more epoch.
     main.main(["train", "--workdir", str(workdir), "--set", "num_epochs=2", "steps_per_epoch=2"])
     assert json.loads((workdir / "metrics.json").read_text())[-1]["epoch"] == 2
+    # A run that stopped before its first checkpoint binds nothing: another model may start.
+    from models.wavenet import train
+
+    (tmp_path / "unfinished").mkdir()
+    train.save_config(get_config("small"), tmp_path / "unfinished")
+    main.main(["train", "--config", "tiny", "--workdir", str(tmp_path / "unfinished"),
+               "--set", "num_epochs=1", "steps_per_epoch=1"])
+    assert train.stored_config(tmp_path / "unfinished").model == get_config("tiny").model
 
 
 def test_training_loss_falls_and_resumes(tmp_path):

@@ -51,12 +51,17 @@ def save_config(config: Config, workdir) -> None:
 
 
 def stored_config(workdir) -> Config | None:
-    """The configuration a training run in `workdir` was started with, if one was."""
+    """The configuration a training run in `workdir` was started with, if one was. Fields this
+    version does not know are dropped; fields it added take their defaults."""
     path = Path(workdir) / "config.json"
     if not path.exists():
         return None
-    fields = json.loads(path.read_text())
-    return Config(**{**fields, "model": ModelConfig(**fields["model"])})
+
+    def known(cls, fields: dict) -> dict:
+        return {f.name: fields[f.name] for f in dataclasses.fields(cls) if f.name in fields}
+
+    fields = known(Config, json.loads(path.read_text()))
+    return Config(**{**fields, "model": ModelConfig(**known(ModelConfig, fields["model"]))})
 
 
 def create_model(config: Config):
@@ -124,17 +129,20 @@ def train_and_evaluate(config: Config, workdir) -> list[dict]:
     one). Returns the per-epoch history, also written to `workdir/metrics.json`."""
     workdir = Path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
+    manager = checkpoint_manager(workdir)
     stored = stored_config(workdir)
-    if stored is not None and stored.model != config.model:
-        raise ValueError(f"{workdir} holds a run of another model ({stored.model}); this "
-                         f"configuration's is {config.model}: train in a fresh work directory")
+    if (manager.latest_step() is not None and stored is not None
+            and (stored.model, stored.sample_rate) != (config.model, config.sample_rate)):
+        raise ValueError(f"{workdir} holds a run of another model or sample rate "
+                         f"({stored.model}, {stored.sample_rate} Hz); this configuration's is "
+                         f"{config.model}, {config.sample_rate} Hz: train in a fresh work "
+                         "directory")
     save_config(config, workdir)
     data = input_pipeline.load_dataset(config, workdir / "data")
     context = model.receptive_field(config.model) - 1
     eval_crops = jnp.asarray(input_pipeline.evaluation_crops(
         data["test"], config.eval_crops, config.crop_length, context))
     net, optimizer = create_model(config)
-    manager = checkpoint_manager(workdir)
     first_epoch = restore(manager, net, optimizer)
     metrics_path = workdir / "metrics.json"
     history = json.loads(metrics_path.read_text())[:first_epoch] if first_epoch else []

@@ -78,7 +78,8 @@ uint32_t Flag::Add(uint32_t delta) {
 
 bool Flag::AbandonBelow(uint32_t target) {
   uint32_t seen = value_.load(std::memory_order_seq_cst);
-  while ((seen & ~kAbandoned) < target) {
+  // Already abandoned: another rank gave up first, and its reason is the one to tell.
+  while ((seen & kAbandoned) == 0 && seen < target) {
     if (value_.compare_exchange_weak(seen, seen | kAbandoned, std::memory_order_seq_cst)) {
       WakeAll();
       return true;

@@ -82,8 +82,9 @@ class Flag {
   void Store(uint32_t value);
   uint32_t Add(uint32_t delta);  // returns the new value
   // Marks a counter that never reached `target` as abandoned (sets kAbandoned, waking waiters),
-  // unless it already reached `target`. Returns whether it was abandoned. Used when a rank gives
-  // up, so that late peers fail instead of touching the buffers of a rank that has left.
+  // unless it already reached `target` or was abandoned before. Returns whether this call
+  // abandoned it. Used when a rank gives up, so that late peers fail instead of touching the
+  // buffers of a rank that has left.
   bool AbandonBelow(uint32_t target);
   static constexpr uint32_t kAbandoned = 1u << 31;
   // Marks the flag abandoned (sets kAbandoned), waking waiters.

@@ -594,6 +594,8 @@ NB_MODULE(_jaxring, m) {
   m.def("fail_next_scratch", &jaxring::FailNextScratchForTest, nb::arg("comm"), nb::arg("rank"),
         "The next call of `rank` of in-process communicator `comm` that needs scratch finds "
         "none, as when its allocation fails (tests); rank -1 disarms it.");
+  m.def("open_meetings", &jaxring::OpenMeetingsForTest, nb::arg("comm"), nb::arg("group") = 0,
+        "The meetings of in-process communicator `comm` that not every rank has reached (tests).");
 
   m.def("gpu_defaults", []() {
     nb::dict d;

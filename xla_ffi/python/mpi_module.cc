@@ -152,11 +152,15 @@ NB_MODULE(_jaxring_mpi, m) {
         h.count = static_cast<int64_t>(input.size() / width);
         std::vector<char> output(output_count * width), scratch(scratch_bytes);
         HostMemory memory(fail_reduce, deferred);
+        // x as a kernel queued before the call leaves it: deferred, not there until the call
+        // synchronises, as on a GPU, where XLA's stream has only queued what computes x.
+        std::vector<char> x(input.size(), '\x7f');
+        memory.Copy(x.data(), input.c_str(), x.size());
         jaxring::Status status;
         {
           nb::gil_scoped_release release;
           status = jaxring::gpu::RunDirect(
-              h, input.c_str(), output.data(), rank, size, scratch.data(), scratch_bytes, memory,
+              h, x.data(), output.data(), rank, size, scratch.data(), scratch_bytes, memory,
               *reinterpret_cast<const JaxringMessageOps*>(ops_address), timeout_seconds,
               "jaxring direct " + jaxring::Describe(h));
           const jaxring::Status finished = memory.Finish();  // what the stream still held

@@ -89,6 +89,11 @@ class GroupCalls {
     return open_.back().meeting;
   }
 
+  size_t OpenForTest() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return open_.size();
+  }
+
   // Once every rank holds the meeting, it leaves the group.
   void Leave(int64_t run_id, uint64_t sequence) {
     std::lock_guard<std::mutex> lock(mutex_);
@@ -169,7 +174,14 @@ GroupCalls& Calls(const CommunicatorId& comm) {
 
 const Config& LocalTransport::Entry::config() const { return meeting_->config; }
 
+LocalTransport::Entry::~Entry() {
+  if (meeting_)
+    GiveUp("jaxring: rank " + std::to_string(rank_) +
+           " left a collective before publishing its call (an internal error)");
+}
+
 void LocalTransport::Entry::GiveUp(const std::string& why) {
+  if (!meeting_) return;
   Meeting& meeting = *meeting_;
   {
     std::lock_guard<std::mutex> lock(meeting.giving_up);
@@ -434,6 +446,10 @@ void FailNextScratchForTest(uint64_t comm, int rank) {
   scratch_failure_rank.store(-1);
   scratch_failure_comm.store(comm);
   scratch_failure_rank.store(rank, std::memory_order_release);
+}
+
+size_t OpenMeetingsForTest(uint64_t comm, int64_t group) {
+  return Calls(CommunicatorId{comm, group, 0, ""}).OpenForTest();
 }
 
 bool ScratchFailsForTest(uint64_t comm, int rank) {

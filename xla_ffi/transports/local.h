@@ -38,6 +38,11 @@ class LocalTransport {
   // order; the header check then proves they are the same call.
   class Entry {
    public:
+    Entry() = default;
+    Entry(Entry&& other) noexcept = default;  // leaves `other` without a meeting
+    Entry& operator=(Entry&&) = delete;
+    // An entry dropped without Join or GiveUp gives up, so that its peers fail at once.
+    ~Entry();
     // The configuration in force when the meeting's first rank entered it, the same for every
     // rank: a call's devices choose its algorithm, slices and copies from this, so that
     // jaxring.config changing while a program runs (an update from another thread) cannot split
@@ -46,7 +51,7 @@ class LocalTransport {
     // For a rank that entered but cannot join (it found no memory for its scratch): marks the
     // meeting given up, with `why` as this rank's error, and counts this rank as arrived, so that
     // its peers fail at once, naming it and quoting `why`, instead of waiting out their timeout
-    // for a call it will never publish.
+    // for a call it will never publish. The entry is spent afterwards.
     void GiveUp(const std::string& why);
 
    private:
@@ -169,6 +174,9 @@ int64_t StallsTakenForTest();
 // none, as when its allocation fails; rank -1 disarms it. ScratchFailsForTest takes the failure.
 void FailNextScratchForTest(uint64_t comm, int rank);
 bool ScratchFailsForTest(uint64_t comm, int rank);
+// For tests: the meetings of group `group` of in-process communicator `comm` that not every rank
+// has reached yet (those given up stay until their last rank comes).
+size_t OpenMeetingsForTest(uint64_t comm, int64_t group);
 
 // Reusable scratch memory (the ring's float32 partial sums), so that a collective does not
 // allocate and fault in fresh pages on every call.
