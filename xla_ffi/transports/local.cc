@@ -448,15 +448,15 @@ void FailNextScratchForTest(uint64_t comm, int rank) {
   scratch_failure_rank.store(rank, std::memory_order_release);
 }
 
-size_t OpenMeetingsForTest(uint64_t comm, int64_t group) {
-  return Calls(CommunicatorId{comm, group, 0, ""}).OpenForTest();
-}
-
 bool ScratchFailsForTest(uint64_t comm, int rank) {
   int armed = rank;
   return scratch_failure_rank.load(std::memory_order_acquire) == rank &&
          scratch_failure_comm.load() == comm &&
          scratch_failure_rank.compare_exchange_strong(armed, -1);
+}
+
+size_t OpenMeetingsForTest(uint64_t comm, int64_t group) {
+  return Calls(CommunicatorId{comm, group, 0, ""}).OpenForTest();
 }
 
 // ---- scratch pool ------------------------------------------------------------------------------
