@@ -4,6 +4,8 @@
 
 #include <cstddef>
 #include <cstring>
+#include <functional>
+#include <utility>
 #include <vector>
 
 #include "common/status.h"
@@ -29,6 +31,34 @@ inline Status HostReduce(DType dtype, ReduceOp op, const void* const* srcs, int 
   Reduce(dtype, op, operands.data(), n, &target, 1, count, divisor);
   return Status();
 }
+
+// Work queued on a stream, on the host: each piece runs at once, or, `deferred`, only at Run(),
+// as late as a GPU stream may run what was queued on it before the next wait. Deferred, a caller
+// that reads or writes memory before waiting for the work that touches it sees the wrong bytes,
+// where work run at once would hide the slip.
+class HostStream {
+ public:
+  explicit HostStream(bool deferred) : deferred_(deferred) {}
+  Status Queue(std::function<Status()> work) {
+    if (!deferred_) return work();
+    queued_.push_back(std::move(work));
+    return Status();
+  }
+  // Runs what is queued, in order; returns the first error.
+  Status Run() {
+    Status status;
+    for (const auto& work : queued_) {
+      const Status ran = work();
+      if (status.ok()) status = ran;
+    }
+    queued_.clear();
+    return status;
+  }
+
+ private:
+  bool deferred_;
+  std::vector<std::function<Status()>> queued_;
+};
 
 }  // namespace gpu
 }  // namespace jaxring

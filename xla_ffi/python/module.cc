@@ -175,7 +175,9 @@ class HostStagingOps final : public jaxring::gpu::StagingOps {
  public:
   // `fail_copy_out` >= 0: that result copy (counted from 0) fails, as a CUDA copy may on a GPU.
   HostStagingOps(int64_t chunk_bytes, int fail_copy_out, bool deferred)
-      : fail_copy_out_(fail_copy_out), deferred_(deferred) {
+      : in_{jaxring::gpu::HostStream(deferred), jaxring::gpu::HostStream(deferred)},
+        out_{jaxring::gpu::HostStream(deferred), jaxring::gpu::HostStream(deferred)},
+        fail_copy_out_(fail_copy_out) {
     for (auto& b : to_host_) b.resize(chunk_bytes);
     for (auto& b : from_host_) b.resize(chunk_bytes);
   }
@@ -188,23 +190,29 @@ class HostStagingOps final : public jaxring::gpu::StagingOps {
   jaxring::Status CopyIn(int b, const void* src, size_t src_pitch, size_t row_bytes,
                          size_t rows) override {
     if (row_bytes * rows > to_host_[b].size()) return Overflow();
-    return Queue(&in_[b], {to_host_[b].data(), row_bytes, src, src_pitch, row_bytes, rows});
+    char* dst = to_host_[b].data();
+    return in_[b].Queue([=] {
+      return jaxring::gpu::HostCopyRows(dst, row_bytes, src, src_pitch, row_bytes, rows);
+    });
   }
-  jaxring::Status WaitIn(int b) override { return Run(&in_[b]); }
-  jaxring::Status WaitOut(int b) override { return Run(&out_[b]); }
+  jaxring::Status WaitIn(int b) override { return in_[b].Run(); }
+  jaxring::Status WaitOut(int b) override { return out_[b].Run(); }
   jaxring::Status CopyOut(int b, void* dst, size_t dst_pitch, size_t row_bytes,
                           size_t rows) override {
     if (row_bytes * rows > from_host_[b].size()) return Overflow();
     if (copies_out_++ == fail_copy_out_)
       return jaxring::Status::Error("copying result chunk " + std::to_string(fail_copy_out_) +
                                     " to the device failed (injected)");
-    return Queue(&out_[b], {dst, dst_pitch, from_host_[b].data(), row_bytes, row_bytes, rows});
+    const char* src = from_host_[b].data();
+    return out_[b].Queue([=] {
+      return jaxring::gpu::HostCopyRows(dst, dst_pitch, src, row_bytes, row_bytes, rows);
+    });
   }
   jaxring::Status End() override {
     ended_ = true;
     jaxring::Status status;
-    for (std::vector<Rows>* queue : {&in_[0], &in_[1], &out_[0], &out_[1]}) {
-      const jaxring::Status ran = Run(queue);
+    for (jaxring::gpu::HostStream* stream : {&in_[0], &in_[1], &out_[0], &out_[1]}) {
+      const jaxring::Status ran = stream->Run();
       if (status.ok()) status = ran;
     }
     return status;
@@ -217,34 +225,14 @@ class HostStagingOps final : public jaxring::gpu::StagingOps {
   bool Ended() const { return ended_ || !began_; }
 
  private:
-  struct Rows {  // HostCopyRows' arguments
-    void* dst;
-    size_t dst_pitch;
-    const void* src;
-    size_t src_pitch, row_bytes, rows;
-  };
   static jaxring::Status Overflow() {
     return jaxring::Status::Error("a chunk overflows its host buffer");
   }
-  jaxring::Status Queue(std::vector<Rows>* queue, const Rows& copy) {
-    queue->push_back(copy);
-    return deferred_ ? jaxring::Status() : Run(queue);
-  }
-  static jaxring::Status Run(std::vector<Rows>* queue) {
-    jaxring::Status status;
-    for (const Rows& c : *queue) {
-      if (status.ok())
-        status = jaxring::gpu::HostCopyRows(c.dst, c.dst_pitch, c.src, c.src_pitch, c.row_bytes,
-                                            c.rows);
-    }
-    queue->clear();
-    return status;
-  }
   std::vector<char> to_host_[2], from_host_[2];
-  std::vector<Rows> in_[2], out_[2];  // copies queued into ToHost(b), out of FromHost(b)
+  // Copies queued into ToHost(b), and out of FromHost(b).
+  jaxring::gpu::HostStream in_[2], out_[2];
   bool began_ = false, ended_ = false;
   const int fail_copy_out_;
-  const bool deferred_;
   int copies_out_ = 0;
 };
 

@@ -13,7 +13,6 @@
 #include <cstdint>
 #include <cstring>
 #include <stdexcept>
-#include <functional>
 #include <vector>
 
 #include "common/config.h"
@@ -52,16 +51,17 @@ std::pair<bool, std::string> CudaAware() {
 }
 
 // Host memory in place of the device: the CUDA-aware path's algorithm, tested on CPU processes.
-// Copies and reductions run at once, or, with `deferred`, as late as a stream may run them: at
-// the next Synchronize(), or once the call has returned (Finish(), as XLA's stream runs what the
-// handler queued). Then an exchange that lets MPI touch memory before synchronising with the
-// kernels that write or read it gets wrong results, where running at once would hide it.
+// Copies and reductions run at once, or, with `deferred`, as late as a stream may run them
+// (gpu::HostStream): at the next Synchronize(), or at the harness's last one after the call, as
+// XLA's stream runs what the handler queued. Then an exchange that lets MPI touch memory before
+// synchronising with the kernels that write or read it gets wrong results.
 class HostMemory final : public jaxring::gpu::DeviceOps {
  public:
   // `fail_reduce`: the reduction that fails instead, as a kernel launch may (-1: none).
-  HostMemory(int fail_reduce, bool deferred) : fail_reduce_(fail_reduce), deferred_(deferred) {}
+  HostMemory(int fail_reduce, bool deferred) : fail_reduce_(fail_reduce), stream_(deferred) {}
   jaxring::Status Copy(void* dst, const void* src, size_t bytes) override {
-    return Queue([=] { return jaxring::gpu::HostCopyRows(dst, bytes, src, bytes, bytes, 1); });
+    return stream_.Queue(
+        [=] { return jaxring::gpu::HostCopyRows(dst, bytes, src, bytes, bytes, 1); });
   }
   jaxring::Status Reduce(jaxring::DType dtype, jaxring::ReduceOp op, const void* const* srcs,
                          int n, void* dst, int64_t count, int64_t divisor) override {
@@ -69,31 +69,16 @@ class HostMemory final : public jaxring::gpu::DeviceOps {
       return jaxring::Status::Error("reduction " + std::to_string(fail_reduce_) +
                                     " failed (injected)");
     std::vector<const void*> sources(srcs, srcs + n);
-    return Queue([=] {
+    return stream_.Queue([=] {
       return jaxring::gpu::HostReduce(dtype, op, sources.data(), n, dst, count, divisor);
     });
   }
-  jaxring::Status Synchronize() override { return Finish(); }
-  jaxring::Status Finish() {
-    jaxring::Status status;
-    for (const auto& run : queued_) {
-      const jaxring::Status ran = run();
-      if (status.ok()) status = ran;
-    }
-    queued_.clear();
-    return status;
-  }
+  jaxring::Status Synchronize() override { return stream_.Run(); }
 
  private:
-  jaxring::Status Queue(std::function<jaxring::Status()> run) {
-    if (!deferred_) return run();
-    queued_.push_back(std::move(run));
-    return jaxring::Status();
-  }
   int fail_reduce_;
-  bool deferred_;
   int reduces_ = 0;
-  std::vector<std::function<jaxring::Status()>> queued_;
+  jaxring::gpu::HostStream stream_;
 };
 
 }  // namespace
@@ -163,7 +148,7 @@ NB_MODULE(_jaxring_mpi, m) {
               h, x.data(), output.data(), rank, size, scratch.data(), scratch_bytes, memory,
               *reinterpret_cast<const JaxringMessageOps*>(ops_address), timeout_seconds,
               "jaxring direct " + jaxring::Describe(h));
-          const jaxring::Status finished = memory.Finish();  // what the stream still held
+          const jaxring::Status finished = memory.Synchronize();  // what the stream still held
           if (status.ok()) status = finished;
         }
         if (!status.ok()) throw std::runtime_error(status.message());

@@ -51,6 +51,17 @@ class Meeting {
 
 namespace {
 
+// Records `error` as why `rank` gave up on `meeting`, unless a peer gave up first; returns it.
+// The caller holds the meeting's giving_up mutex from before it marks the meeting given up, so a
+// peer that sees the mark and then takes the mutex finds the reason.
+std::string RecordGivingUp(Meeting& meeting, int rank, std::string error) {
+  if (meeting.gave_up < 0) {
+    meeting.gave_up = rank;
+    meeting.why = error;
+  }
+  return error;
+}
+
 bool Arrived(const Meeting& m, int peer) { return m.peers[peer].arrived.load(); }
 bool Finished(const Meeting& m, int peer) { return m.peers[peer].finished.load(); }
 
@@ -186,10 +197,7 @@ void LocalTransport::Entry::GiveUp(const std::string& why) {
   {
     std::lock_guard<std::mutex> lock(meeting.giving_up);
     meeting.arrivals.AbandonBelow(static_cast<uint32_t>(meeting.size));  // this rank is missing
-    if (meeting.gave_up < 0) {
-      meeting.gave_up = rank_;
-      meeting.why = why;
-    }
+    RecordGivingUp(meeting, rank_, why);
   }
   // Counted as arrived, so that the meeting leaves the group once its last rank has come.
   if ((meeting.arrivals.Add(1) & ~Flag::kAbandoned) == static_cast<uint32_t>(meeting.size))
@@ -371,15 +379,7 @@ std::string LocalTransport::GiveUpBelow(Flag& count, uint32_t target, const char
                                         bool (*done)(const Meeting&, int)) {
   std::lock_guard<std::mutex> lock(meeting_->giving_up);
   if (!count.AbandonBelow(target)) return std::string();
-  return RecordGivingUp(MissingPeers(what, done));
-}
-
-std::string LocalTransport::RecordGivingUp(std::string error) {
-  if (meeting_->gave_up < 0) {
-    meeting_->gave_up = rank_;
-    meeting_->why = error;
-  }
-  return error;
+  return RecordGivingUp(*meeting_, rank_, MissingPeers(what, done));
 }
 
 std::string LocalTransport::WhoGaveUp(const char* what) const {
@@ -422,7 +422,7 @@ Status LocalTransport::WaitForProgress(int peer, uint32_t units) {
     << " to reach ring step unit " << units << " (it reached " << progress.Load() << ")";
   {
     std::lock_guard<std::mutex> lock(meeting_->giving_up);
-    RecordGivingUp(s.str());
+    RecordGivingUp(*meeting_, rank_, s.str());
   }
   Close();
   return Status::Error(s.str());

@@ -144,12 +144,9 @@ class LocalTransport {
   void Close();
   // After a wait for `count` to reach `target` timed out: marks `count` abandoned unless it got
   // there meanwhile (then returns ""), and returns the error naming the ranks for which `done`
-  // does not hold, recorded as why this rank gave up (RecordGivingUp).
+  // does not hold, recorded as why this rank gave up.
   std::string GiveUpBelow(Flag& count, uint32_t target, const char* what,
                           bool (*done)(const Meeting&, int));
-  // Records `error` as why this rank gave up, unless a peer gave up first; returns it. The caller
-  // holds the meeting's giving_up mutex from before it marks the meeting given up.
-  std::string RecordGivingUp(std::string error);
   // "rank R gave up <what>. The error on rank R: ...", for the peers of the first rank to give up.
   std::string WhoGaveUp(const char* what) const;
   // BeginPeerAccess without the test's stall (Share stalls in a piece, not before its first).

@@ -75,8 +75,7 @@ void ProcessTransport::FailLinked(uint64_t key, const std::string& why) {
 }
 
 void ProcessTransport::Leave(uint64_t key, const std::string& why) {
-  AbandonKey(key, why);
-  FailLinked(key, why);
+  CallFailed(key, nullptr, why);
 }
 
 void ProcessTransport::CallFailed(uint64_t key, const ProcessTransport* held,
