@@ -160,6 +160,10 @@ def test_the_training_loss_counts_only_targets_with_a_whole_receptive_field():
             expected.append(np.log(np.exp(z).sum()) - z[stream[t + 1]])
     np.testing.assert_allclose(float(train.crop_nll(net, jnp.asarray(crops), context)),
                                np.mean(expected), rtol=1e-5)
+    # The held-out NLL, evaluated 2 crops at a time (the last batch holds one): every target
+    # weighs the same, not every batch.
+    np.testing.assert_allclose(train.held_out_nll(net, jnp.asarray(crops), 2, context),
+                               np.mean(expected), rtol=1e-5)
 
 
 @pytest.mark.parametrize("batch,length", [(4, 4), (3, 40)], ids=["batch=time", "batch<time"])

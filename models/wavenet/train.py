@@ -46,6 +46,13 @@ def train_step(net: model.WaveNet, optimizer: nnx.Optimizer, crops, context: int
 eval_step = nnx.jit(crop_nll, static_argnames="context")
 
 
+def held_out_nll(net: model.WaveNet, crops, batch_size: int, context: int) -> float:
+    """crop_nll over all `crops`, evaluated `batch_size` crops at a time: the mean over every
+    counted target, so a last batch with fewer crops weighs by its size."""
+    batches = [crops[i: i + batch_size] for i in range(0, len(crops), batch_size)]
+    return sum(float(eval_step(net, b, context)) * len(b) for b in batches) / len(crops)
+
+
 def save_config(config: Config, workdir) -> None:
     (Path(workdir) / "config.json").write_text(json.dumps(dataclasses.asdict(config), indent=1))
 
@@ -161,8 +168,7 @@ def train_and_evaluate(config: Config, workdir) -> list[dict]:
                                                 config.crop_length, rng, context)
             losses.append(float(train_step(net, optimizer, jnp.asarray(crops), context)))
             bar.set_postfix(nll=f"{losses[-1]:.3f}")
-        test_nll = float(np.mean([eval_step(net, eval_crops[i: i + config.batch_size], context)
-                                  for i in range(0, len(eval_crops), config.batch_size)]))
+        test_nll = held_out_nll(net, eval_crops, config.batch_size, context)
         history.append({"epoch": epoch, "train_nll": float(np.mean(losses)),
                         "test_nll": test_nll, "step_losses": losses})
         print(f"epoch {epoch}: train NLL {history[-1]['train_nll']:.4f}, "
