@@ -716,6 +716,18 @@ def _rank_dependent(m, on_rank0, on_others):
     return jax.jit(jax.shard_map(f, mesh=m, in_specs=P("i"), out_specs=P("i"), check_vma=False))
 
 
+def _axis_key(m, axis):
+    """The key of the in-process communicator of mesh axis `axis` of `m`, as its calls find it."""
+    keys = []
+
+    def body(v):
+        keys.append(common.communicator("test", axis).key)
+        return v
+    jax.eval_shape(jax.shard_map(body, mesh=m, in_specs=P(axis), out_specs=P(axis)),
+                   shard(np.zeros(m.shape[axis], np.float32), m))
+    return keys[0]
+
+
 @pytest.mark.parametrize("call", ["all_reduce", "barrier"])
 def test_missing_peer_times_out_naming_the_missing_devices(call):
     """Device 0 calls, the others never do: device 0 must wait for them (a barrier that did not
@@ -725,11 +737,16 @@ def test_missing_peer_times_out_naming_the_missing_devices(call):
     body = {"all_reduce": lambda v: jaxring.all_reduce(v, "i"),
             "barrier": lambda v: (jaxring.barrier("i"), v + 1)[1]}[call]
     f = _rank_dependent(m, body, lambda v: v + 1)
+    key = _axis_key(m, "i")
     with jaxring.config.override(timeout_seconds=1.0):
         with pytest.raises(Exception, match=r"timed out after 1 s waiting for rank\(s\) "
                                             r"\[1, 2, 3\] to arrive"):
             np.asarray(f(x))
+    # The given-up call stays for late devices to find, until reset_after_error, which knows
+    # that none is still to come.
+    assert native.extension.open_meetings(key) == 1
     _check_recovery(m, x, "timed out")
+    assert native.extension.open_meetings(key) == 0
 
 
 def test_an_infinite_timeout_waits_for_a_late_peer():

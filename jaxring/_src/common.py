@@ -98,6 +98,9 @@ def reset_after_error() -> None:
     wait_for_dispatched_programs()
     _drop_tokens()
     native.extension.reset_point_to_point()
+    # The calls that a device gave up on before its peers came are kept for late peers to find;
+    # those peers have finished by now without coming.
+    native.extension.forget_given_up_meetings()
 
 
 def _drop_tokens() -> None:

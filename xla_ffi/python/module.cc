@@ -597,6 +597,9 @@ NB_MODULE(_jaxring, m) {
 
   m.def("reset_point_to_point", &jaxring::LocalPointToPoint::ResetAll,
         "Empties every point-to-point mailbox (after an error).");
+  m.def("forget_given_up_meetings", &jaxring::LocalTransport::ForgetGivenUp,
+        "Drops the in-process meetings that a device gave up on before every device arrived "
+        "(after an error, when no device is inside a jaxring call); returns how many.");
 
   // Exposed so tests can check the kernels' rounding against numpy bit for bit.
   m.def("half_to_float", &jaxring::HalfToFloat);

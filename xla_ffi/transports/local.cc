@@ -105,6 +105,18 @@ class GroupCalls {
     return open_.size();
   }
 
+  // Drops the meetings a rank gave up on before every rank arrived; returns how many.
+  size_t ForgetGivenUp() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    const size_t before = open_.size();
+    open_.erase(std::remove_if(open_.begin(), open_.end(),
+                               [](const Open& open) {
+                                 return (open.meeting->arrivals.Load() & Flag::kAbandoned) != 0;
+                               }),
+                open_.end());
+    return before - open_.size();
+  }
+
   // Once every rank holds the meeting, it leaves the group.
   void Leave(int64_t run_id, uint64_t sequence) {
     std::lock_guard<std::mutex> lock(mutex_);
@@ -147,7 +159,7 @@ class GroupCalls {
   std::vector<RankRuns> ranks_;
   // Few: the calls in progress, and the ones a rank gave up on, which stay until their last rank
   // arrives (so that every late rank finds them and fails at once, not after a timeout of its own
-  // in a fresh meeting), or for good if it never comes.
+  // in a fresh meeting), or until LocalTransport::ForgetGivenUp if it never comes.
   std::vector<Open> open_;
 };
 
@@ -155,6 +167,22 @@ namespace {
 
 // Where ranks find each other: every group's calls, by (comm, group). Groups live for good, so
 // each device thread keeps the last one it used and takes the registry's lock only to change it.
+struct GroupRegistry {
+  struct KeyHash {
+    size_t operator()(const std::pair<uint64_t, int64_t>& key) const {
+      return std::hash<uint64_t>()(key.first ^
+                                   (static_cast<uint64_t>(key.second) * 0x9e3779b97f4a7c15ULL));
+    }
+  };
+  std::mutex mutex;
+  std::unordered_map<std::pair<uint64_t, int64_t>, std::unique_ptr<GroupCalls>, KeyHash> groups;
+};
+
+GroupRegistry& Registry() {
+  static auto* registry = new GroupRegistry();  // never destroyed: device threads may outlive exit
+  return *registry;
+}
+
 GroupCalls& Calls(const CommunicatorId& comm) {
   struct Last {
     uint64_t comm;
@@ -164,18 +192,9 @@ GroupCalls& Calls(const CommunicatorId& comm) {
   thread_local Last last;
   if (last.calls != nullptr && last.comm == comm.comm && last.group == comm.group)
     return *last.calls;
-  struct KeyHash {
-    size_t operator()(const std::pair<uint64_t, int64_t>& key) const {
-      return std::hash<uint64_t>()(key.first ^
-                                   (static_cast<uint64_t>(key.second) * 0x9e3779b97f4a7c15ULL));
-    }
-  };
-  static std::mutex mutex;
-  // Never destroyed: device threads may outlive exit.
-  static auto* groups =
-      new std::unordered_map<std::pair<uint64_t, int64_t>, std::unique_ptr<GroupCalls>, KeyHash>();
-  std::lock_guard<std::mutex> lock(mutex);
-  std::unique_ptr<GroupCalls>& calls = (*groups)[{comm.comm, comm.group}];
+  GroupRegistry& registry = Registry();
+  std::lock_guard<std::mutex> lock(registry.mutex);
+  std::unique_ptr<GroupCalls>& calls = registry.groups[{comm.comm, comm.group}];
   if (!calls) calls = std::make_unique<GroupCalls>();
   last = {comm.comm, comm.group, calls.get()};
   return *calls;
@@ -453,6 +472,14 @@ bool ScratchFailsForTest(uint64_t comm, int rank) {
   return scratch_failure_rank.load(std::memory_order_acquire) == rank &&
          scratch_failure_comm.load() == comm &&
          scratch_failure_rank.compare_exchange_strong(armed, -1);
+}
+
+size_t LocalTransport::ForgetGivenUp() {
+  GroupRegistry& registry = Registry();
+  std::lock_guard<std::mutex> lock(registry.mutex);
+  size_t forgotten = 0;
+  for (auto& [key, calls] : registry.groups) forgotten += calls->ForgetGivenUp();
+  return forgotten;
 }
 
 size_t OpenMeetingsForTest(uint64_t comm, int64_t group) {

@@ -129,6 +129,11 @@ class LocalTransport {
   // Error text prefix naming the call, the communicator and this rank.
   std::string Where() const;
 
+  // Drops, in every group, the meetings that a rank gave up on before every rank arrived, which
+  // otherwise stay for the late ranks to find (and fail at once): for when no device is inside a
+  // jaxring call, so that no rank of them is still to come. Returns how many it dropped.
+  static size_t ForgetGivenUp();
+
  private:
   LocalTransport(CommunicatorId comm, int rank, Header header, std::shared_ptr<Meeting> meeting,
                  double timeout_seconds, int64_t spin_iterations);
@@ -172,7 +177,7 @@ int64_t StallsTakenForTest();
 void FailNextScratchForTest(uint64_t comm, int rank);
 bool ScratchFailsForTest(uint64_t comm, int rank);
 // For tests: the meetings of group `group` of in-process communicator `comm` that not every rank
-// has reached yet (those given up stay until their last rank comes).
+// has reached yet (those given up stay until their last rank comes, or ForgetGivenUp).
 size_t OpenMeetingsForTest(uint64_t comm, int64_t group);
 
 // Reusable scratch memory (the ring's float32 partial sums), so that a collective does not
