@@ -4,7 +4,7 @@ Environment variables (JAXRING_TIMEOUT_SECONDS, JAXRING_RING_THRESHOLD_BYTES, JA
 JAXRING_PIPELINE_SLICE_BYTES, JAXRING_SPIN_ITERATIONS, JAXRING_P2P_EAGER_BYTES,
 JAXRING_MPI_RING_THRESHOLD_BYTES, JAXRING_MPI_DIRECT_HEADER_RANKS, JAXRING_HUGE_PAGE_BYTES,
 JAXRING_SHM_STORES, JAXRING_COPY_INPUT_BYTES, JAXRING_HAND_OFF_AFTER_SECONDS,
-JAXRING_CPU_KERNELS) override the defaults at import time; ``update`` and ``override`` change them
+JAXRING_CPU_KERNELS, JAXRING_SCRATCH_POOL_BYTES) override the defaults at import time; ``update`` and ``override`` change them
 at run time. Values are read when a collective runs (mpi_direct_header_ranks when a jaxring.mpi
 communicator is created); ``update`` and ``override`` first wait for the programs already
 dispatched to finish, so each program runs under the configuration in force when it was
@@ -73,6 +73,11 @@ class Config:
     # the same bits; the wider ones are faster where the reduction, not memory, is the
     # bottleneck: float16/bfloat16 sums, and sums whose data sits in the cache.
     cpu_kernels: str = "auto"
+    # Scratch memory that calls reuse from one to the next instead of allocating and faulting in
+    # fresh pages (the ring's float32 partial sums; copies of sent messages larger than a mailbox
+    # slot): at most this many bytes stay pooled between calls, the largest buffers beyond it are
+    # freed; 0 pools none. Lowering it frees the excess at once.
+    scratch_pool_bytes: int = 1 << 30
 
 
 _ENV = {
@@ -89,6 +94,7 @@ _ENV = {
     "copy_input_bytes": ("JAXRING_COPY_INPUT_BYTES", int),
     "hand_off_after_seconds": ("JAXRING_HAND_OFF_AFTER_SECONDS", float),
     "cpu_kernels": ("JAXRING_CPU_KERNELS", str),
+    "scratch_pool_bytes": ("JAXRING_SCRATCH_POOL_BYTES", int),
 }
 
 
@@ -128,11 +134,11 @@ def _validate(config: Config) -> Config:
             or config.spin_iterations < 0 or config.p2p_eager_bytes < 0
             or config.huge_page_bytes < 0 or config.copy_input_bytes < 0
             or config.ring_threshold_bytes < 0 or config.mpi_ring_threshold_bytes < 0
-            or not config.hand_off_after_seconds >= 0):
+            or config.scratch_pool_bytes < 0 or not config.hand_off_after_seconds >= 0):
         raise ValueError("jaxring.config: pipeline_slice_bytes and mpi_direct_header_ranks must "
                          "be > 0; spin_iterations, p2p_eager_bytes, huge_page_bytes, "
-                         "copy_input_bytes, ring_threshold_bytes, mpi_ring_threshold_bytes and "
-                         "hand_off_after_seconds >= 0")
+                         "copy_input_bytes, ring_threshold_bytes, mpi_ring_threshold_bytes, "
+                         "scratch_pool_bytes and hand_off_after_seconds >= 0")
     return config
 
 

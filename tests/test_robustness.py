@@ -864,6 +864,42 @@ def test_a_rank_later_than_a_peers_timeout_is_told_which_peer_gave_up_and_why():
     np.testing.assert_array_equal(outputs[1], np.zeros(1000, np.float32))
 
 
+def test_scratch_pooled_between_calls_stays_within_scratch_pool_bytes():
+    """The ring's scratch (float32 partial sums, one buffer per device) goes back to a pool after
+    each call, which keeps at most scratch_pool_bytes: all three buffers by default, two under a
+    cap of two, none once the cap is 0 (lowering it frees the excess at once). A small call
+    does not take a pooled buffer more than twice its size. Every result against float64."""
+    n, small, large = 3, 3000, 30_000
+    m = mesh(n)
+    f = shmap(lambda v: jaxring.all_reduce(v, "i"), m)
+    rng = np.random.default_rng(31)
+
+    def run(count):
+        x = rng.standard_normal(n * count, dtype=np.float32)
+        out = np.asarray(f(shard(x, m))).reshape(n, count)
+        expected = x.astype(np.float64).reshape(n, count).sum(0)
+        for device in range(n):
+            assert_close(out[device], expected, np.float32, count=n)
+
+    buffer, small_buffer = large * 4, (small * 4 + 63) // 64 * 64  # capacities: 64-byte lines
+    with jaxring.config.override(algorithm="ring", scratch_pool_bytes=0):
+        assert native.extension.pooled_scratch() == (0, 0)
+        run(large)
+        assert native.extension.pooled_scratch() == (0, 0)
+        jaxring.config.update(scratch_pool_bytes=2 * buffer)
+        run(large)
+        assert native.extension.pooled_scratch() == (2, 2 * buffer)
+        jaxring.config.update(scratch_pool_bytes=1 << 30)
+        run(large)
+        assert native.extension.pooled_scratch() == (3, 3 * buffer)
+        run(small)  # finds no pooled buffer within twice its size: three more of its own
+        assert native.extension.pooled_scratch() == (6, 3 * buffer + 3 * small_buffer)
+        run(large)
+        assert native.extension.pooled_scratch() == (6, 3 * buffer + 3 * small_buffer)
+        jaxring.config.update(scratch_pool_bytes=buffer)  # the largest go first
+        assert native.extension.pooled_scratch() == (3, 3 * small_buffer)
+
+
 def test_a_rank_without_memory_for_its_scratch_fails_its_peers_at_once():
     """Device 1 of 3 finds no memory for the ring's scratch (a test hook fails its allocation):
     it returns at once, and so do its peers, whichever came first, naming device 1 and quoting its

@@ -73,6 +73,10 @@ struct Config {
   // The CPU reduction kernels' instruction set. Python's jaxring.config passes it on to the
   // kernels (UseCpuKernels) in every extension module that carries a copy of them.
   CpuKernels cpu_kernels = CpuKernels::kAuto;
+  // Scratch memory that calls reuse instead of allocating and faulting in fresh pages every time
+  // (the ring's float32 partial sums, copies of eager messages too large for a mailbox slot):
+  // at most this many bytes stay pooled between calls (ScratchLease); 0 pools none.
+  int64_t scratch_pool_bytes = int64_t{1} << 30;
 };
 
 // A snapshot of the current configuration; cheap enough to take once per collective.

@@ -6,6 +6,7 @@
 #include <stdexcept>
 #include <vector>
 #include <nanobind/ndarray.h>
+#include <nanobind/stl/pair.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/tuple.h>
 #include <nanobind/stl/vector.h>
@@ -327,7 +328,8 @@ NB_MODULE(_jaxring, m) {
          int64_t pipeline_slice_bytes, int64_t spin_iterations, int64_t p2p_eager_bytes,
          int64_t mpi_ring_threshold_bytes, int64_t mpi_direct_header_ranks,
          int64_t huge_page_bytes, const std::string& shm_stores, int64_t copy_input_bytes,
-         double hand_off_after_seconds, const std::string& cpu_kernels) {
+         double hand_off_after_seconds, const std::string& cpu_kernels,
+         int64_t scratch_pool_bytes) {
         jaxring::Config config;
         config.timeout_seconds = timeout_seconds;
         config.ring_threshold_bytes = ring_threshold_bytes;
@@ -342,14 +344,16 @@ NB_MODULE(_jaxring, m) {
         config.copy_input_bytes = copy_input_bytes;
         config.hand_off_after_seconds = hand_off_after_seconds;
         config.cpu_kernels = ParseCpuKernels(cpu_kernels);
+        config.scratch_pool_bytes = scratch_pool_bytes;
         jaxring::UseCpuKernels(config.cpu_kernels);
         jaxring::SetConfig(config);
+        jaxring::ScratchLease::TrimPool(static_cast<size_t>(scratch_pool_bytes));
       },
       nb::arg("timeout_seconds"), nb::arg("ring_threshold_bytes"), nb::arg("algorithm"),
       nb::arg("pipeline_slice_bytes"), nb::arg("spin_iterations"), nb::arg("p2p_eager_bytes"),
       nb::arg("mpi_ring_threshold_bytes"), nb::arg("mpi_direct_header_ranks"),
       nb::arg("huge_page_bytes"), nb::arg("shm_stores"), nb::arg("copy_input_bytes"),
-      nb::arg("hand_off_after_seconds"), nb::arg("cpu_kernels"));
+      nb::arg("hand_off_after_seconds"), nb::arg("cpu_kernels"), nb::arg("scratch_pool_bytes"));
 
   m.def("hand_off_count", []() { return jaxring::HandOffCount(); });
 
@@ -369,6 +373,7 @@ NB_MODULE(_jaxring, m) {
     d["copy_input_bytes"] = config.copy_input_bytes;
     d["hand_off_after_seconds"] = config.hand_off_after_seconds;
     d["cpu_kernels"] = std::string(jaxring::CpuKernelsName(config.cpu_kernels));
+    d["scratch_pool_bytes"] = config.scratch_pool_bytes;
     return d;
   });
 
@@ -582,6 +587,8 @@ NB_MODULE(_jaxring, m) {
   m.def("fail_next_scratch", &jaxring::FailNextScratchForTest, nb::arg("comm"), nb::arg("rank"),
         "The next call of `rank` of in-process communicator `comm` that needs scratch finds "
         "none, as when its allocation fails (tests); rank -1 disarms it.");
+  m.def("pooled_scratch", &jaxring::ScratchLease::PooledForTest,
+        "The buffers and bytes of scratch pooled between calls (tests).");
   m.def("open_meetings", &jaxring::OpenMeetingsForTest, nb::arg("comm"), nb::arg("group") = 0,
         "The meetings of in-process communicator `comm` that not every rank has reached (tests).");
 

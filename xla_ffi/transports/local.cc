@@ -490,13 +490,30 @@ size_t OpenMeetingsForTest(uint64_t comm, int64_t group) {
 
 namespace {
 struct ScratchPool {
+  static constexpr size_t kMaxPooled = 64;
   std::mutex mutex;
   std::multimap<size_t, void*> free_buffers;  // capacity -> buffer
-  static constexpr size_t kMaxPooled = 64;
+  size_t pooled_bytes = 0;
+
+  // Takes the largest buffers out until at most `bytes` and kMaxPooled stay (the caller holds
+  // the mutex and frees them after releasing it).
+  std::vector<void*> TakeBeyond(size_t bytes) {
+    std::vector<void*> taken;
+    while (!free_buffers.empty() && (pooled_bytes > bytes || free_buffers.size() > kMaxPooled)) {
+      auto largest = std::prev(free_buffers.end());
+      pooled_bytes -= largest->first;
+      taken.push_back(largest->second);
+      free_buffers.erase(largest);
+    }
+    return taken;
+  }
 };
 ScratchPool& Pool() {
   static ScratchPool* pool = new ScratchPool();
   return *pool;
+}
+void FreeAll(const std::vector<void*>& buffers) {
+  for (void* buffer : buffers) std::free(buffer);
 }
 }  // namespace
 
@@ -506,10 +523,13 @@ ScratchLease ScratchLease::Acquire(size_t bytes) {
   {
     ScratchPool& pool = Pool();
     std::lock_guard<std::mutex> lock(pool.mutex);
+    // The smallest pooled buffer that fits, unless it would waste more than it serves: a small
+    // lease must not take the buffer a large one will want next.
     auto it = pool.free_buffers.lower_bound(bytes);
-    if (it != pool.free_buffers.end()) {
+    if (it != pool.free_buffers.end() && it->first / 2 <= bytes) {
       lease.capacity_ = it->first;
       lease.data_ = it->second;
+      pool.pooled_bytes -= it->first;
       pool.free_buffers.erase(it);
       return lease;
     }
@@ -517,6 +537,22 @@ ScratchLease ScratchLease::Acquire(size_t bytes) {
   lease.capacity_ = (bytes + 63) / 64 * 64;
   lease.data_ = std::aligned_alloc(64, lease.capacity_);
   return lease;
+}
+
+void ScratchLease::TrimPool(size_t bytes) {
+  ScratchPool& pool = Pool();
+  std::vector<void*> taken;
+  {
+    std::lock_guard<std::mutex> lock(pool.mutex);
+    taken = pool.TakeBeyond(bytes);
+  }
+  FreeAll(taken);
+}
+
+std::pair<size_t, size_t> ScratchLease::PooledForTest() {
+  ScratchPool& pool = Pool();
+  std::lock_guard<std::mutex> lock(pool.mutex);
+  return {pool.free_buffers.size(), pool.pooled_bytes};
 }
 
 ScratchLease::ScratchLease(ScratchLease&& other) noexcept
@@ -533,13 +569,16 @@ ScratchLease& ScratchLease::operator=(ScratchLease&& other) noexcept {
 
 ScratchLease::~ScratchLease() {
   if (!data_) return;
+  const size_t limit = static_cast<size_t>(CurrentConfig().scratch_pool_bytes);
   ScratchPool& pool = Pool();
-  std::lock_guard<std::mutex> lock(pool.mutex);
-  if (pool.free_buffers.size() < ScratchPool::kMaxPooled) {
+  std::vector<void*> taken;
+  {
+    std::lock_guard<std::mutex> lock(pool.mutex);
     pool.free_buffers.emplace(capacity_, data_);
-  } else {
-    std::free(data_);
+    pool.pooled_bytes += capacity_;
+    taken = pool.TakeBeyond(limit);
   }
+  FreeAll(taken);
 }
 
 }  // namespace jaxring

@@ -10,6 +10,7 @@
 #include <functional>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "common/config.h"
@@ -180,12 +181,20 @@ bool ScratchFailsForTest(uint64_t comm, int rank);
 // has reached yet (those given up stay until their last rank comes, or ForgetGivenUp).
 size_t OpenMeetingsForTest(uint64_t comm, int64_t group);
 
-// Reusable scratch memory (the ring's float32 partial sums), so that a collective does not
-// allocate and fault in fresh pages on every call.
+// Reusable scratch memory (the ring's float32 partial sums, copies of eager messages), so that a
+// call does not allocate and fault in fresh pages every time. A lease comes from the pool when a
+// pooled buffer fits it without being more than twice its size; a released lease goes back to
+// the pool, which keeps at most Config::scratch_pool_bytes (and 64 buffers), freeing the largest
+// beyond that.
 class ScratchLease {
  public:
   // data() is null where `bytes` > 0 could not be allocated.
   static ScratchLease Acquire(size_t bytes);
+  // Frees pooled buffers, the largest first, until at most `bytes` stay pooled (a lowered
+  // scratch_pool_bytes takes effect at once, not at the next release).
+  static void TrimPool(size_t bytes);
+  // The buffers and bytes pooled now.
+  static std::pair<size_t, size_t> PooledForTest();
   ScratchLease() = default;
   ScratchLease(ScratchLease&& other) noexcept;
   ScratchLease& operator=(ScratchLease&& other) noexcept;
