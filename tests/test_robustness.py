@@ -670,6 +670,43 @@ def test_a_sum_over_axes_the_input_varies_over_only_partly_is_refused_as_lax_ref
     np.testing.assert_array_equal(np.asarray(got), np.maximum(x[:2], x[2:]))
 
 
+def test_mesh_axes_left_to_the_compiler_are_refused_and_the_ways_around_agree_with_lax():
+    """jaxring needs every mesh axis manual (it must know which device runs it). A shard_map that
+    leaves an axis out, and jax.vmap of a shard_map whose batch is sharded over an Explicit mesh
+    axis (which leaves that axis to the compiler), are refused, naming the ways around; each way
+    around gives lax.psum's result."""
+    from jax.sharding import AxisType
+
+    x = np.random.default_rng(41).standard_normal((2, 8, 5)).astype(np.float32)
+    expected = x.astype(np.float64).reshape(2, 4, 2, 5).sum(1)
+    refused = r"\['d'\] are not: .* Give shard_map every mesh axis, or vmap inside"
+    for types in ((AxisType.Explicit,) * 2, (AxisType.Auto,) * 2):
+        m = jax.make_mesh((2, 4), ("d", "i"), axis_types=types)
+        y = jax.device_put(x, jax.NamedSharding(m, P("d", "i")))
+        outputs = {}
+        for name, reduce in (("lax", lambda v: lax.psum(v, "i")),
+                             ("jaxring", lambda v: jaxring.all_reduce(v, "i"))):
+            batched = jax.jit(jax.vmap(jax.shard_map(reduce, mesh=m, in_specs=P("i"),
+                                                     out_specs=P())))
+            inside = jax.jit(jax.shard_map(jax.vmap(reduce), mesh=m, in_specs=P("d", "i"),
+                                           out_specs=P("d")))
+            partly = jax.jit(jax.shard_map(reduce, mesh=m, in_specs=P(None, "i"),
+                                           out_specs=P(), axis_names={"i"}))
+            if name == "jaxring" and types[0] == AxisType.Explicit:
+                with pytest.raises(ValueError, match=refused):
+                    batched(y)
+            else:
+                outputs[name, "vmap of shard_map"] = batched(y)
+            if name == "jaxring":
+                with pytest.raises(ValueError, match=refused):
+                    partly(y)
+            else:
+                outputs[name, "shard_map over i alone"] = partly(y)
+            outputs[name, "vmap inside shard_map"] = inside(y)
+        for (name, way), out in outputs.items():
+            np.testing.assert_allclose(np.asarray(out), expected, rtol=1e-5, err_msg=(name, way))
+
+
 def test_unsupported_op_and_bad_arguments():
     m = mesh(4)
     x = shard(np.zeros((8, 3), np.float32), m)

@@ -322,9 +322,11 @@ def communicator(name: str, axis_name) -> AxisCommunicator:
     auto = [a for a in mesh.axis_names if a not in mesh.manual_axes and mesh.shape[a] > 1]
     if auto:
         raise ValueError(
-            f"jaxring.{name}: every mesh axis must be manual inside shard_map, but {auto} are "
-            "not (shard_map(..., axis_names=...) left them automatic); jaxring needs to know "
-            "which device it runs on"
+            f"jaxring.{name}: every mesh axis of size > 1 must be manual inside shard_map, but "
+            f"{auto} are not: shard_map(..., axis_names=...) without them, or jax.vmap of a "
+            "shard_map whose batch is sharded over an Explicit mesh axis, leaves them to the "
+            "compiler, and jaxring needs to know which device it runs on. Give shard_map every "
+            "mesh axis, or vmap inside the shard_map, or make those axes AxisType.Auto"
         )
     size = math.prod(env.axis_size(a) for a in axes)
     label = ", ".join(repr(a) for a in axes)
