@@ -1,4 +1,5 @@
-"""Samplers. All of them draw the same samples for the same weights and key:
+"""Samplers. All of them draw the same samples for the same weights and key, up to float
+rounding (models/wavenet/README.md: a near-tie in the CDF can part two samplers' streams):
 
 - `sample_naive`: recompute the whole receptive field for every sample (the baseline);
 - `sample_incremental`: Fast WaveNet (Paine et al. 2016, arXiv:1611.09482): each layer keeps a
