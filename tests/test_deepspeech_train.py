@@ -55,3 +55,47 @@ def test_checkpoint_round_trip(tmp_path):
     assert epoch == 4 and restored_history == history
     for got, want in zip(jax.tree.leaves(restored), jax.tree.leaves(state)):
         np.testing.assert_array_equal(got, want)
+
+
+def test_evaluation_splits_batches_over_the_parameters_devices_and_compares_beam_with_greedy():
+    """With the parameters replicated on 2 devices, an evaluation batch is split between them
+    (every device evaluated all of it before) and gives the log probabilities of the parameters
+    on one device; the utterances that beam search decodes are also decoded greedily
+    (beam_greedy_cer/wer), so that the two are compared on the same utterances."""
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+    from models.deepspeech import data, decoding
+
+    config = CONFIG.replace(batch_size=4, beam_utterances=5)
+    graphdef, params, batch_stats = nnx.split(training.create_model(config, seed=3), nnx.Param,
+                                              nnx.BatchStat)
+    rng = np.random.default_rng(5)
+    words = ["on", "off", "light", "door", "two"]
+    transcripts = [" ".join(rng.choice(words, 2)) for _ in range(7)]
+    dataset = data.Dataset(
+        [rng.standard_normal((n, data.feature_size(config.sample_rate))).astype(np.float32)
+         for n in rng.permutation([300, 350, 400, 450, 500, 550, 600])],
+        [data.text_to_labels(t) for t in transcripts], transcripts, ["v"] * 7)
+    mesh = Mesh(np.array(jax.devices()[:2]), ("data",))
+    replicated = jax.device_put((params, batch_stats), NamedSharding(mesh, P()))
+    assert training._batch_sharding(replicated[0], 4) == NamedSharding(mesh, P(("data",)))
+    assert training._batch_sharding(params, 4) is None  # on one device: left there
+    references, hypotheses = [], []  # in evaluation order: shortest first
+    for batch in data.eval_batches(dataset, 4, config.frame_multiple, config.max_label_length):
+        one = training.predict_log_probs(graphdef, params, batch_stats, batch.features,
+                                         batch.feature_mask)
+        split = training.predict_log_probs(graphdef, *replicated, batch.features,
+                                           batch.feature_mask)
+        np.testing.assert_allclose(split[0], one[0], rtol=1e-5, atol=1e-5)
+        np.testing.assert_array_equal(split[1], one[1])
+        real = [i for i, t in enumerate(batch.transcripts) if t]
+        hypotheses += decoding.greedy_decode(split[0][real], split[1][real])
+        references += [batch.transcripts[i] for i in real]
+    greedy_all, greedy_first = decoding.ErrorRates(), decoding.ErrorRates()
+    greedy_all.update(references, hypotheses)
+    greedy_first.update(references[:5], hypotheses[:5])
+    metrics = training.evaluate(graphdef, *replicated, dataset, config, beam=True)
+    assert (metrics["cer"], metrics["wer"]) == (greedy_all.cer, greedy_all.wer)
+    assert (metrics["beam_greedy_cer"], metrics["beam_greedy_wer"]) == (greedy_first.cer,
+                                                                        greedy_first.wer)
+    assert 0 <= metrics["beam_cer"] and 0 <= metrics["beam_wer"]

@@ -231,16 +231,35 @@ def _log_probs(graphdef, params, batch_stats, features, feature_mask):
     return jax.nn.log_softmax(logits), mask
 
 
+def _batch_sharding(params, batch_size: int) -> NamedSharding | None:
+    """Where an evaluation batch goes: split over the mesh the parameters are replicated on,
+    so that each device evaluates its share (with the batch on one device, every device of the
+    mesh evaluated all of it); None (the default device) for parameters on one device, or a
+    batch the mesh does not divide."""
+    sharding = getattr(jax.tree.leaves(params)[0], "sharding", None)
+    if (isinstance(sharding, NamedSharding) and sharding.mesh.size > 1
+            and batch_size % sharding.mesh.size == 0):
+        return NamedSharding(sharding.mesh, P(sharding.mesh.axis_names))
+    return None
+
+
 def predict_log_probs(graphdef, params, batch_stats, features, feature_mask):
-    """Per-frame log probabilities (batch, frames, classes) and the frame mask, on one device."""
-    log_probs, mask = _log_probs(graphdef, params, batch_stats, jnp.asarray(features),
-                                 jnp.asarray(feature_mask))
+    """Per-frame log probabilities (batch, frames, classes) and the frame mask, the batch split
+    over the devices that hold the parameters."""
+    sharding = _batch_sharding(params, len(features))
+    features, feature_mask = ((jax.device_put(features, sharding),
+                               jax.device_put(feature_mask, sharding)) if sharding is not None
+                              else (jnp.asarray(features), jnp.asarray(feature_mask)))
+    log_probs, mask = _log_probs(graphdef, params, batch_stats, features, feature_mask)
     return np.asarray(log_probs), np.asarray(mask)
 
 
 def evaluate(graphdef, params, batch_stats, dataset, config: Config, beam: bool = False):
-    """Greedy (and, with `beam`, prefix-beam on the first `beam_utterances`) CER and WER."""
-    greedy, beam_rates = decoding.ErrorRates(), decoding.ErrorRates()
+    """Greedy CER and WER over `dataset`; with `beam`, prefix-beam search's on the first
+    `beam_utterances` (the shortest: batches run in order of length), and greedy decoding's on
+    the same utterances, to compare the two (beam_greedy_cer, beam_greedy_wer)."""
+    greedy, beam_rates, beam_greedy = (decoding.ErrorRates(), decoding.ErrorRates(),
+                                       decoding.ErrorRates())
     beam_left = config.beam_utterances if beam else 0
     for batch in data.eval_batches(dataset, config.batch_size, config.frame_multiple,
                                    config.max_label_length):
@@ -254,10 +273,13 @@ def evaluate(graphdef, params, batch_stats, dataset, config: Config, beam: bool 
             take = real[:beam_left]
             beam_rates.update([batch.transcripts[i] for i in take],
                               decoding.beam_decode(log_probs[take], mask[take], config.beam_width))
+            beam_greedy.update([batch.transcripts[i] for i in take],
+                               [hypotheses[real.index(i)] for i in take])
             beam_left -= len(take)
     metrics = {"cer": greedy.cer, "wer": greedy.wer}
     if beam:
-        metrics |= {"beam_cer": beam_rates.cer, "beam_wer": beam_rates.wer}
+        metrics |= {"beam_cer": beam_rates.cer, "beam_wer": beam_rates.wer,
+                    "beam_greedy_cer": beam_greedy.cer, "beam_greedy_wer": beam_greedy.wer}
     return metrics
 
 
@@ -372,6 +394,8 @@ def train(config: Config, workdir: str | Path, cache_dir: str | Path | None = No
         is_last = epoch == config.epochs - 1
         metrics = (evaluate(graphdef, params, batch_stats, test_set, config, beam=is_last)
                    if replicas.is_main else {})
+        if replicas.is_main:
+            metrics["eval_seconds"] = time.perf_counter() - start - train_seconds
         elapsed += time.perf_counter() - start
         history.append({"epoch": epoch + 1, "train_loss": train_loss,
                         "utterances_per_second": utterances / train_seconds,
