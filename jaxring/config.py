@@ -5,10 +5,10 @@ JAXRING_PIPELINE_SLICE_BYTES, JAXRING_SPIN_ITERATIONS, JAXRING_P2P_EAGER_BYTES,
 JAXRING_MPI_RING_THRESHOLD_BYTES, JAXRING_MPI_DIRECT_HEADER_RANKS, JAXRING_HUGE_PAGE_BYTES,
 JAXRING_SHM_STORES, JAXRING_COPY_INPUT_BYTES, JAXRING_HAND_OFF_AFTER_SECONDS,
 JAXRING_CPU_KERNELS, JAXRING_SCRATCH_POOL_BYTES) override the defaults at import time; ``update``
-and ``override`` change them at run time. Values are read when a collective runs (mpi_direct_header_ranks when a jaxring.mpi
-communicator is created); ``update`` and ``override`` first wait for the programs already
-dispatched to finish, so each program runs under the configuration in force when it was
-dispatched.
+and ``override`` change them at run time. Values are read when a collective runs
+(mpi_direct_header_ranks when a jaxring.mpi communicator is created); ``update`` and ``override``
+first wait for the programs already dispatched to finish, so each program runs under the
+configuration in force when it was dispatched.
 """
 
 from __future__ import annotations
