@@ -86,6 +86,32 @@ def test_reduce_scatter_all_gather_broadcast(dtype, comm):
             np.testing.assert_array_equal(np.asarray(got), gathered(piece)[root])
 
 
+def test_tiny_pipeline_slices_grow_to_at_most_1024_a_step_and_change_no_result():
+    """Each slice of the MPI ring's steps and broadcast chain is an MPI request, and a step
+    posts all its receives ahead: 4-byte slices of a 4 MiB all-reduce held 1 GiB of MPICH's
+    request state. Slices grow until a step has at most 1024 (SliceBytes, the same on every rank
+    from the header and plan), and give the results of the default slices."""
+    ext = jaxring.mpi._mpi_extension()[0]
+    assert ext.slice_bytes(4 << 20, 4) == 4096
+    assert ext.slice_bytes(4 << 20, 256 << 10) == 256 << 10
+    assert ext.slice_bytes(1 << 40, 256 << 10) == 1 << 30  # then MPI's 1 GiB piece bounds it
+    assert ext.slice_bytes(0, 4) == 4 and ext.slice_bytes(5, 0) == 1
+    n = COMM.size
+    rng = np.random.default_rng([COMM.rank, 57])
+    x = rng.standard_normal(n * 65_537).astype(np.float32)
+    calls = {
+        "all_reduce": lambda v: jaxring.all_reduce(v, COMM),
+        "reduce_scatter": lambda v: jaxring.reduce_scatter(v, COMM),
+        "all_gather": lambda v: jaxring.all_gather(v[:65_537], COMM),
+        "broadcast": lambda v: jaxring.broadcast(v, COMM, root=n - 1),
+    }
+    expected = {name: np.asarray(jax.jit(call)(x)) for name, call in calls.items()}
+    with jaxring.config.override(pipeline_slice_bytes=4, mpi_ring_threshold_bytes=0):
+        for name, call in calls.items():
+            np.testing.assert_array_equal(np.asarray(jax.jit(call)(x)), expected[name],
+                                          err_msg=name)
+
+
 @pytest.mark.skipif(not SHARED_MEMORY, reason="the MPI transport has no shared memory")
 @COMMS
 @pytest.mark.parametrize("stores", ["plain", "streaming", "auto"])

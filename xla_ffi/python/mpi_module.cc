@@ -108,6 +108,9 @@ NB_MODULE(_jaxring_mpi, m) {
         "For tests: MPI messages travel as pieces of at most `bytes` (0: 1 GiB, the default), "
         "so that small messages take the paths of those over 1 GiB. Set the same on every rank.");
 
+  m.def("slice_bytes", &jaxring::SliceBytes, nb::arg("bytes"), nb::arg("pipeline_slice_bytes"),
+        "The slices the MPI ring's steps and broadcast chain cut `bytes` into (transports/mpi.h).");
+
   m.def("cuda_aware", &CudaAware,
         "(whether the MPI library takes CUDA device pointers, how that was determined).");
 

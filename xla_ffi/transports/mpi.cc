@@ -58,6 +58,8 @@ std::atomic<size_t> max_piece{kMaxPiece};
 size_t MaxPiece() { return max_piece.load(std::memory_order_relaxed); }
 // Ring slices in flight to the right neighbour before a rank waits for its oldest to arrive.
 constexpr size_t kRingSendsInFlight = 8;
+// The most slices a ring step or the broadcast chain cuts its data into (SliceBytes).
+constexpr int64_t kMaxSlices = 1024;
 // Eager point-to-point sends in flight before a sender waits for its oldest to be received.
 constexpr size_t kMaxEagerInFlight = 64;
 
@@ -154,6 +156,12 @@ char* At(void* base, int64_t elements, size_t width) {
 }
 
 }  // namespace
+
+int64_t SliceBytes(int64_t bytes, int64_t pipeline_slice_bytes) {
+  const int64_t fewest = (bytes + kMaxSlices - 1) / kMaxSlices;
+  return std::clamp<int64_t>(std::max(pipeline_slice_bytes, fewest), 1,
+                             static_cast<int64_t>(MaxPiece()));
+}
 
 // ---- set-up ----------------------------------------------------------------------------------
 
@@ -606,7 +614,8 @@ Status MpiTransport::Ring(const Header& h, const CollectiveBuffers& b, const Dea
   const int steps = static_cast<int>(mine.size());
   // Slices within one MPI message (MaxPiece()), so that each slice is one request in Wait.
   const int64_t slice = std::max<int64_t>(
-      1, std::min<int64_t>(config_.pipeline_slice_bytes, MaxPiece()) / acc_width);
+      1, SliceBytes(h.count * static_cast<int64_t>(acc_width), config_.pipeline_slice_bytes) /
+             static_cast<int64_t>(acc_width));
   int64_t largest = 0;
   for (const RingStep& s : mine) largest = std::max(largest, s.reduce ? s.count : 0);
   char* scratch = h.kind == Collective::kAllGather ? nullptr : Scratch(0, h.count * acc_width);
@@ -747,7 +756,7 @@ Status MpiTransport::Broadcast(const Header& h, const CollectiveBuffers& b,
     }
   } else {
     const size_t slice =
-        std::max<int64_t>(1, std::min<int64_t>(config_.pipeline_slice_bytes, MaxPiece()));
+        static_cast<size_t>(SliceBytes(static_cast<int64_t>(bytes), config_.pipeline_slice_bytes));
     const size_t pieces = (bytes + slice - 1) / slice;
     received = std::min(slice, bytes);
     for (size_t k = 0; v > 0 && k < pieces && status.ok(); ++k)

@@ -4,9 +4,9 @@
 //   * all_reduce up to `mpi_ring_threshold_bytes` per rank: recursive doubling (log2 n rounds,
 //     the latency-optimal exchange), with the usual fold for counts that are not powers of two.
 //   * larger all_reduce, reduce_scatter, all_gather: the ring of ring/schedule.h, each chunk sent
-//     in slices of `pipeline_slice_bytes`, so that a rank forwards slice k while slice k+1 is
-//     still arriving and reduction overlaps communication. 16-bit partial sums travel as float32
-//     and are rounded once.
+//     in slices of `pipeline_slice_bytes` (SliceBytes), so that a rank forwards slice k while
+//     slice k+1 is still arriving and reduction overlaps communication. 16-bit partial sums
+//     travel as float32 and are rounded once.
 //   * broadcast: a binomial tree for small messages, a sliced chain from the root for large ones.
 //   * every collective first all-gathers the ranks' headers (directly up to 64 ranks, so that a
 //     timeout names exactly the absent ranks; by Bruck's log2 n rounds above), so a mismatch is
@@ -169,6 +169,14 @@ void StallNextReceiveForTest(double seconds);
 // cancelled (MpiTransport::Fail says why). Receives under way past that may still write into
 // their buffers.
 void DropRequests(std::vector<MPI_Request>* requests, const std::vector<bool>& sending);
+
+// The slices, in bytes, that the ring's steps and the broadcast chain cut `bytes` into:
+// `pipeline_slice_bytes`, within one MPI piece (at most 1 GiB, MPI's counts being ints), but
+// large enough that there are at most 1024 of them. Each slice is an MPI request, and a step posts
+// all its receives ahead, so 4-byte slices of a 4 MiB all-reduce held 1 GiB of MPICH's request
+// state. Every rank computes the same from the header and the plan, which carries the
+// configured size.
+int64_t SliceBytes(int64_t bytes, int64_t pipeline_slice_bytes);
 
 // For tests: this process's MPI transports split messages into pieces of at most `bytes` (0:
 // back to 1 GiB, as MPI's int counts need), so that small messages take the paths of large ones.
