@@ -32,8 +32,14 @@ constexpr int64_t kPollsPerNoticeProbe = 64;
 // receiver takes it (MPI's rendezvous), so after its sender has given up and XLA has freed that
 // buffer. With MPICH 5 from PyPI on one node (whose shared-memory path then reads the sender's
 // memory with process_vm_readv), a send of 8192 bytes waited for its receiver and one of 8100
-// completed without it.
+// completed without it. Other MPIs get the lowest eager limit known to us (Open MPI's shared
+// memory, 4 KiB by default), unmeasured: a lower value costs a look for notices on receipt of
+// messages between it and the true limit, a higher one could read a freed buffer.
+#if defined(MPICH_VERSION)
 constexpr size_t kRendezvousBytes = 8192;
+#else
+constexpr size_t kRendezvousBytes = 4096;
+#endif
 // MPI_Improbe looks at what MPI has already taken in before it makes progress, one message at a
 // time, so a notice that came while this rank was out of MPI shows only on a later look: in
 // tests/mpi, the second with 2 ranks, the third with 3 and 4 (one message more came first).
