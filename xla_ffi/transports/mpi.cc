@@ -226,6 +226,12 @@ MpiTransport::~MpiTransport() {
     stranded->push_back(std::move(message.bytes));
   }
   eager_.clear();
+  // A receive left running after a failure (DropRequests) may still write into the scratch it
+  // was posted on, which therefore stays allocated too.
+  if (receives_left_running_) {
+    std::lock_guard<std::mutex> lock(stranded_mutex);
+    for (std::vector<char>& scratch : scratch_) stranded->push_back(std::move(scratch));
+  }
   // A communicator on which a rank failed (this one, or a peer whose notice is here) is left
   // allocated. Messages its ranks had under way when they gave up (sends are freed, never
   // cancelled, and notices go out as a rank leaves) may still arrive, and MPICH hands a freed
@@ -435,7 +441,7 @@ Status MpiTransport::Fail(Status status) {
   // was ready. That peer then finds this rank's notice (SendersStayed) rather than return what it
   // read.
   for (Requests* r : pending) {
-    DropRequests(&r->requests, r->sending);
+    receives_left_running_ = DropRequests(&r->requests, r->sending) || receives_left_running_;
     r->Clear();
   }
   return status;
@@ -969,7 +975,7 @@ Status MpiTransport::Receive(int source, const Header& expected, void* out, size
   return Status();
 }
 
-void DropRequests(std::vector<MPI_Request>* requests, const std::vector<bool>& sending) {
+bool DropRequests(std::vector<MPI_Request>* requests, const std::vector<bool>& sending) {
   for (size_t i = 0; i < requests->size(); ++i)
     if ((*requests)[i] != MPI_REQUEST_NULL && !sending[i]) MPI_Cancel(&(*requests)[i]);
   const Deadline grace(0.1);
@@ -982,8 +988,13 @@ void DropRequests(std::vector<MPI_Request>* requests, const std::vector<bool>& s
     }
     return done;
   }, grace, 0);
-  for (MPI_Request& request : *requests)
-    if (request != MPI_REQUEST_NULL) MPI_Request_free(&request);
+  bool receiving = false;
+  for (size_t i = 0; i < requests->size(); ++i) {
+    if ((*requests)[i] == MPI_REQUEST_NULL) continue;
+    receiving = receiving || !sending[i];
+    MPI_Request_free(&(*requests)[i]);
+  }
+  return receiving;
 }
 
 void SetMaxPieceForTest(size_t bytes) {

@@ -133,6 +133,7 @@ class MpiTransport final : public ProcessTransport {
   Config config_;
   std::string broken_;  // why the communicator failed; empty while healthy
   std::vector<char> scratch_[3];
+  bool receives_left_running_ = false;  // by DropRequests: scratch_ may still be written
   std::vector<char> message_;     // the point-to-point message being received
   std::vector<Header> headers_;   // the header all-gather's
   Requests sends_, recvs_;        // the current collective's
@@ -167,8 +168,8 @@ void StallNextReceiveForTest(double seconds);
 // every request 0.1 s to complete (a cancelled receive that had not matched does at once, one
 // under way finishes), then frees what is still active, which leaves it running. Sends are never
 // cancelled (MpiTransport::Fail says why). Receives under way past that may still write into
-// their buffers.
-void DropRequests(std::vector<MPI_Request>* requests, const std::vector<bool>& sending);
+// their buffers. Returns whether it left a receive running.
+bool DropRequests(std::vector<MPI_Request>* requests, const std::vector<bool>& sending);
 
 // The slices, in bytes, that the ring's steps and the broadcast chain cut `bytes` into:
 // `pipeline_slice_bytes`, within one MPI piece (at most 1 GiB, MPI's counts being ints), but
