@@ -8,6 +8,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <type_traits>
 
 #include "common/types.h"
 #include "gpu/plan.h"
@@ -36,10 +37,15 @@ template <> __device__ __forceinline__ __nv_bfloat16 Store<__nv_bfloat16>(float 
   return __float2bfloat16_rn(v);
 }
 
+// Integers add as unsigned, which wraps as the CPU kernels (and psum) do, where a signed
+// overflow would be undefined behaviour.
 template <ReduceOp kOp, typename A> __device__ __forceinline__ A Combine(A a, A b) {
   if constexpr (kOp == ReduceOp::kMax) return a != a ? a : (b != b ? b : (a > b ? a : b));
   else if constexpr (kOp == ReduceOp::kMin) return a != a ? a : (b != b ? b : (a < b ? a : b));
-  else return a + b;
+  else if constexpr (std::is_integral_v<A>) {
+    using U = std::make_unsigned_t<A>;
+    return static_cast<A>(static_cast<U>(a) + static_cast<U>(b));
+  } else return a + b;
 }
 
 // Reduces `kVec` consecutive elements starting at `i` across all sources into all targets.

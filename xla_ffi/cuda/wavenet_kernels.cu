@@ -2,6 +2,8 @@
 // block per stream. Its FFI handler is wavenet_handler.cc.
 #include <cuda_runtime.h>
 
+#include <mutex>
+
 #include "cuda/wavenet_sampler.h"
 
 namespace jaxring::models {
@@ -28,6 +30,10 @@ cudaError_t Launch(cudaStream_t stream, const W* weights, const WaveNetLayout& l
   // by earlier, unrelated runtime calls.
   (void)cudaGetLastError();
   const size_t shared_bytes = sizeof(float) * SharedFloats(s);
+  // The attribute is the kernel's, for the whole process: without the lock, a thread launching a
+  // model that needs less could lower it between another's setting and launch.
+  static std::mutex launching;
+  std::lock_guard<std::mutex> lock(launching);
   if (shared_bytes > 48 * 1024) {
     const cudaError_t error = cudaFuncSetAttribute(
         SampleKernel<W>, cudaFuncAttributeMaxDynamicSharedMemorySize,
