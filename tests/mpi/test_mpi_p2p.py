@@ -155,8 +155,9 @@ def test_mismatched_point_to_point_calls_name_both_sides():
     with jaxring.config.override(timeout_seconds=20.0):
         if COMM.rank == 1:
             with pytest.raises(Exception, match=r"mismatched point-to-point calls: rank 0 sent "
-                                                r"ppermute op \d+ float32\[3\] but this rank "
-                                                r"expected ppermute op \d+ float32\[4\]"):
+                                                r"ppermute\(perm #[0-9a-f]+\) op \d+ float32\[3\] "
+                                                r"but this rank expected ppermute\(perm "
+                                                r"#[0-9a-f]+\) op \d+ float32\[4\]\.(?! Their perms)"):
                 np.asarray(jax.jit(lambda v: jaxring.ppermute(v, sub, shift))(x))
         else:
             try:  # other ranks may fail too (rank 1 never forwards), or succeed
@@ -413,4 +414,29 @@ def test_eager_messages_outlive_their_senders_communicator():
                 sub.mpi_comm.Barrier()
                 for i, (g, m) in enumerate(zip(got, messages)):
                     np.testing.assert_array_equal(g, m, err_msg=f"message {i}")
+    MPI_COMM.Barrier()
+
+
+@pytest.mark.skipif(N < 2, reason="needs two ranks")
+def test_a_message_sent_under_another_perm_is_refused_not_received():
+    """Across processes each rank passes its own perm. Here each first sends with a perm naming
+    only its own pair, so nobody receives; then a ring exchange of the same dtype and size
+    (send, then recv, with the ring's perm) found the first call's message waiting and returned
+    it as its own data. The perm's digest now travels in the header, and the ring's receive
+    refuses the message, naming both calls, on every rank."""
+    sub = COMM.split(0, key=COMM.rank)
+    ring = [(i, (i + 1) % N) for i in range(N)]
+    own = [(COMM.rank, (COMM.rank + 1) % N)]
+    x = np.full(4, 10.0 + COMM.rank, np.float32)
+    jax.jit(lambda v: jaxring.send(v, sub, own))(x)  # an eager send nobody receives
+
+    def exchange(v):
+        jaxring.send(v, sub, ring)
+        return jaxring.recv(v, sub, ring)
+
+    with jaxring.config.override(timeout_seconds=20.0):
+        with pytest.raises(Exception, match=r"mismatched point-to-point calls: rank \d+ sent "
+                                            r"send/recv\(perm #[0-9a-f]+\) .* Their perms differ"):
+            np.asarray(jax.jit(exchange)(x + 100.0))
+    jaxring.reset_after_error()
     MPI_COMM.Barrier()

@@ -1,6 +1,9 @@
 #include "common/types.h"
 
+#include <algorithm>
 #include <sstream>
+#include <utility>
+#include <vector>
 
 namespace jaxring {
 
@@ -62,9 +65,25 @@ bool operator==(const Header& a, const Header& b) {
          a.op_id == b.op_id && a.count == b.count && a.root == b.root && a.whole == b.whole;
 }
 
+int64_t PermDigest(const int64_t* perm, int64_t size) {
+  std::vector<std::pair<int64_t, int64_t>> pairs;
+  for (int64_t i = 0; i + 1 < size; i += 2) pairs.emplace_back(perm[i], perm[i + 1]);
+  std::sort(pairs.begin(), pairs.end());
+  uint64_t digest = 14695981039346656037ull;  // FNV-1a
+  for (const auto& [source, destination] : pairs) {
+    for (const int64_t value : {source, destination}) {
+      for (int byte = 0; byte < 8; ++byte) {
+        digest ^= (static_cast<uint64_t>(value) >> (8 * byte)) & 0xff;
+        digest *= 1099511628211ull;
+      }
+    }
+  }
+  return static_cast<int64_t>(digest & (static_cast<uint64_t>(kGpuStepTag) - 1));
+}
+
 bool SameMessage(const Header& a, const Header& b) {
   // A send and its recv are different call sites, so only ppermute compares op ids.
-  return a.kind == b.kind && a.dtype == b.dtype && a.count == b.count &&
+  return a.kind == b.kind && a.dtype == b.dtype && a.count == b.count && a.root == b.root &&
          (a.kind != Collective::kPermute || a.op_id == b.op_id);
 }
 
@@ -74,6 +93,8 @@ std::string Describe(const Header& h) {
   if (h.kind == Collective::kAllReduce || h.kind == Collective::kReduceScatter)
     s << "(" << ReduceOpName(h.op) << ")";
   if (h.kind == Collective::kBroadcast) s << "(root=" << (h.root & ~kGpuStepTag) << ")";
+  if ((h.kind == Collective::kPermute || h.kind == Collective::kSendRecv) && h.root != 0)
+    s << "(perm #" << std::hex << h.root << std::dec << ")";
   s << " op " << h.op_id;
   if (h.kind != Collective::kBarrier) s << " " << DTypeName(h.dtype) << "[" << h.count << "]";
   if (h.whole != 0) s << " (a chunk of " << h.whole << ")";

@@ -55,7 +55,11 @@ struct Header {
   uint32_t plan = 0;
   int64_t op_id = 0;   // static id of the call site, assigned at trace time
   int64_t count = 0;   // elements in this rank's input
-  int64_t root = 0;    // broadcast root; 0 otherwise
+  // Broadcast: the root. Point-to-point calls between processes: a digest of the perm
+  // (PermDigest), which the sender's and receiver's calls must share, so that a message is not
+  // taken by a call that does not expect it (a rank's perm that names only its own pair, or a
+  // message left by an earlier call of another perm). 0 otherwise.
+  int64_t root = 0;
   // Where this call is one chunk of a collective (the staged GPU transport runs each on the
   // host), the whole collective's input count, so that ranks whose calls differ in size fail in
   // the first chunk, even where the shorter call's chunks all match the longer one's; else 0.
@@ -68,6 +72,9 @@ struct Header {
 constexpr int64_t kGpuStepTag = int64_t{1} << 40;
 
 bool operator==(const Header& a, const Header& b);
+// A digest of a perm, `size` values of flattened (source, destination) pairs, whatever their
+// order; below kGpuStepTag.
+int64_t PermDigest(const int64_t* perm, int64_t size);
 // Whether a point-to-point message with header `a` matches a receive expecting `b`.
 bool SameMessage(const Header& a, const Header& b);
 std::string Describe(const Header& h);  // e.g. "all_reduce(sum) op 3 float32[1024]"
