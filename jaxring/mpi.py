@@ -306,14 +306,18 @@ class Communicator:
         if self.rank == 0:
             native.extension.shm_unlink(path)  # every rank has it mapped; nothing to clean up
 
-    def split(self, color: int, key: int = 0) -> "Communicator":
+    def split(self, color: int, key: int = 0) -> "Communicator | None":
         """Ranks with the same `color` form a new communicator, ordered by `key` (MPI_Comm_split),
         asking for what this one asked for (transport, slot_bytes, ranks_per_node, GPU options).
-        Its MPI communicator is its own: free() frees it."""
+        Its MPI communicator is its own: free() frees it. A rank whose color is
+        ``MPI.UNDEFINED`` joins none and gets None, as MPI gives it MPI_COMM_NULL."""
         self._check_not_freed()
         transport, ranks_per_node = self._requested
         options = self._gpu_requested
-        return _owning(self.mpi_comm.Split(color, key), lambda comm: Communicator(
+        split = self.mpi_comm.Split(color, key)
+        if split == _mpi().COMM_NULL:
+            return None
+        return _owning(split, lambda comm: Communicator(
             comm, label=f"split(color={color})", transport=transport,
             slot_bytes=self.slot_bytes, ranks_per_node=ranks_per_node,
             gpu_transport=options.transport,

@@ -232,6 +232,22 @@ def test_calls_outside_jit():
     np.testing.assert_allclose(np.asarray(grad), gathered(w).sum(0), rtol=1e-12)
 
 
+def test_a_rank_splitting_with_an_undefined_color_joins_none():
+    """MPI.UNDEFINED, MPI's way to leave a rank out of a split, gives that rank None (it was a
+    raw MPI error on a null communicator); the others' communicator works without it."""
+    sub = COMM.split(MPI.UNDEFINED if COMM.rank == 0 else 1, key=COMM.rank)
+    if COMM.rank == 0:
+        assert sub is None
+    else:
+        assert sub.size == COMM.size - 1 and sub.rank == COMM.rank - 1
+        x = np.full(3, float(COMM.rank), np.float32)
+        expected = sum(range(1, COMM.size))
+        np.testing.assert_array_equal(np.asarray(jax.jit(
+            lambda v: jaxring.all_reduce(v, sub))(x)), np.full(3, expected, np.float32))
+        sub.free()
+    MPI_COMM.Barrier()
+
+
 def test_transport_follows_the_node_layout():
     asked = os.environ.get("JAXRING_MPI_TRANSPORT", "auto")
     per_node = int(os.environ.get("JAXRING_MPI_RANKS_PER_NODE", "0")) or COMM.size
