@@ -273,8 +273,7 @@ def evaluate(graphdef, params, batch_stats, dataset, config: Config, beam: bool 
             take = real[:beam_left]
             beam_rates.update([batch.transcripts[i] for i in take],
                               decoding.beam_decode(log_probs[take], mask[take], config.beam_width))
-            beam_greedy.update([batch.transcripts[i] for i in take],
-                               [hypotheses[real.index(i)] for i in take])
+            beam_greedy.update([batch.transcripts[i] for i in take], hypotheses[:len(take)])
             beam_left -= len(take)
     metrics = {"cer": greedy.cer, "wer": greedy.wer}
     if beam:
