@@ -65,20 +65,22 @@ bool operator==(const Header& a, const Header& b) {
          a.op_id == b.op_id && a.count == b.count && a.root == b.root && a.whole == b.whole;
 }
 
+uint64_t Fnv1a(const int64_t* values, size_t count) {
+  uint64_t digest = 14695981039346656037ull;
+  for (size_t i = 0; i < count; ++i)
+    for (int byte = 0; byte < 8; ++byte)
+      digest = (digest ^ static_cast<uint8_t>(values[i] >> (8 * byte))) * 1099511628211ull;
+  return digest;
+}
+
 int64_t PermDigest(const int64_t* perm, int64_t size) {
   std::vector<std::pair<int64_t, int64_t>> pairs;
   for (int64_t i = 0; i + 1 < size; i += 2) pairs.emplace_back(perm[i], perm[i + 1]);
   std::sort(pairs.begin(), pairs.end());
-  uint64_t digest = 14695981039346656037ull;  // FNV-1a
-  for (const auto& [source, destination] : pairs) {
-    for (const int64_t value : {source, destination}) {
-      for (int byte = 0; byte < 8; ++byte) {
-        digest ^= (static_cast<uint64_t>(value) >> (8 * byte)) & 0xff;
-        digest *= 1099511628211ull;
-      }
-    }
-  }
-  return static_cast<int64_t>(digest & (static_cast<uint64_t>(kGpuStepTag) - 1));
+  std::vector<int64_t> flat;
+  for (const auto& [source, destination] : pairs) flat.insert(flat.end(), {source, destination});
+  return static_cast<int64_t>(Fnv1a(flat.data(), flat.size()) &
+                              (static_cast<uint64_t>(kGpuStepTag) - 1));
 }
 
 bool SameMessage(const Header& a, const Header& b) {

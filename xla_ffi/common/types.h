@@ -72,6 +72,8 @@ struct Header {
 constexpr int64_t kGpuStepTag = int64_t{1} << 40;
 
 bool operator==(const Header& a, const Header& b);
+// FNV-1a over the bytes of `count` values (little-endian, 8 bytes each).
+uint64_t Fnv1a(const int64_t* values, size_t count);
 // A digest of a perm, `size` values of flattened (source, destination) pairs, whatever their
 // order; below kGpuStepTag.
 int64_t PermDigest(const int64_t* perm, int64_t size);

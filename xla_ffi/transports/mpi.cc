@@ -4,6 +4,7 @@
 #include <atomic>
 #include <chrono>
 #include <cstring>
+#include <iterator>
 #include <mutex>
 #include <set>
 #include <sstream>
@@ -128,11 +129,7 @@ uint32_t Plan(Method method, const Config& config) {
   const bool sliced = method == Method::kRing || method == Method::kBroadcastChain;
   const int64_t fields[] = {static_cast<int64_t>(method),
                             sliced ? config.pipeline_slice_bytes : 0};
-  uint32_t digest = 2166136261u;
-  for (int64_t field : fields)
-    for (int byte = 0; byte < 8; ++byte)
-      digest = (digest ^ static_cast<uint8_t>(field >> (8 * byte))) * 16777619u;
-  return digest;
+  return static_cast<uint32_t>(Fnv1a(fields, std::size(fields)));
 }
 
 std::string ErrorText(int code) {
