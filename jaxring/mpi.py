@@ -35,6 +35,7 @@ import functools
 import os
 import secrets
 import sys
+import time
 import weakref
 
 from jaxring import config
@@ -93,6 +94,40 @@ def _check_slot_bytes(slot_bytes, size: int) -> None:
                          f"cache line), got {slot_bytes!r}")
 
 
+def _done_within(requests: list, seconds: float) -> bool:
+    """Whether the MPI `requests` complete within `seconds`, polled (mpi4py's waits have no
+    timeout)."""
+    deadline = time.monotonic() + seconds
+    pause = 1e-5
+    while not _mpi().Request.Testall(requests):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(pause)
+        pause = min(2 * pause, 1e-3)
+    return True
+
+
+# Barriers that timed out: MPI forbids freeing a pending collective's request, and a late rank's
+# barrier may still complete them.
+_abandoned_requests: list = []
+
+
+def _meet(mpi_comm, what: str) -> None:
+    """Waits, up to jaxring.config's timeout, for every rank of `mpi_comm` to come to `what` (one
+    of its collectives, in which mpi4py would wait for a missing rank for ever)."""
+    seconds = config.get().timeout_seconds
+    request = mpi_comm.Ibarrier()
+    if _done_within([request], seconds):
+        return
+    _abandoned_requests.append(request)
+    raise TimeoutError(
+        f"jaxring.mpi: rank {mpi_comm.Get_rank()} timed out after {seconds:g} s waiting for the "
+        f"other ranks of an MPI communicator of {mpi_comm.Get_size()} processes to {what}: "
+        f"every rank must, in the same order as its other collectives on that communicator "
+        f"(JAXRING_TIMEOUT_SECONDS sets the timeout). That communicator's collectives are now "
+        f"out of step: a late rank's would meet this rank's abandoned barrier")
+
+
 def _ranks(ranks: list[int]) -> str:
     return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))}"
 
@@ -108,7 +143,9 @@ def _agreed(mpi_comm, resolve):
         mine, error = None, str(e)
     # Beyond the options, every rank must run the same build (headers and shared-memory layouts
     # may differ between builds) and load jaxring's MPI transport or not (its set-up is
-    # collective): both are checked before any other collective of the set-up.
+    # collective): both are checked before any other collective of the set-up, which starts when
+    # every rank has come (or times out).
+    _meet(mpi_comm, "create a jaxring.mpi.Communicator on it")
     everyone = mpi_comm.allgather((mine, error, native.build_id(), _mpi_extension()[1]))
     for index, what in ((2, "run the same build of jaxring"),
                         (3, "be able to use jaxring's MPI transport, or none")):
@@ -314,6 +351,7 @@ class Communicator:
         self._check_not_freed()
         transport, ranks_per_node = self._requested
         options = self._gpu_requested
+        _meet(self.mpi_comm, f"split {self.name}")
         split = self.mpi_comm.Split(color, key)
         if split == _mpi().COMM_NULL:
             return None
@@ -432,6 +470,7 @@ def _detach(key: int) -> None:
 @functools.cache
 def world() -> Communicator:
     """Every process of the job (a duplicate of MPI_COMM_WORLD), made once."""
+    _meet(_mpi().COMM_WORLD, "make jaxring.mpi.world()")
     return _owning(_mpi().COMM_WORLD.Dup(), lambda comm: Communicator(comm, label="world"))
 
 
@@ -487,16 +526,10 @@ def _wait_for_pending_work_at_exit() -> None:
             pass  # its peers must still be met
         if not _exit_barrier_comms:
             return
-        import time
-
         requests = [comm.Ibarrier() for comm in _exit_barrier_comms]
-        deadline = time.monotonic() + config.get().timeout_seconds
-        while not _mpi().Request.Testall(requests):
-            if time.monotonic() > deadline:
-                print(f"jaxring: rank {_mpi().COMM_WORLD.Get_rank()} left without the other "
-                      "ranks reaching exit; their GPU transport may still read this rank's "
-                      "memory", file=sys.stderr)
-                return
-            time.sleep(1e-3)
+        if not _done_within(requests, config.get().timeout_seconds):
+            print(f"jaxring: rank {_mpi().COMM_WORLD.Get_rank()} left without the other "
+                  "ranks reaching exit; their GPU transport may still read this rank's "
+                  "memory", file=sys.stderr)
 
     atexit.register(wait)

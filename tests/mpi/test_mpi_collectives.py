@@ -384,6 +384,40 @@ def test_a_rank_that_never_frees_is_named():
         MPI_COMM.Barrier()
 
 
+@pytest.mark.skipif(COMM.size < 2, reason="needs two ranks")
+@pytest.mark.parametrize("how", ["create", "split"])
+def test_a_rank_that_never_sets_up_a_communicator_is_given_up_on(how):
+    """Making or splitting a communicator is collective, and mpi4py's collectives wait for ever:
+    the ranks that came give up after the timeout, saying what they waited for. A late rank's
+    set-up on that MPI communicator then completes their barrier, so its collectives are in
+    step."""
+    mpi_comm = MPI_COMM.Dup()
+    parent = jaxring.mpi.Communicator(mpi_comm, label="parent") if how == "split" else None
+    late = COMM.size - 1
+    waited_for = ("create a jaxring.mpi.Communicator on it" if how == "create"
+                  else r"split MPI communicator parent \(\d processes\)")
+    if COMM.rank != late:
+        start = time.monotonic()
+        with jaxring.config.override(timeout_seconds=1.0):
+            with pytest.raises(TimeoutError, match=rf"rank {COMM.rank} timed out after 1 s "
+                               rf"waiting for the other ranks of an MPI communicator of "
+                               rf"{COMM.size} processes to {waited_for}: every rank must"):
+                if parent is None:
+                    jaxring.mpi.Communicator(mpi_comm)
+                else:
+                    parent.split(0)
+        assert time.monotonic() - start < 10
+    MPI_COMM.Barrier()  # the others have given up
+    # The late rank's set-up would start with the same nonblocking barrier (a blocking one would
+    # not match it).
+    mine = mpi_comm.Ibarrier() if COMM.rank == late else jaxring.mpi._abandoned_requests.pop()
+    assert jaxring.mpi._done_within([mine], 30)
+    if parent is not None:
+        parent.free()
+    mpi_comm.Free()
+    MPI_COMM.Barrier()
+
+
 def test_a_rank_with_bad_or_different_options_makes_every_rank_raise():
     """Set-up runs MPI collectives without a timeout: a rank that raised alone, or took another
     path, would leave the others waiting there for ever."""
