@@ -16,8 +16,8 @@ import jaxring
 
 DTYPES = [np.dtype(d) for d in jaxring.SUPPORTED_DTYPES]
 DEVICE_COUNTS = [1, 2, 3, 4, 8]
-# Per-device leading sizes: empty, one, prime, not divisible by any device count, larger than the
-# ring's pipeline slices.
+# Per-device leading sizes: empty, one, prime, not divisible by any device count (each one pipeline
+# slice at the default slice size; test_collectives' small-slice variant cuts them into many).
 AWKWARD_SIZES = [0, 1, 7, 1001]
 
 # Relative tolerance of one reduction against a float64 reference, by dtype. 16-bit types

@@ -25,6 +25,8 @@ VARIANTS = {
     "direct": {"algorithm": "direct"},
     "direct, read in place": {"algorithm": "direct", "copy_input_bytes": 0},
     "ring": {"algorithm": "ring"},
+    # Many pipeline slices a step (the default 256 KiB slices make these sizes one slice).
+    "ring, small slices": {"algorithm": "ring", "pipeline_slice_bytes": 100},
 }
 
 

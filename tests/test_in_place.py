@@ -63,9 +63,10 @@ def test_in_place_is_chosen_for_values_the_program_owns():
 @pytest.mark.parametrize("dtype", [np.float32, jnp.bfloat16, np.int32], ids=str)
 def test_in_place_gives_the_bits_of_a_fresh_output(n, variant, dtype):
     """Sizes per device: 1 and 7 (copied into the rendezvous), 5003 (read from the peers'
-    buffers) and 100_003 (several of the ring's pipeline slices). Each loop pass scales the sum
-    by a factor that differs per device, so every all-reduce sees different inputs on every device
-    and a chunk read after its owner overwrote it would change the result."""
+    buffers) and 100_003 (many pipeline slices a ring step in the small-slice variant). Each
+    loop pass scales the sum by a factor that differs per device, so every all-reduce sees
+    different inputs on every device and a chunk read after its owner overwrote it would change
+    the result."""
     dtype = np.dtype(dtype)
     m = mesh(n)
     rng = np.random.default_rng([n, dtype.num])
