@@ -434,13 +434,13 @@ _MIXED = textwrap.dedent("""
 
     f = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=P("i"), out_specs=P("i")))
     args = jax.device_put(tree, NamedSharding(mesh, P("i")))
-    for _ in range(int(sys.argv[2])):
-        mine, theirs = jax.block_until_ready(f(args))
-    for got, x in zip(jax.tree.leaves(mine), jax.tree.leaves(tree)):
-        np.testing.assert_array_equal(np.asarray(got), reference(x))
-    for got, x in zip(jax.tree.leaves(theirs), jax.tree.leaves(tree)):
-        np.testing.assert_array_equal(np.asarray(got), np.broadcast_to(x.sum(0, dtype=x.dtype),
-                                                                       x.shape))
+    for _ in range(int(sys.argv[2])):  # every run checked: a race may spoil any one
+        mine, theirs = f(args)
+        for got, x in zip(jax.tree.leaves(mine), jax.tree.leaves(tree)):
+            np.testing.assert_array_equal(np.asarray(got), reference(x))
+        for got, x in zip(jax.tree.leaves(theirs), jax.tree.leaves(tree)):
+            np.testing.assert_array_equal(
+                np.asarray(got), np.broadcast_to(x.sum(0, dtype=x.dtype), x.shape))
     print("ALL OK")
 """)
 
@@ -592,31 +592,53 @@ def test_devices_sharing_one_core():
 
 
 def test_stress_thousands_of_calls_of_random_sizes():
+    """2048 collectives in one program: 64 calls of random kind, op, dtype and size, in a scan of
+    32 steps. Every input differs per device, per call and per step, so a call that read a stale
+    buffer (an earlier step's, another call's) or the wrong peer's would show; every output of
+    every step on every device must equal lax's twin exactly (the inputs are small integers, so
+    float sums are exact and means divide them as lax.pmean does)."""
     n = 4
     m = mesh(n)
     rng = np.random.default_rng(2)
-    sizes = [int(s) for s in rng.integers(0, 3000, size=64)]
-    x = shard(random_array(rng, (n * sum(sizes),), np.float32), m)
+    calls = []
+    for _ in range(64):
+        kind = str(rng.choice(["all_reduce", "reduce_scatter", "all_gather"]))
+        op = str(rng.choice(["sum", "mean", "max", "min"]))
+        dtype = np.dtype(rng.choice([np.float32, np.float64, np.int32]))
+        size = int(rng.integers(0, 3000)) // n * n
+        if np.issubdtype(dtype, np.integer) and op == "mean":
+            op = "sum"
+        calls.append((kind, op, dtype, size, rng.integers(1, 1000, size=3)))
+    lax_reduce = {"sum": lax.psum, "mean": lax.pmean, "max": lax.pmax, "min": lax.pmin}
 
-    def body(ours):
-        def f(v):
-            pieces, start = [], 0
-            for size in sizes:  # 64 calls of random sizes per step
-                piece = v[start:start + size]
-                pieces.append(jaxring.all_reduce(piece, "i") if ours else lax.psum(piece, "i"))
-                start += size
-            return jnp.concatenate(pieces)
+    def program(ours):
+        def step(_, i):
+            outputs = []
+            for kind, op, dtype, size, (a, b, c) in calls:
+                iota = jnp.arange(size, dtype=jnp.int32)
+                v = ((iota * a + lax.axis_index("i") * b + i * c) % 2001 - 1000).astype(dtype)
+                if kind == "all_gather":
+                    y = jaxring.all_gather(v, "i") if ours else lax.all_gather(v, "i", tiled=True)
+                elif kind == "reduce_scatter" and ours:
+                    y = jaxring.reduce_scatter(v, "i", op)
+                elif kind == "reduce_scatter":  # lax's reduction, this device's block of it
+                    y = lax.dynamic_slice_in_dim(lax_reduce[op](v, "i"),
+                                                 lax.axis_index("i") * (size // n), size // n)
+                else:
+                    y = jaxring.all_reduce(v, "i", op) if ours else lax_reduce[op](v, "i")
+                outputs.append(y[None])
+            return None, outputs
+        return shmap(lambda: lax.scan(step, None, jnp.arange(32))[1], m, in_specs=(),
+                     out_specs=P(None, "i"))
 
-        def loop(v):  # 32 steps: 2048 collectives per program run
-            return lax.fori_loop(0, 31, lambda i, c: f(c) * 0.25, f(v))
-        return shmap(loop, m, out_specs=P())
-
+    expected = [np.asarray(y) for y in program(False)()]
     with jaxring.config.override(pipeline_slice_bytes=1024):
         for algorithm in ("direct", "ring"):
             with jaxring.config.override(algorithm=algorithm):
-                got = np.asarray(body(True)(x))
-            expected = np.asarray(body(False)(x))
-            np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-6)
+                got = program(True)()
+            for y, e, call in zip(got, expected, calls):
+                assert y.dtype == e.dtype
+                np.testing.assert_array_equal(np.asarray(y), e, err_msg=f"{algorithm} {call}")
 
 
 # ---- errors at trace time ----------------------------------------------------------------------
