@@ -4,6 +4,7 @@ twins, with both algorithms and with the direct one reading small inputs from co
 
 import functools
 import mmap
+import threading
 import time
 import zlib
 
@@ -15,7 +16,7 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 import jaxring
-from jaxring._src import native
+from jaxring._src import common, native
 from helpers import (AWKWARD_SIZES, DEVICE_COUNTS, DTYPES, assert_close, every_device, mesh,
                      random_array, shard, shmap)
 
@@ -93,19 +94,18 @@ def test_all_reduce_max_and_min_propagate_nan(n, dtype, op):
     x[rng.random(n * count) < 0.1] = np.nan
     m = mesh(n)
     xs = shard(x, m)
-    with jaxring.config.override(algorithm="direct"):
-        ours = np.asarray(shmap(lambda v: jaxring.all_reduce(v, "i", op)[None], m)(xs))
     lax_op = lax.pmax if op == "max" else lax.pmin
     theirs = np.asarray(shmap(lambda v: lax_op(v, "i")[None], m)(xs))
     fold = np.maximum if op == "max" else np.minimum  # both propagate NaN
     expected = fold.reduce(x.astype(np.float64).reshape(n, count), axis=0)
     assert np.isnan(expected).any() and not np.isnan(expected).all()
-    for device in range(n):
-        result = ours[device].astype(np.float64)
-        np.testing.assert_array_equal(np.isnan(result), np.isnan(expected))
-        np.testing.assert_array_equal(result, expected)  # NaN == NaN here
-        clean = ~np.isnan(expected)
-        np.testing.assert_array_equal(result[clean], theirs[device][clean].astype(np.float64))
+    clean = ~np.isnan(expected)
+    ours = _run_variants(shmap(lambda v: jaxring.all_reduce(v, "i", op)[None], m), xs)
+    for variant, out in ours.items():
+        for device in range(n):
+            result = out[device].astype(np.float64)
+            np.testing.assert_array_equal(result, expected, err_msg=variant)  # NaN == NaN here
+            np.testing.assert_array_equal(result[clean], theirs[device][clean].astype(np.float64))
 
 
 @pytest.mark.parametrize("n", DEVICE_COUNTS)
@@ -370,7 +370,7 @@ def test_evicting_from_the_caches_keeps_every_byte():
 def test_copy_streamed_copies_every_byte():
     """The benchmarks' streamed copy (the extension's copy_streamed, CopyStreamed) with unaligned
     starts and tails on both sides, and its size check."""
-    from jaxring._src import native
+    from jaxring._src import common, native
 
     rng = np.random.default_rng(7)
     for size in [0, 1, 15, 17, 4096 + 3, (1 << 20) + 5]:
@@ -619,13 +619,39 @@ def test_barrier_orders_and_returns(n):
 
 
 @pytest.mark.parametrize("n", [2, 3, 8])
+def test_barrier_waits_for_the_last_device(n):
+    """The barrier's native call on host threads (a program would hide when each device
+    returns): the last device arrives 0.3 s late, and no device may leave before it came."""
+    key = int(np.random.default_rng().integers(1 << 40, 1 << 50))  # a fresh communicator
+    code = (common.COLLECTIVE_CODES["barrier"], 0, common.DTYPE_CODES[np.dtype(np.float32)])
+    arrived, left, errors = {}, {}, {}
+
+    def run(rank):
+        if rank == n - 1:
+            time.sleep(0.3)
+        arrived[rank] = time.perf_counter()
+        errors[rank] = native.extension.collective_on_host(
+            key, "barrier test", rank, n, *code, np.zeros(0, np.float32),
+            np.zeros(0, np.float32), run_id=1, op_id=0)
+        left[rank] = time.perf_counter()
+
+    threads = [threading.Thread(target=run, args=(rank,), daemon=True) for rank in range(n)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=60)
+    assert errors == {rank: "" for rank in range(n)}
+    assert min(left.values()) >= arrived[n - 1], (arrived, left)
+
+
+@pytest.mark.parametrize("n", [2, 3, 8])
 def test_copied_and_in_place_inputs_give_the_same_bits(n):
     """Inputs up to copy_input_bytes are copied into the rendezvous and every device reduces the
     whole message itself; above it, or with copy_input_bytes=0, each device reduces its share of
     the peers' buffers in place and writes it into every output. Both fold the devices in the same
     order, so every device's result has the same bits either way. Each size is forced both ways:
     the default threshold's size, and n elements more per device."""
-    from jaxring._src import native
+    from jaxring._src import common, native
 
     limit = jaxring.config.get().copy_input_bytes // 4
     always, never = {"copy_input_bytes": 1 << 40}, {"copy_input_bytes": 0}

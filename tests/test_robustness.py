@@ -2,6 +2,7 @@
 the kernels' 16-bit rounding."""
 
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -644,11 +645,25 @@ def test_stress_thousands_of_calls_of_random_sizes():
 # ---- errors at trace time ----------------------------------------------------------------------
 
 
+_EVERY_CALL = {
+    "all_reduce": lambda v: jaxring.all_reduce(v, "i"),
+    "reduce_scatter": lambda v: jaxring.reduce_scatter(v, "i"),
+    "all_gather": lambda v: jaxring.all_gather(v, "i"),
+    "broadcast": lambda v: jaxring.broadcast(v, "i", root=1),
+    "ppermute": lambda v: jaxring.ppermute(v, "i", [(0, 1), (1, 0)]),
+    "send": lambda v: jaxring.send(v, "i", [(0, 1)]),
+}
+
+
+@pytest.mark.parametrize("call", list(_EVERY_CALL))
 @pytest.mark.parametrize("dtype", [np.complex64, np.int8, np.uint32, np.bool_])
-def test_unsupported_dtype_is_refused_with_allowed_values(dtype):
+def test_unsupported_dtype_is_refused_at_trace_time_with_allowed_values(dtype, call):
     m = mesh(2)
-    with pytest.raises(TypeError, match=r"unsupported dtype .*allowed: float32, float64"):
-        shmap(lambda v: jaxring.all_reduce(v, "i"), m)(shard(np.zeros(4, dtype), m))
+    f = shmap(lambda v: _EVERY_CALL[call](v) if call != "send" else (_EVERY_CALL[call](v), v)[1],
+              m)
+    with pytest.raises(TypeError, match=rf"jaxring.{call}: unsupported dtype "
+                                        rf"{np.dtype(dtype)}; allowed: float32, float64"):
+        f.trace(shard(np.zeros(4, dtype), m))
 
 
 def test_an_extended_dtype_is_refused_with_allowed_values():
@@ -736,6 +751,9 @@ def test_unsupported_op_and_bad_arguments():
         shmap(lambda v: jaxring.all_reduce(v, "i", "prod"), m)(x)
     with pytest.raises(ValueError, match=r"unsupported op \['sum'\]; allowed: 'sum'"):
         shmap(lambda v: jaxring.all_reduce(v, "i", ["sum"]), m)(x)
+    with pytest.raises(ValueError, match=r"jaxring.reduce_scatter: unsupported op 'prod'; "
+                                         r"allowed: 'sum', 'mean'"):
+        shmap(lambda v: jaxring.reduce_scatter(v, "i", "prod"), m).trace(x)
     with pytest.raises(NameError, match="unbound axis name 'j'"):
         shmap(lambda v: jaxring.all_reduce(v, "j"), m)(x)
     with pytest.raises(ValueError, match="must be divisible by the 4 devices"):
@@ -1097,6 +1115,31 @@ def test_mismatched_calls_raise_on_every_device_naming_both_sides():
                                             r"called all_reduce\(sum\) op \d+ float32\[6\]"):
             np.asarray(f(x))
     _check_recovery(m, x, "mismatched collectives")
+    # A program shows one device's error; on the host each rank's own is seen: every rank must
+    # name the mismatch at once, none wait out the timeout.
+    n, errors = 4, {}
+    sum_f32 = (common.COLLECTIVE_CODES["all_reduce"], common.REDUCE_OPS["sum"],
+               common.DTYPE_CODES[np.dtype(np.float32)])
+    key = int(np.random.default_rng().integers(1 << 40, 1 << 50))  # a fresh communicator
+
+    def run(rank):
+        size = 6 if rank == 1 else 3
+        errors[rank] = native.extension.collective_on_host(
+            key, "mismatch test", rank, n, *sum_f32, np.ones(size, np.float32),
+            np.zeros(size, np.float32), run_id=1, op_id=0)
+
+    start = time.monotonic()
+    with jaxring.config.override(timeout_seconds=30.0):
+        threads = [threading.Thread(target=run, args=(rank,), daemon=True) for rank in range(n)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=60)
+    assert time.monotonic() - start < 10, "a rank waited instead of failing"
+    for rank in range(n):
+        assert re.search(r"mismatched collectives: rank 0 called all_reduce\(sum\) op 0 "
+                         r"float32\[3\] but rank 1 called all_reduce\(sum\) op 0 float32\[6\]",
+                         errors.get(rank, "")), (rank, errors.get(rank))
 
 
 # ---- configuration -----------------------------------------------------------------------------
