@@ -240,10 +240,46 @@ def test_mismatched_ppermutes_name_both_sides():
     f = _rank_dependent(m, short, lambda v: jaxring.ppermute(v, "i", perm))
     with jaxring.config.override(timeout_seconds=30.0):
         with pytest.raises(Exception, match=r"mismatched point-to-point calls: rank 1 expected "
-                                            r"ppermute op \d+ float32\[2\] from rank 0, but rank 0 "
-                                            r"sent ppermute op \d+ float32\[1\]"):
+                                            r"ppermute\(perm #[0-9a-f]+\) op \d+ float32\[2\] "
+                                            r"from rank 0, but rank 0 sent ppermute\(perm "
+                                            r"#[0-9a-f]+\) op \d+ float32\[1\]"):
             np.asarray(f(x))
     _check_recovery(m, x)
+
+
+def test_a_recv_of_another_perm_than_the_next_message_is_refused_not_given_its_data():
+    """Messages between two devices are taken in order, each by a recv of its send's perm. Here
+    device 1's first recv (perm2) would have taken the message sent under perm1, silently
+    swapping the two values; it is refused, on the device it reaches, naming both perms."""
+    m = mesh(2)
+    perm1, perm2 = [(0, 1)], [(0, 1), (1, 0)]
+
+    def body(v):
+        jaxring.send(v, "i", perm1)
+        jaxring.send(v + 1, "i", perm2)
+        second = jaxring.recv(v, "i", perm2)
+        first = jaxring.recv(v, "i", perm1)
+        return jnp.stack([first, second])
+
+    x = shard(np.arange(4, dtype=np.float32), m)
+    with jaxring.config.override(timeout_seconds=30.0):
+        with pytest.raises(Exception, match=r"rank 1 expected send/recv\(perm #[0-9a-f]+\) op "
+                                            r"\d+ float32\[2\] from rank 0, but rank 0 sent "
+                                            r"send/recv\(perm #[0-9a-f]+\) .* Their perms differ"):
+            np.asarray(shmap(body, m, out_specs=P(None, "i"))(x))
+    jaxring.reset_after_error()
+
+    def in_order(v):  # the same sends, received in their order: lax's results
+        jaxring.send(v, "i", perm1)
+        jaxring.send(v + 1, "i", perm2)
+        first = jaxring.recv(v, "i", perm1)
+        return jnp.stack([first, jaxring.recv(v, "i", perm2)])
+
+    def theirs(v):
+        return jnp.stack([lax.ppermute(v, "i", perm1), lax.ppermute(v + 1, "i", perm2)])
+
+    np.testing.assert_array_equal(np.asarray(shmap(in_order, m, out_specs=P(None, "i"))(x)),
+                                  np.asarray(shmap(theirs, m, out_specs=P(None, "i"))(x)))
 
 
 @pytest.mark.parametrize("axes", [("x", "y"), ("y", "x")])
@@ -292,13 +328,14 @@ def test_a_tuple_of_axes_numbers_devices_as_lax_ppermute_does(axes):
 
 
 def test_a_message_no_receive_took_is_refused_by_a_later_program():
-    """Device 0 sends device 1 a message that no recv takes (the recv's perm leaves that pair
-    out): the program finishes, and mailboxes outlive it. The next program's receive on that
-    mailbox once took the stale message as its own and returned it as its result."""
+    """Device 0 sends device 1 a message that no recv takes: the program finishes, and mailboxes
+    outlive it. The next program's receive on that mailbox once took the stale message as its
+    own and returned it as its result."""
     m = mesh(2)
 
     def unmatched(v):
-        jaxring.send(v, "i", [(0, 1), (1, 0)])
+        jaxring.send(v, "i", [(0, 1)])  # never received
+        jaxring.send(v, "i", [(1, 0)])
         return jaxring.recv(v, "i", [(1, 0)])
 
     def matched(v):
@@ -310,8 +347,8 @@ def test_a_message_no_receive_took_is_refused_by_a_later_program():
     y = shard(np.arange(100, 108, dtype=np.float32), m)
     with jaxring.config.override(timeout_seconds=30.0):
         with pytest.raises(Exception, match=r"\(rank 1 of 2\): the next message from rank 0 "
-                                            r"\(send/recv op \d+ float32\[4\]\) was sent by an "
-                                            r"earlier program run"):
+                                            r"\(send/recv\(perm #[0-9a-f]+\) op \d+ float32\[4\]\) "
+                                            r"was sent by an earlier program run"):
             np.asarray(shmap(matched, m)(y))
     _check_recovery(m, x)
     np.testing.assert_array_equal(np.asarray(shmap(matched, m)(y)), [0, 0, 0, 0, 100, 101, 102, 103])
@@ -332,8 +369,9 @@ def test_a_send_and_recv_of_different_sizes_one_of_them_empty_are_refused(sent, 
     x = shard(np.arange(8, dtype=np.float32), m)
     with jaxring.config.override(timeout_seconds=30.0):
         with pytest.raises(Exception, match=rf"mismatched point-to-point calls: rank 1 expected "
-                                            rf"send/recv op \d+ float32\[{expected}\] from rank "
-                                            rf"0, but rank 0 sent send/recv op \d+ "
+                                            rf"send/recv\(perm #[0-9a-f]+\) op \d+ "
+                                            rf"float32\[{expected}\] from rank 0, but rank 0 "
+                                            rf"sent send/recv\(perm #[0-9a-f]+\) op \d+ "
                                             rf"float32\[{sent}\]"):
             np.asarray(shmap(f, m)(x))
     _check_recovery(m, x)
@@ -458,8 +496,8 @@ def test_a_sender_whose_receive_is_mismatched_takes_back_the_buffer_it_lent():
     x = shard(np.arange(3 * 50_000, dtype=np.float32), m)
     with jaxring.config.override(timeout_seconds=30.0, p2p_eager_bytes=0):
         errors = _errors_by_device(g(x))
-    mismatch = (r"\(rank 0 of 3\): mismatched point-to-point calls: rank 0 expected ppermute "
-                r"op \d+ float32\[50000\] from rank 2")
+    mismatch = (r"\(rank 0 of 3\): mismatched point-to-point calls: rank 0 expected ppermute"
+                r"\(perm #[0-9a-f]+\) op \d+ float32\[50000\] from rank 2")
     assert re.search(mismatch, errors[0]), errors
     assert re.search(r"\(rank 2 of 3\): rank 0 failed while receiving this rank's message\. "
                      r"The error on rank 0: .*" + mismatch, errors[2]), errors

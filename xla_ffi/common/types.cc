@@ -89,6 +89,13 @@ bool SameMessage(const Header& a, const Header& b) {
          (a.kind != Collective::kPermute || a.op_id == b.op_id);
 }
 
+std::string PermsDiffer(const Header& sent, const Header& expected) {
+  if (sent.root == expected.root) return "";
+  return " Their perms differ: a receive takes a message only if it passes the perm (the same "
+         "pairs) that its send passed, and messages between two ranks are taken in the order "
+         "they were sent.";
+}
+
 std::string Describe(const Header& h) {
   std::ostringstream s;
   s << CollectiveName(h.kind);

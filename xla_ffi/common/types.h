@@ -55,10 +55,10 @@ struct Header {
   uint32_t plan = 0;
   int64_t op_id = 0;   // static id of the call site, assigned at trace time
   int64_t count = 0;   // elements in this rank's input
-  // Broadcast: the root. Point-to-point calls between processes: a digest of the perm
-  // (PermDigest), which the sender's and receiver's calls must share, so that a message is not
-  // taken by a call that does not expect it (a rank's perm that names only its own pair, or a
-  // message left by an earlier call of another perm). 0 otherwise.
+  // Broadcast: the root. Point-to-point calls: a digest of the perm (PermDigest), which the
+  // sender's and receiver's calls must share, so that a message is not taken by a call that does
+  // not expect it (a rank's perm that names only its own pair, a message left by an earlier call
+  // of another perm, a recv of one perm before that of another). 0 otherwise.
   int64_t root = 0;
   // Where this call is one chunk of a collective (the staged GPU transport runs each on the
   // host), the whole collective's input count, so that ranks whose calls differ in size fail in
@@ -79,6 +79,8 @@ uint64_t Fnv1a(const int64_t* values, size_t count);
 int64_t PermDigest(const int64_t* perm, int64_t size);
 // Whether a point-to-point message with header `a` matches a receive expecting `b`.
 bool SameMessage(const Header& a, const Header& b);
+// For the error of a mismatched message: a sentence saying that the perms differ, if they do.
+std::string PermsDiffer(const Header& sent, const Header& expected);
 std::string Describe(const Header& h);  // e.g. "all_reduce(sum) op 3 float32[1024]"
 // Every rank's header (`header_of(rank)`) must equal rank 0's. Otherwise an error after `where()`
 // that names the first rank that differs and both calls: the same text on every rank. `where` is

@@ -266,8 +266,10 @@ HostResult RunHostCall(const JaxringHostCall& c, HostCompletion* complete) {
   }
   header.op = ReduceOp::kSum;
   header.count = c.role == kJaxringHostRecv ? c.output_count : c.input_count;
-  // In one process every device runs the same program, so their perms agree by construction.
-  if (OfProcesses(c)) header.root = PermDigest(c.perm, c.perm_size);
+  // A message and the receive that takes it must share a perm. Across processes each passes its
+  // own; in one process a send and a recv of different perms may still meet (messages between a
+  // pair are taken in order).
+  header.root = PermDigest(c.perm, c.perm_size);
   return RunPointToPointCall(c, header, complete);
 }
 

@@ -257,7 +257,8 @@ Status LocalPointToPoint::Receive(int source, const Header& expected, void* out,
     std::ostringstream s;
     s << Where(expected) << ": mismatched point-to-point calls: rank " << rank_ << " expected "
       << Describe(expected) << " from rank " << source << ", but rank " << source << " sent "
-      << Describe(slot.header) << ". Every rank must make the same calls in the same order.";
+      << Describe(slot.header) << "." << PermsDiffer(slot.header, expected)
+      << " Every rank must make the same calls in the same order.";
     GiveUp(slot, s.str());
     return Status::Error(s.str());
   }

@@ -944,10 +944,8 @@ Status MpiTransport::Receive(int source, const Header& expected, void* out, size
   if (!SameMessage(wire.header, expected)) {
     std::ostringstream s;
     s << Where(expected) << ": mismatched point-to-point calls: rank " << source << " sent "
-      << Describe(wire.header) << " but this rank expected " << Describe(expected) << ".";
-    if (wire.header.root != expected.root)
-      s << " Their perms differ: the sender's and the receiver's calls must pass the same perm "
-           "(the same pairs), as every device of one program does.";
+      << Describe(wire.header) << " but this rank expected " << Describe(expected) << "."
+      << PermsDiffer(wire.header, expected);
     return Fail(Status::Error(s.str()));
   }
   if (wire.payload == kPayloadInPlace || wire.payload == kPayloadSeparate) {
