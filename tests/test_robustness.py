@@ -826,6 +826,38 @@ def test_missing_peer_times_out_naming_the_missing_devices(call):
     assert native.extension.open_meetings(key) == 0
 
 
+def test_a_failed_runs_calls_are_counted_afresh_should_its_run_id_come_again():
+    """Calls meet by (run id, the rank's count of calls in that run). In a failed run device 0
+    made a call that device 1 never made; XLA's run ids are launch ids, counted per executable,
+    so that id may come again. After reset_after_error both devices' calls of that run must meet
+    again (device 0's count once went on from 1 while device 1's began at 0, and both timed
+    out)."""
+    key = int(np.random.default_rng().integers(1 << 40, 1 << 50))  # a fresh communicator
+    code = (common.COLLECTIVE_CODES["all_reduce"], common.REDUCE_OPS["sum"],
+            common.DTYPE_CODES[np.dtype(np.float32)])
+    inputs = [np.full(3, rank + 1.0, np.float32) for rank in range(2)]
+    outputs = [np.zeros(3, np.float32) for _ in range(2)]
+
+    def call(rank, errors):
+        errors[rank] = native.extension.collective_on_host(
+            key, "run id test", rank, 2, *code, inputs[rank], outputs[rank], run_id=7, op_id=0)
+
+    with jaxring.config.override(timeout_seconds=0.5):
+        errors = {}
+        call(0, errors)
+        assert "timed out after 0.5 s waiting for rank(s) [1]" in errors[0], errors
+        jaxring.reset_after_error()
+        errors = {}
+        threads = [threading.Thread(target=call, args=(rank, errors)) for rank in range(2)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=60)
+    assert errors == {0: "", 1: ""}, errors
+    for out in outputs:
+        np.testing.assert_array_equal(out, np.full(3, 3.0, np.float32))
+
+
 def test_an_infinite_timeout_waits_for_a_late_peer():
     """float("inf") waits for ever; it once overflowed into a deadline in the past, and every
     wait longer than its first spin gave up."""

@@ -105,15 +105,24 @@ class GroupCalls {
     return open_.size();
   }
 
-  // Drops the meetings a rank gave up on before every rank arrived; returns how many.
+  // Drops the meetings a rank gave up on before every rank arrived, and restarts the count of
+  // calls of their runs: the ranks of a failed run may have made different numbers of calls in
+  // it, and should its run id come again (XLA's run ids are launch ids, counted per
+  // executable), their calls would otherwise meet none of each other's. Returns how many.
   size_t ForgetGivenUp() {
     std::lock_guard<std::mutex> lock(mutex_);
     const size_t before = open_.size();
+    std::vector<int64_t> failed_runs;
     open_.erase(std::remove_if(open_.begin(), open_.end(),
-                               [](const Open& open) {
-                                 return (open.meeting->arrivals.Load() & Flag::kAbandoned) != 0;
+                               [&](const Open& open) {
+                                 if ((open.meeting->arrivals.Load() & Flag::kAbandoned) == 0)
+                                   return false;
+                                 failed_runs.push_back(open.run_id);
+                                 return true;
                                }),
                 open_.end());
+    for (RankRuns& runs : ranks_)
+      for (int64_t run_id : failed_runs) runs.Restart(run_id);
     return before - open_.size();
   }
 
@@ -147,6 +156,11 @@ class GroupCalls {
       run_ids[slot] = run_id;
       calls[slot] = 1;
       return 0;
+    }
+
+    void Restart(int64_t run_id) {
+      for (int i = 0; i < used; ++i)
+        if (run_ids[i] == run_id) calls[i] = 0;
     }
   };
   struct Open {
