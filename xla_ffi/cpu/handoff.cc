@@ -31,7 +31,12 @@ class Threads {
     tasks_.push_back(std::move(task));
     // Every queued task needs an idle thread of its own: a task may block until a later one runs.
     if (tasks_.size() > static_cast<size_t>(idle_)) {
-      std::thread([this] { Work(); }).detach();
+      try {
+        std::thread([this] { Work(); }).detach();
+      } catch (...) {  // no thread to be had: the caller fails the call instead
+        tasks_.pop_back();
+        throw;
+      }
     } else {
       ready_.notify_one();
     }

@@ -216,8 +216,9 @@ Status RunRing(LocalTransport& t, const std::vector<RingStep>& steps, int64_t sl
         Status status = t.WaitForProgress(left, static_cast<uint32_t>((g - 1) * slices + k + 1));
         if (!status.ok()) return status;
       }
-      const int64_t lo = step.count * k / slices;
-      const int64_t hi = step.count * (k + 1) / slices;
+      // In 128 bits: a count of 2^33 elements times up to 2^31 slices overflows 64.
+      const int64_t lo = static_cast<int64_t>(__int128{step.count} * k / slices);
+      const int64_t hi = static_cast<int64_t>(__int128{step.count} * (k + 1) / slices);
       if (hi > lo) {
         if (from_peer && !t.BeginPeerAccess()) return t.PeerGaveUp();
         const bool source_acc = step.source == Buffer::kScratch;
