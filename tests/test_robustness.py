@@ -891,6 +891,47 @@ def test_ranks_later_than_a_timeout_fail_at_once_in_the_abandoned_meeting():
     np.testing.assert_array_equal(np.asarray(g(x)), [3.0, 3.0, 3.0])
 
 
+def test_a_call_slower_than_the_timeout_that_keeps_making_progress_completes():
+    """The timeout bounds each wait, not the call: device 1 stalls 0.5 s in each of its first
+    three ring slices, so the call takes over 1.5 s, and device 0, whose timeout is 1 s, never
+    waits 1 s for one thing. It once failed at 1 s, a deadline counted from the start of the
+    call. (The direct algorithm's pieces go to whichever device is free, so one stall there
+    delays nobody for long.)"""
+    n, count = 2, 1 << 14
+    rng = np.random.default_rng(19)
+    inputs = [random_array(rng, (count,), np.float32) for _ in range(n)]
+    outputs = [np.zeros(count, np.float32) for _ in range(n)]
+    errors = {}
+    sum_f32 = (common.COLLECTIVE_CODES["all_reduce"], common.REDUCE_OPS["sum"],
+               common.DTYPE_CODES[np.dtype(np.float32)])
+    key = int(rng.integers(1 << 40, 1 << 50))  # a fresh in-process communicator
+
+    def run(rank):
+        errors[rank] = native.extension.collective_on_host(
+            key, "slow test", rank, n, *sum_f32, inputs[rank], outputs[rank], run_id=1, op_id=0)
+
+    stalls = native.extension.stalls_taken()
+    native.extension.stall_next_piece(key, 1, 0.5, pieces=3)
+    try:
+        with jaxring.config.override(timeout_seconds=1.0, algorithm="ring",
+                                     pipeline_slice_bytes=1024):  # 32 slices a step
+            start = time.perf_counter()
+            threads = [threading.Thread(target=run, args=(rank,), daemon=True)
+                       for rank in range(n)]
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join(timeout=60)
+            took = time.perf_counter() - start
+    finally:
+        native.extension.stall_next_piece(key, -1, 0.0)
+    assert errors == {0: "", 1: ""}, errors
+    assert native.extension.stalls_taken() - stalls == 3 and took > 1.5, took
+    expected = inputs[0].astype(np.float64) + inputs[1]
+    for out in outputs:
+        assert_close(out, expected, np.float32, count=n)
+
+
 @pytest.mark.parametrize("algorithm", ["direct", "ring"])
 def test_a_rank_that_gives_up_returns_only_once_no_peer_touches_its_buffers(algorithm):
     """Device 1 stalls for 2.5 s inside its first piece (direct: a share of the sum that it also

@@ -580,9 +580,9 @@ NB_MODULE(_jaxring, m) {
       "Runs rank `rank`'s collective on in-process communicator `key` over host arrays; returns "
       "the error message, empty on success.");
   m.def("stall_next_piece", &jaxring::StallNextPieceForTest, nb::arg("comm"), nb::arg("rank"),
-        nb::arg("seconds"),
-        "The next piece of shared work or ring slice of `rank` of in-process communicator `comm` "
-        "sleeps `seconds` first (tests); rank -1 disarms it.");
+        nb::arg("seconds"), nb::arg("pieces") = 1,
+        "The next `pieces` pieces of shared work or ring slices of `rank` of in-process "
+        "communicator `comm` sleep `seconds` first (tests); rank -1 disarms it.");
   m.def("stalls_taken", &jaxring::StallsTakenForTest);
   m.def("fail_next_scratch", &jaxring::FailNextScratchForTest, nb::arg("comm"), nb::arg("rank"),
         "The next call of `rank` of in-process communicator `comm` that needs scratch finds "

@@ -68,14 +68,14 @@ bool Finished(const Meeting& m, int peer) { return m.peers[peer].finished.load()
 std::atomic<int> stall_rank{-1};
 std::atomic<uint64_t> stall_comm{0};
 std::atomic<int64_t> stall_microseconds{0};
+std::atomic<int64_t> stalls_left{0};
 std::atomic<int64_t> stalls_taken{0};
 
-// StallNextPieceForTest's stall, taken by the first piece or slice of `rank` of `comm` once armed.
+// StallNextPieceForTest's stalls, taken by the next pieces or slices of `rank` of `comm` once
+// armed.
 inline void StallIfArmed(uint64_t comm, int rank) {
-  int armed = rank;
-  if (stall_rank.load(std::memory_order_acquire) != rank || stall_comm.load() != comm ||
-      !stall_rank.compare_exchange_strong(armed, -1))
-    return;
+  if (stall_rank.load(std::memory_order_acquire) != rank || stall_comm.load() != comm) return;
+  if (stalls_left.fetch_sub(1) <= 0) return;
   std::this_thread::sleep_for(std::chrono::microseconds(stall_microseconds.load()));
   stalls_taken.fetch_add(1);
 }
@@ -286,7 +286,7 @@ LocalTransport::LocalTransport(CommunicatorId comm, int rank, Header header,
       rank_(rank),
       header_(header),
       meeting_(std::move(meeting)),
-      deadline_(timeout_seconds),
+      timeout_seconds_(timeout_seconds),
       spin_iterations_(spin_iterations) {}
 
 LocalTransport::~LocalTransport() = default;
@@ -298,7 +298,7 @@ std::string LocalTransport::Where() const {
 std::string LocalTransport::MissingPeers(const char* what,
                                          bool (*done)(const Meeting&, int)) const {
   std::ostringstream s;
-  s << Where() << ": timed out after " << deadline_.seconds() << " s waiting for rank(s) [";
+  s << Where() << ": timed out after " << timeout_seconds_ << " s waiting for rank(s) [";
   bool first = true;
   for (int peer = 0; peer < comm_.size; ++peer) {
     if (done(*meeting_, peer)) continue;
@@ -313,7 +313,7 @@ std::string LocalTransport::MissingPeers(const char* what,
 
 Status LocalTransport::WaitForPeers() {
   const uint32_t size = static_cast<uint32_t>(comm_.size);
-  if (!meeting_->arrivals.WaitAtLeast(size, deadline_, spin_iterations_)) {
+  if (!meeting_->arrivals.WaitAtLeast(size, Deadline(timeout_seconds_), spin_iterations_)) {
     std::string missing = GiveUpBelow(meeting_->arrivals, size, "arrive", Arrived);
     if (!missing.empty()) return Status::Error(missing);
   }
@@ -370,7 +370,7 @@ Status LocalTransport::Share(int per_rank, const std::function<void(int, int)>& 
 
 Status LocalTransport::WaitCount(Flag& count, uint32_t target, const char* what,
                                  bool (*done)(const Meeting&, int)) {
-  if (!count.WaitAtLeast(target, deadline_, spin_iterations_)) {
+  if (!count.WaitAtLeast(target, Deadline(timeout_seconds_), spin_iterations_)) {
     // Named before Close(), which may wait for the very ranks named.
     std::string missing = GiveUpBelow(count, target, what, done);
     if (!missing.empty()) {
@@ -446,12 +446,12 @@ void LocalTransport::PublishProgress(uint32_t units) {
 
 Status LocalTransport::WaitForProgress(int peer, uint32_t units) {
   const Flag& progress = meeting_->peers[peer].progress;
-  if (progress.WaitAtLeast(units, deadline_, spin_iterations_)) {
+  if (progress.WaitAtLeast(units, Deadline(timeout_seconds_), spin_iterations_)) {
     if (!(progress.Load() & Flag::kAbandoned)) return Status();
     return PeerGaveUp();
   }
   std::ostringstream s;
-  s << Where() << ": timed out after " << deadline_.seconds() << " s waiting for rank " << peer
+  s << Where() << ": timed out after " << timeout_seconds_ << " s waiting for rank " << peer
     << " to reach ring step unit " << units << " (it reached " << progress.Load() << ")";
   {
     std::lock_guard<std::mutex> lock(meeting_->giving_up);
@@ -461,10 +461,11 @@ Status LocalTransport::WaitForProgress(int peer, uint32_t units) {
   return Status::Error(s.str());
 }
 
-void StallNextPieceForTest(uint64_t comm, int rank, double seconds) {
+void StallNextPieceForTest(uint64_t comm, int rank, double seconds, int64_t pieces) {
   stall_rank.store(-1);
   stall_comm.store(comm);
   stall_microseconds.store(static_cast<int64_t>(seconds * 1e6));
+  stalls_left.store(pieces);
   stall_rank.store(rank, std::memory_order_release);
 }
 

@@ -163,15 +163,17 @@ class LocalTransport {
   Header header_;
   std::shared_ptr<Meeting> meeting_;
   bool inputs_copied_ = false;
-  Deadline deadline_;
+  // Each wait gives up after this long without what it waits for: a call that keeps making
+  // progress may take longer.
+  double timeout_seconds_;
   int64_t spin_iterations_;
 };
 
-// For tests: the next piece of shared work (Share) or ring slice that `rank` of in-process
-// communicator `comm` begins first sleeps `seconds`, inside its BeginPeerAccess stretch, as a
-// device thread does that the scheduler leaves without a core; rank -1 disarms it.
+// For tests: the next `pieces` pieces of shared work (Share) or ring slices that `rank` of
+// in-process communicator `comm` begins first sleep `seconds` each, inside their BeginPeerAccess
+// stretch, as a device thread does that the scheduler leaves without a core; rank -1 disarms it.
 // StallsTakenForTest counts the stalls slept so far.
-void StallNextPieceForTest(uint64_t comm, int rank, double seconds);
+void StallNextPieceForTest(uint64_t comm, int rank, double seconds, int64_t pieces = 1);
 int64_t StallsTakenForTest();
 // For tests: the next call of `rank` of in-process communicator `comm` that needs scratch finds
 // none, as when its allocation fails; rank -1 disarms it. ScratchFailsForTest takes the failure.
