@@ -9,6 +9,7 @@ import os
 import platform
 import random
 import statistics
+import subprocess
 import time
 from pathlib import Path
 
@@ -294,6 +295,20 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
+def code_version() -> str:
+    """The jaxring commit that ran, with "+changes" where the tree differed from it; "unknown"
+    outside a git checkout."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], cwd=root,
+                                capture_output=True, text=True, timeout=10, check=True)
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
+                               cwd=root, capture_output=True, text=True, timeout=10, check=True)
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return commit.stdout.strip() + ("+changes" if dirty.stdout.strip() else "")
+
+
 def environment() -> dict:
     import jax
     import jaxlib
@@ -311,6 +326,7 @@ def environment() -> dict:
         "python": platform.python_version(),
         "jax": jax.__version__,
         "jaxlib": jaxlib.__version__,
+        "jaxring_commit": code_version(),
         "date": time.strftime("%Y-%m-%d"),
         "cpu_steal_percent": cpu_steal_percent(),
     }

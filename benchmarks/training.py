@@ -73,7 +73,7 @@ def step_runner(step, state, batch):
     def run():
         *new_state, loss = step(*holder["state"], batch)
         holder["state"] = new_state
-        loss.block_until_ready()
+        jax.block_until_ready((new_state, loss))  # the update too, not only the loss
 
     return run
 
