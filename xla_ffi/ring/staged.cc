@@ -1,7 +1,10 @@
 #include "ring/staged.h"
 
 #include <algorithm>
+#include <atomic>
+#include <chrono>
 #include <cstring>
+#include <thread>
 #include <vector>
 
 #include "kernels/reduce_cpu.h"
@@ -17,15 +20,26 @@ const char* At(const void* base, int64_t elements, size_t width) {
   return static_cast<const char*>(base) + elements * static_cast<int64_t>(width);
 }
 
+// StallNextStepsForTest's stalls: how many are left, and how long each is.
+std::atomic<int64_t> step_stalls{0};
+std::atomic<int64_t> step_stall_microseconds{0};
+
+void StallStepIfArmed() {
+  if (step_stalls.load(std::memory_order_relaxed) <= 0 || step_stalls.fetch_sub(1) <= 0) return;
+  std::this_thread::sleep_for(std::chrono::microseconds(step_stall_microseconds.load()));
+}
+
 // Runs `steps` steps of `body(step_index)`, each framed by BeginStep and the header exchange.
 // The first step also checks every rank's header. On error the communicator is abandoned, so
-// that peers fail at once instead of waiting for the timeout.
+// that peers fail at once instead of waiting for the timeout. Each step's waits get the whole
+// timeout, not what is left of the call's: a large call that keeps moving may take longer.
 template <typename Stage, typename Finish>
 Status Steps(ShmCommunicator& comm, const Header& header, const Config& config, int64_t steps,
              Stage stage, Finish finish) {
-  const Deadline deadline(config.timeout_seconds);
   const int64_t spin = config.spin_iterations;
   for (int64_t step = 0; step < steps; ++step) {
+    const Deadline deadline(config.timeout_seconds);
+    StallStepIfArmed();
     Status status = comm.BeginStep(header, deadline, spin);
     if (status.ok()) {
       stage(step);
@@ -245,6 +259,11 @@ Status RunExchange(ShmCommunicator& comm, void* output, const void* input, int64
     }
   }
   return Status();
+}
+
+void StallNextStepsForTest(double seconds, int64_t steps) {
+  step_stall_microseconds.store(static_cast<int64_t>(seconds * 1e6));
+  step_stalls.store(steps);
 }
 
 }  // namespace jaxring

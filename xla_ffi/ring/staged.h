@@ -30,4 +30,8 @@ Status RunAgree(ShmCommunicator& comm, const Header& header, const Config& confi
 Status RunExchange(ShmCommunicator& comm, void* output, const void* input, int64_t bytes,
                    int64_t chunk_bytes, ShmStores stores, int64_t loops, const Config& config);
 
+// For tests: this process's next `steps` steps of shared-memory collectives each sleep `seconds`
+// before they begin, as a rank does that the scheduler leaves without a core; 0 steps disarms.
+void StallNextStepsForTest(double seconds, int64_t steps);
+
 }  // namespace jaxring

@@ -52,10 +52,20 @@ constexpr double kNoticeAfterFailureSeconds = 0.1;
 std::atomic<int64_t> stall_next_data{0};
 std::atomic<int64_t> stall_next_receive{0};
 
+// StallNextDataForTest's stalls at ring steps: how many are left, and how long each is.
+std::atomic<int64_t> ring_step_stalls{0};
+std::atomic<int64_t> ring_step_stall{0};
+
 void StallIfArmed(std::atomic<int64_t>& stall = stall_next_data) {
   if (stall.load(std::memory_order_relaxed) == 0) return;
   const int64_t microseconds = stall.exchange(0);
   if (microseconds > 0) std::this_thread::sleep_for(std::chrono::microseconds(microseconds));
+}
+
+void StallRingStepIfArmed() {
+  if (ring_step_stalls.load(std::memory_order_relaxed) <= 0 || ring_step_stalls.fetch_sub(1) <= 0)
+    return;
+  std::this_thread::sleep_for(std::chrono::microseconds(ring_step_stall.load()));
 }
 
 // MPI counts are ints: larger messages travel as several pieces of at most this many bytes
@@ -479,11 +489,11 @@ Status MpiTransport::RunCollective(const Header& h, const CollectiveBuffers& b,
         Reduce(h.dtype, h.op, &in, 1, &out, 1, h.count, h.op == ReduceOp::kMean ? 1 : 0);
       }
     } else if (h.kind == Collective::kBroadcast) {
-      status = Broadcast(h, b, deadline, method == Method::kBroadcastTree);
+      status = Broadcast(h, b, method == Method::kBroadcastTree);
     } else if (method == Method::kRecursiveDoubling) {
       status = RecursiveDoubling(h, b, deadline);
     } else {
-      status = Ring(h, b, deadline);
+      status = Ring(h, b);
     }
   }
   return status.ok() ? status : Fail(status);
@@ -602,7 +612,7 @@ Status MpiTransport::RecursiveDoubling(const Header& h, const CollectiveBuffers&
 // The ring of ring/schedule.h, in messages: rank r's step g reads what its left neighbour
 // produced in step g-1, so left sends each slice of that step's result the moment it is made.
 // Receives are posted a step ahead, so payloads land straight in their buffers.
-Status MpiTransport::Ring(const Header& h, const CollectiveBuffers& b, const Deadline& deadline) {
+Status MpiTransport::Ring(const Header& h, const CollectiveBuffers& b) {
   const int n = size_;
   const int right = (rank_ + 1) % n;
   const int left = (rank_ + n - 1) % n;
@@ -645,7 +655,7 @@ Status MpiTransport::Ring(const Header& h, const CollectiveBuffers& b, const Dea
   size_t oldest = 0;  // sends_ before this index have completed
   auto send = [&](const RingStep& step, int64_t k) {
     while (sends_.requests.size() - oldest >= kRingSendsInFlight) {
-      Status status = Wait(h, &sends_, static_cast<int>(oldest), deadline,
+      Status status = Wait(h, &sends_, static_cast<int>(oldest), EachWait(),
                            "receive this rank's data");
       if (!status.ok()) return status;
       ++oldest;
@@ -666,7 +676,7 @@ Status MpiTransport::Ring(const Header& h, const CollectiveBuffers& b, const Dea
   auto post = [&](int g) {
     const RingStep& step = mine[g];
     if (!input_sent && step.from_left && !step.reduce && step.dst == Buffer::kOutput) {
-      Status status = Wait(h, &sends_, -1, deadline, "receive this rank's data");
+      Status status = Wait(h, &sends_, -1, EachWait(), "receive this rank's data");
       if (!status.ok()) return status;
       input_sent = true;
     }
@@ -687,6 +697,7 @@ Status MpiTransport::Ring(const Header& h, const CollectiveBuffers& b, const Dea
   Status status = steps > 0 ? post(0) : Status();
   for (int g = 0; g < steps && status.ok(); ++g) {
     const RingStep& step = mine[g];
+    StallRingStepIfArmed();
     if (g + 1 < steps && !in_place) status = post(g + 1);
     // What right reads in step g without waiting for this rank (its own input): send at once.
     if (status.ok() && theirs[g].from_left && !theirs[g].waits_for_left) {
@@ -709,7 +720,7 @@ Status MpiTransport::Ring(const Header& h, const CollectiveBuffers& b, const Dea
       const int64_t first = k * slice;
       const int64_t len = std::min(slice, step.count - first);
       if (step.from_left) {
-        status = Wait(h, &recvs_, posted[g] + static_cast<int>(k), deadline, "send its data");
+        status = Wait(h, &recvs_, posted[g] + static_cast<int>(k), EachWait(), "send its data");
         if (!status.ok()) break;
       }
       if (step.reduce) {
@@ -724,7 +735,7 @@ Status MpiTransport::Ring(const Header& h, const CollectiveBuffers& b, const Dea
       if (forward) status = send(theirs[g + 1], k);
     }
   }
-  if (status.ok()) status = Wait(h, &sends_, -1, deadline, "receive this rank's data");
+  if (status.ok()) status = Wait(h, &sends_, -1, EachWait(), "receive this rank's data");
   // Left sends from its output (the all-gather's slices), which XLA frees once left gives up.
   size_t received = 0;  // bytes of the largest slice received
   for (const RingStep& s : mine)
@@ -740,8 +751,7 @@ Status MpiTransport::Ring(const Header& h, const CollectiveBuffers& b, const Dea
 
 // Broadcast: a binomial tree (log2 n hops) for small messages; above the ring threshold a chain
 // from the root, in slices, so every link carries the whole message once, pipelined.
-Status MpiTransport::Broadcast(const Header& h, const CollectiveBuffers& b,
-                               const Deadline& deadline, bool tree) {
+Status MpiTransport::Broadcast(const Header& h, const CollectiveBuffers& b, bool tree) {
   const int n = size_;
   const size_t bytes = h.count * ByteWidth(h.dtype);
   const int root = static_cast<int>(h.root);
@@ -755,7 +765,7 @@ Status MpiTransport::Broadcast(const Header& h, const CollectiveBuffers& b,
     for (; mask < n; mask <<= 1) {
       if (v & mask) {
         status = Irecv(h, out, bytes, (rank_ - mask + n) % n, kDataTag, &recvs_);
-        if (status.ok()) status = Wait(h, &recvs_, -1, deadline, "send the broadcast");
+        if (status.ok()) status = Wait(h, &recvs_, -1, EachWait(), "send the broadcast");
         if (!status.ok()) return status;
         break;
       }
@@ -772,13 +782,13 @@ Status MpiTransport::Broadcast(const Header& h, const CollectiveBuffers& b,
       status = Irecv(h, out + k * slice, std::min(slice, bytes - k * slice), (rank_ + n - 1) % n,
                      kDataTag, &recvs_);
     for (size_t k = 0; k < pieces && status.ok(); ++k) {
-      if (v > 0) status = Wait(h, &recvs_, static_cast<int>(k), deadline, "send the broadcast");
+      if (v > 0) status = Wait(h, &recvs_, static_cast<int>(k), EachWait(), "send the broadcast");
       if (status.ok() && v + 1 < n)
         status = Isend(h, out + k * slice, std::min(slice, bytes - k * slice), (rank_ + 1) % n,
                        kDataTag, &sends_);
     }
   }
-  if (status.ok()) status = Wait(h, &sends_, -1, deadline, "receive the broadcast");
+  if (status.ok()) status = Wait(h, &sends_, -1, EachWait(), "receive the broadcast");
   // Every rank sends from its output, which XLA frees once that rank gives up.
   if (status.ok() && v > 0) status = SendersStayed(h, received);
   if (status.ok()) {
@@ -1004,7 +1014,9 @@ void StallNextReceiveForTest(double seconds) {
   stall_next_receive.store(static_cast<int64_t>(seconds * 1e6));
 }
 
-void StallNextDataForTest(double seconds) {
+void StallNextDataForTest(double seconds, int64_t ring_steps) {
+  ring_step_stall.store(static_cast<int64_t>(seconds * 1e6));
+  ring_step_stalls.store(ring_steps);
   stall_next_data.store(static_cast<int64_t>(seconds * 1e6));
 }
 
