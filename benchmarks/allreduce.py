@@ -483,8 +483,10 @@ def markdown(env: dict, ceiling: float, rows: list[dict], huge_pages: int) -> st
         f"Memory copy bandwidth measured in the same run: **{ceiling:.1f} GB/s** (read + write).",
         "",
         "Times are medians; `ratio` is jaxring time / lax twin time (below 1 is faster).",
-        "busbw follows nccl-tests (all-reduce: algbw x 2(n-1)/n; reduce-scatter and all-gather:"
-        " algbw x (n-1)/n).",
+        "algbw and busbw follow nccl-tests (algbw: bytes / time, with a reduce-scatter's input"
+        " and an all-gather's output as its bytes; busbw: all-reduce algbw x 2(n-1)/n,"
+        " reduce-scatter and all-gather algbw x (n-1)/n), in GB/s (10^9 bytes); `busbw / copy`"
+        " is jaxring's busbw over the memory copy bandwidth above.",
         "",
         f"`{FLOOR}`: a program that takes the collective's input, writes an output of its shape"
         " in one XLA pass (all_reduce's adds 1; reduce_scatter's sums its n blocks, reading every"
@@ -548,8 +550,8 @@ def markdown(env: dict, ceiling: float, rows: list[dict], huge_pages: int) -> st
                   + f"{FLOOR} (us) | " + "".join(f"{kind} (us) | " for kind in extra)
                   + " | ".join(f"ratio {c.split('.')[1]}" for c in ours) + " | floor / twin | "
                   + "".join(f"{kind.split()[0]} / twin | " for kind in extra)
-                  + "busbw jaxring (GB/s) |",
-                  "|" + "---|" * (3 + 2 * len(ours) + 3 + 2 * len(extra))]
+                  + f"algbw jaxring | busbw jaxring | busbw {twin} | busbw / copy |",
+                  "|" + "---|" * (6 + 2 * len(ours) + 3 + 2 * len(extra))]
         keys = sorted({(r["devices"], r["bytes"]) for r in rows if r["collective"] == collective})
         for n, size in keys:
             t = by_key[(n, size, twin)]["seconds"]
@@ -557,7 +559,7 @@ def markdown(env: dict, ceiling: float, rows: list[dict], huge_pages: int) -> st
             ratios = [f"{by_key[(n, size, c)]['seconds'] / t:.2f}" for c in ours]
             f = by_key[(n, size, floor)]["seconds"]
             bound = effect_floor_ratio(f, t, output_bytes(collective, n, size), huge_pages)
-            busbw = by_key[(n, size, ours[0])]["busbw_GBps"]
+            mine, twins = by_key[(n, size, ours[0])], by_key[(n, size, twin)]
             seconds = [by_key.get((n, size, f"{kind}[{collective}]"), {}).get("seconds")
                        for kind in extra]
             lines.append(f"| {n} | {human_bytes(size)} | " + " | ".join(cells)
@@ -565,7 +567,8 @@ def markdown(env: dict, ceiling: float, rows: list[dict], huge_pages: int) -> st
                          + "".join(f"{s * 1e6:.1f} | " if s else "| " for s in seconds)
                          + " | ".join(ratios) + f" | {bound} | "
                          + "".join(f"{s / t:.2f} | " if s else "| " for s in seconds)
-                         + f"{busbw:.2f} |")
+                         + f"{mine['algbw_GBps']:.2f} | {mine['busbw_GBps']:.2f} | "
+                         + f"{twins['busbw_GBps']:.2f} | {mine['busbw_GBps'] / ceiling:.2f} |")
         lines.append("")
     return "\n".join(lines)
 
