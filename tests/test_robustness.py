@@ -842,12 +842,13 @@ def test_a_failed_runs_calls_are_counted_afresh_should_its_run_id_come_again():
         errors[rank] = native.extension.collective_on_host(
             key, "run id test", rank, 2, *code, inputs[rank], outputs[rank], run_id=7, op_id=0)
 
+    errors = {}
     with jaxring.config.override(timeout_seconds=0.5):
-        errors = {}
         call(0, errors)
-        assert "timed out after 0.5 s waiting for rank(s) [1]" in errors[0], errors
-        jaxring.reset_after_error()
-        errors = {}
+    assert "timed out after 0.5 s waiting for rank(s) [1]" in errors[0], errors
+    jaxring.reset_after_error()
+    errors = {}
+    with jaxring.config.override(timeout_seconds=10.0):
         threads = [threading.Thread(target=call, args=(rank, errors)) for rank in range(2)]
         for thread in threads:
             thread.start()
@@ -892,9 +893,9 @@ def test_ranks_later_than_a_timeout_fail_at_once_in_the_abandoned_meeting():
 
 
 def test_a_call_slower_than_the_timeout_that_keeps_making_progress_completes():
-    """The timeout bounds each wait, not the call: device 1 stalls 0.5 s in each of its first
-    three ring slices, so the call takes over 1.5 s, and device 0, whose timeout is 1 s, never
-    waits 1 s for one thing. It once failed at 1 s, a deadline counted from the start of the
+    """The timeout bounds each wait, not the call: device 1 stalls 0.9 s in each of its first
+    three ring slices, so the call takes over 2.7 s, and device 0, whose timeout is 2 s, never
+    waits 2 s for one thing. It once failed at 2 s, a deadline counted from the start of the
     call. (The direct algorithm's pieces go to whichever device is free, so one stall there
     delays nobody for long.)"""
     n, count = 2, 1 << 14
@@ -911,9 +912,9 @@ def test_a_call_slower_than_the_timeout_that_keeps_making_progress_completes():
             key, "slow test", rank, n, *sum_f32, inputs[rank], outputs[rank], run_id=1, op_id=0)
 
     stalls = native.extension.stalls_taken()
-    native.extension.stall_next_piece(key, 1, 0.5, pieces=3)
+    native.extension.stall_next_piece(key, 1, 0.9, pieces=3)
     try:
-        with jaxring.config.override(timeout_seconds=1.0, algorithm="ring",
+        with jaxring.config.override(timeout_seconds=2.0, algorithm="ring",
                                      pipeline_slice_bytes=1024):  # 32 slices a step
             start = time.perf_counter()
             threads = [threading.Thread(target=run, args=(rank,), daemon=True)
@@ -926,7 +927,7 @@ def test_a_call_slower_than_the_timeout_that_keeps_making_progress_completes():
     finally:
         native.extension.stall_next_piece(key, -1, 0.0)
     assert errors == {0: "", 1: ""}, errors
-    assert native.extension.stalls_taken() - stalls == 3 and took > 1.5, took
+    assert native.extension.stalls_taken() - stalls == 3 and took > 2.7, took
     expected = inputs[0].astype(np.float64) + inputs[1]
     for out in outputs:
         assert_close(out, expected, np.float32, count=n)

@@ -691,11 +691,11 @@ def test_missing_rank_times_out_naming_it():
 
 @pytest.mark.skipif(COMM.size < 2, reason="needs two ranks")
 def test_an_all_reduce_slower_than_the_timeout_that_keeps_moving_completes():
-    """The timeout bounds each wait, not the call: the last rank sleeps 0.5 s before each of its
-    first three steps (shared memory: staging steps of 64 KiB slots; MPI: after the header
-    exchange and in two ring steps), so the all-reduce takes over 1.5 s, and no rank, with a
-    1 s timeout, waits 1 s for one thing. It once failed at 1 s, a deadline counted from the
-    start of the call."""
+    """The timeout bounds each wait, not the call: the last rank sleeps 0.9 s three times (before
+    each of its first three staging steps of 64 KiB slots in shared memory; over MPI once each
+    of its first three ring slices is forwarded), so the all-reduce takes over 2.7 s, and no
+    rank, with a 2 s timeout, waits 2 s for one thing. It once failed at 2 s, a deadline
+    counted from the start of the call."""
     if COMM.transport == "hierarchical":
         pytest.skip("the other node's ranks would wait at the level across nodes for as long as "
                     "the stalls at this node's level take, which is one wait")
@@ -707,21 +707,21 @@ def test_an_all_reduce_slower_than_the_timeout_that_keeps_moving_completes():
     ext = jaxring.mpi._mpi_extension()[0]
     MPI_COMM.Barrier()
     if COMM.rank == late and SHARED_MEMORY:
-        native.extension.stall_next_shm_steps(0.5, 3)
+        native.extension.stall_next_shm_steps(0.9, 3)
     elif COMM.rank == late:
-        ext.stall_next_data(0.5, ring_steps=2)
+        ext.stall_next_ring_slices(0.9, 3)
     try:
-        with jaxring.config.override(timeout_seconds=1.0):
+        with jaxring.config.override(timeout_seconds=2.0):
             start = time.monotonic()
             y = np.asarray(f(x))
             took = time.monotonic() - start
     finally:
         native.extension.stall_next_shm_steps(0.0, 0)
         if ext is not None:
-            ext.stall_next_data(0)
+            ext.stall_next_ring_slices(0.0, 0)
     assert_close(y, gathered(x).astype(np.float64).sum(0), np.float32, COMM.size)
     if COMM.rank == late:
-        assert took > 1.5, took
+        assert took > 2.7, took
     MPI_COMM.Barrier()
 
 

@@ -7,6 +7,7 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <system_error>
 
 #include "common/config.h"
 #include "common/types.h"
@@ -74,25 +75,15 @@ Status CheckProcess(const Transport& processes, const Header& header, int rank, 
 }
 
 // Hands `rest` of a call to a jaxring thread, which reports its status to `complete`.
-// A C++ exception (out of memory, no thread to be had) must not cross into XLA, which would
-// terminate the process: it becomes this call's error. Peers already met then time out waiting
-// for this rank, naming it.
-std::string InternalErrorPrefix(const JaxringHostCall& c) {
-  return CommName(c) + " (rank " + std::to_string(c.rank) + " of " + std::to_string(c.size) +
-         "): jaxring internal error: ";
-}
-
-HostResult GoOnElsewhere(const JaxringHostCall& c, HostCompletion* complete,
-                         std::function<Status()> rest) {
-  HandOff([rest, complete = std::move(*complete), prefix = InternalErrorPrefix(c)] {
-    HostResult result;
-    try {
-      result.status = rest();
-    } catch (const std::exception& e) {
-      result.status = Status::Error(prefix + e.what());
-    }
-    complete(result);
-  });
+HostResult GoOnElsewhere(HostCompletion* complete, std::function<Status()> rest) {
+  try {
+    HandOff([rest, complete = std::move(*complete)] { complete(HostResult{rest()}); });
+  } catch (const std::system_error&) {
+    // No thread to be had: wait here instead (XLA's thread may then wait for a peer queued
+    // behind it, up to the timeout). The call has met its peers, so it must run to its end
+    // here: an error now would let XLA free buffers that they go on using.
+    return {rest()};
+  }
   HostResult result;
   result.handed_off = true;
   return result;
@@ -165,7 +156,7 @@ HostResult RunCollectiveCall(const JaxringHostCall& c, const Header& header,
     return {rest()};
   // A peer is late, and its call may be queued behind this thread (cpu/handoff.h).
   auto lease = std::make_shared<ScratchLease>(std::move(scratch));
-  return GoOnElsewhere(c, complete, [rest, lease] { return rest(); });
+  return GoOnElsewhere(complete, [rest, lease] { return rest(); });
 }
 
 // The header exchange alone, on a process communicator (kJaxringHostAgree).
@@ -240,10 +231,10 @@ HostResult RunPointToPointCall(const JaxringHostCall& c, const Header& header,
   auto whole_call = [transport, run] { return run(*transport); };
   const bool copy = dest == c.rank && source == c.rank;  // PostPermute only copies
   if (!copy && dest >= 0 && !transport->SlotFree(dest, hand_off))
-    return GoOnElsewhere(c, complete, whole_call);
+    return GoOnElsewhere(complete, whole_call);
   if (role != kJaxringHostPermute) {
     if (source >= 0 && !transport->MessageReady(source, hand_off))
-      return GoOnElsewhere(c, complete, whole_call);
+      return GoOnElsewhere(complete, whole_call);
     return {run(*transport)};
   }
   bool in_place = false;
@@ -251,20 +242,20 @@ HostResult RunPointToPointCall(const JaxringHostCall& c, const Header& header,
       PostPermute(*transport, header, dest, source, input, output, bytes, config, &in_place);
   if (!status.ok()) return {status};  // nothing was lent
   if (!copy && source >= 0 && !transport->MessageReady(source, hand_off)) {
-    return GoOnElsewhere(c, complete, [=] {
+    return GoOnElsewhere(complete, [=] {
       return SettleLent(*transport, dest, in_place,
                         ReceivePermute(*transport, header, dest, source, output, bytes));
     });
   }
   status = ReceivePermute(*transport, header, dest, source, output, bytes);
   if (status.ok() && in_place && !transport->SentRead(hand_off))
-    return GoOnElsewhere(c, complete, [transport, dest] { return transport->WaitSent(dest); });
+    return GoOnElsewhere(complete, [transport, dest] { return transport->WaitSent(dest); });
   return {SettleLent(*transport, dest, in_place, status)};
 }
 
 }  // namespace
 
-static HostResult RunHostCallOrThrow(const JaxringHostCall& c, HostCompletion* complete) {
+HostResult RunHostCall(const JaxringHostCall& c, HostCompletion* complete) {
   if (c.role == kJaxringHostLeave) {
     ProcessTransport::Leave(
         c.comm, std::string(static_cast<const char*>(c.input), static_cast<size_t>(c.input_count)));
@@ -288,14 +279,6 @@ static HostResult RunHostCallOrThrow(const JaxringHostCall& c, HostCompletion* c
   // pair are taken in order).
   header.root = PermDigest(c.perm, c.perm_size);
   return RunPointToPointCall(c, header, complete);
-}
-
-HostResult RunHostCall(const JaxringHostCall& c, HostCompletion* complete) {
-  try {
-    return RunHostCallOrThrow(c, complete);
-  } catch (const std::exception& e) {
-    return {Status::Error(InternalErrorPrefix(c) + e.what())};
-  }
 }
 
 void AdviseHugePages(void* data, size_t bytes) {

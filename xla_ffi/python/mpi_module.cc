@@ -96,11 +96,13 @@ NB_MODULE(_jaxring_mpi, m) {
   }, "MPI_Get_library_version of the MPI library this module is linked with.");
 
   m.def("stall_next_data", &jaxring::StallNextDataForTest, nb::arg("seconds"),
-        nb::arg("ring_steps") = 0,
         "For tests: the next collective of this process's MPI transports sleeps `seconds` after "
         "its header exchange, and the next in-place point-to-point receive after its ready "
-        "message; so do the next `ring_steps` steps of its rings (transports/mpi.h, "
-        "StallNextDataForTest).");
+        "message (transports/mpi.h, StallNextDataForTest).");
+  m.def("stall_next_ring_slices", &jaxring::StallNextRingSlicesForTest, nb::arg("seconds"),
+        nb::arg("slices"),
+        "For tests: the next `slices` slices of this process's MPI rings each sleep `seconds` "
+        "once forwarded (transports/mpi.h).");
 
   m.def("stall_next_receive", &jaxring::StallNextReceiveForTest, nb::arg("seconds"),
         "For tests: the next point-to-point receive of this process's MPI transports sleeps "

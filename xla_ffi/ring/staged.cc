@@ -38,8 +38,8 @@ Status Steps(ShmCommunicator& comm, const Header& header, const Config& config, 
              Stage stage, Finish finish) {
   const int64_t spin = config.spin_iterations;
   for (int64_t step = 0; step < steps; ++step) {
-    const Deadline deadline(config.timeout_seconds);
     StallStepIfArmed();
+    const Deadline deadline(config.timeout_seconds);
     Status status = comm.BeginStep(header, deadline, spin);
     if (status.ok()) {
       stage(step);

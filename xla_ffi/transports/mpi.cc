@@ -52,9 +52,9 @@ constexpr double kNoticeAfterFailureSeconds = 0.1;
 std::atomic<int64_t> stall_next_data{0};
 std::atomic<int64_t> stall_next_receive{0};
 
-// StallNextDataForTest's stalls at ring steps: how many are left, and how long each is.
-std::atomic<int64_t> ring_step_stalls{0};
-std::atomic<int64_t> ring_step_stall{0};
+// StallNextRingSlicesForTest's stalls: how many are left, and how long each is.
+std::atomic<int64_t> ring_slice_stalls{0};
+std::atomic<int64_t> ring_slice_stall{0};
 
 void StallIfArmed(std::atomic<int64_t>& stall = stall_next_data) {
   if (stall.load(std::memory_order_relaxed) == 0) return;
@@ -62,10 +62,11 @@ void StallIfArmed(std::atomic<int64_t>& stall = stall_next_data) {
   if (microseconds > 0) std::this_thread::sleep_for(std::chrono::microseconds(microseconds));
 }
 
-void StallRingStepIfArmed() {
-  if (ring_step_stalls.load(std::memory_order_relaxed) <= 0 || ring_step_stalls.fetch_sub(1) <= 0)
+void StallRingSliceIfArmed() {
+  if (ring_slice_stalls.load(std::memory_order_relaxed) <= 0 ||
+      ring_slice_stalls.fetch_sub(1) <= 0)
     return;
-  std::this_thread::sleep_for(std::chrono::microseconds(ring_step_stall.load()));
+  std::this_thread::sleep_for(std::chrono::microseconds(ring_slice_stall.load()));
 }
 
 // MPI counts are ints: larger messages travel as several pieces of at most this many bytes
@@ -491,7 +492,7 @@ Status MpiTransport::RunCollective(const Header& h, const CollectiveBuffers& b,
     } else if (h.kind == Collective::kBroadcast) {
       status = Broadcast(h, b, method == Method::kBroadcastTree);
     } else if (method == Method::kRecursiveDoubling) {
-      status = RecursiveDoubling(h, b, deadline);
+      status = RecursiveDoubling(h, b);
     } else {
       status = Ring(h, b);
     }
@@ -560,8 +561,7 @@ Status MpiTransport::ExchangeHeaders(const Header& h, const Deadline& deadline) 
 // for p the largest power of two <= n; the other n - p ranks first fold into a partner and
 // receive the result at the end. Partners always combine the lower rank's value first, so both
 // hold the same bits after every round.
-Status MpiTransport::RecursiveDoubling(const Header& h, const CollectiveBuffers& b,
-                                       const Deadline& deadline) {
+Status MpiTransport::RecursiveDoubling(const Header& h, const CollectiveBuffers& b) {
   const size_t bytes = h.count * AccumulatorWidth(h.dtype);
   char* mine = Scratch(0, bytes);
   char* theirs = Scratch(1, bytes);
@@ -577,7 +577,7 @@ Status MpiTransport::RecursiveDoubling(const Header& h, const CollectiveBuffers&
     recvs_.Clear();
     Status status = receive ? Irecv(h, into, bytes, peer, kDataTag, &recvs_) : Status();
     if (status.ok() && send) status = Isend(h, mine, bytes, peer, kDataTag, &recvs_);
-    return status.ok() ? Wait(h, &recvs_, -1, deadline, "exchange data") : status;
+    return status.ok() ? Wait(h, &recvs_, -1, EachWait(), "exchange data") : status;
   };
   int p = 1;
   while (p * 2 <= size_) p *= 2;
@@ -697,7 +697,6 @@ Status MpiTransport::Ring(const Header& h, const CollectiveBuffers& b) {
   Status status = steps > 0 ? post(0) : Status();
   for (int g = 0; g < steps && status.ok(); ++g) {
     const RingStep& step = mine[g];
-    StallRingStepIfArmed();
     if (g + 1 < steps && !in_place) status = post(g + 1);
     // What right reads in step g without waiting for this rank (its own input): send at once.
     if (status.ok() && theirs[g].from_left && !theirs[g].waits_for_left) {
@@ -733,6 +732,7 @@ Status MpiTransport::Ring(const Header& h, const CollectiveBuffers& b) {
         Reduce(h.dtype, h.op, srcs, 2, &dst, 1, len, final ? n : 0);
       }
       if (forward) status = send(theirs[g + 1], k);
+      StallRingSliceIfArmed();
     }
   }
   if (status.ok()) status = Wait(h, &sends_, -1, EachWait(), "receive this rank's data");
@@ -1014,10 +1014,13 @@ void StallNextReceiveForTest(double seconds) {
   stall_next_receive.store(static_cast<int64_t>(seconds * 1e6));
 }
 
-void StallNextDataForTest(double seconds, int64_t ring_steps) {
-  ring_step_stall.store(static_cast<int64_t>(seconds * 1e6));
-  ring_step_stalls.store(ring_steps);
+void StallNextDataForTest(double seconds) {
   stall_next_data.store(static_cast<int64_t>(seconds * 1e6));
+}
+
+void StallNextRingSlicesForTest(double seconds, int64_t slices) {
+  ring_slice_stall.store(static_cast<int64_t>(seconds * 1e6));
+  ring_slice_stalls.store(slices);
 }
 
 }  // namespace jaxring

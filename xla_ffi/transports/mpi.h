@@ -118,9 +118,9 @@ class MpiTransport final : public ProcessTransport {
                   const char* what) const;
 
   Status ExchangeHeaders(const Header& h, const Deadline& deadline);
-  Status RecursiveDoubling(const Header& h, const CollectiveBuffers& b, const Deadline& d);
-  // Ring and Broadcast give each of their waits the whole timeout (EachWait), not what is left
-  // of the call's: a large call that keeps moving may take longer than the timeout.
+  // The collectives give each of their waits the whole timeout (EachWait), not what is left of
+  // the call's: a large call that keeps moving may take longer than the timeout.
+  Status RecursiveDoubling(const Header& h, const CollectiveBuffers& b);
   Status Ring(const Header& h, const CollectiveBuffers& b);
   // `tree`: a binomial tree of whole messages (small ones), else a pipelined chain of slices.
   Status Broadcast(const Header& h, const CollectiveBuffers& b, bool tree);
@@ -163,8 +163,10 @@ class MpiTransport final : public ProcessTransport {
 // For tests: the next collective of this process's MPI transports sleeps `seconds` once its
 // header exchange has completed, and the next in-place point-to-point receive once it has told
 // its sender to send, as a rank does that the scheduler (or a debugger) stops there; 0 disarms it.
-// So do the next `ring_steps` steps of its rings, each.
-void StallNextDataForTest(double seconds, int64_t ring_steps = 0);
+void StallNextDataForTest(double seconds);
+// For tests: the next `slices` slices of this process's MPI rings each sleep `seconds` once
+// forwarded, as a rank does that the scheduler leaves without a core.
+void StallNextRingSlicesForTest(double seconds, int64_t slices);
 // For tests: the next point-to-point receive of this process's MPI transports sleeps `seconds`
 // before it looks for its message (after its own call's sends were posted); 0 disarms it.
 void StallNextReceiveForTest(double seconds);
