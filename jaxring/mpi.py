@@ -107,25 +107,39 @@ def _done_within(requests: list, seconds: float) -> bool:
     return True
 
 
-# Barriers that timed out: MPI forbids freeing a pending collective's request, and a late rank's
-# barrier may still complete them.
+# The requests (and their buffers) of meetings that timed out: MPI forbids freeing a pending
+# collective's request, and a late rank's meeting completes them.
 _abandoned_requests: list = []
 
 
 def _meet(mpi_comm, what: str) -> None:
     """Waits, up to jaxring.config's timeout, for every rank of `mpi_comm` to come to `what` (one
-    of its collectives, in which mpi4py would wait for a missing rank for ever)."""
+    of its collectives, in which mpi4py would wait for a missing rank for ever): a barrier, then
+    the maximum of a flag saying whether a rank gave up on it. A rank that times out sets its
+    flag and raises; a rank that comes after it then finds the barrier complete at once, and
+    the flag set, so it raises too instead of going on to a collective that nobody else calls.
+    Either way every rank has made the same two collectives, so the communicator's collectives
+    stay in step."""
+    import numpy as np
+
     seconds = config.get().timeout_seconds
-    request = mpi_comm.Ibarrier()
-    if _done_within([request], seconds):
+    barrier = mpi_comm.Ibarrier()
+    came = _done_within([barrier], seconds)
+    flag, gave_up = np.array([0 if came else 1], np.int32), np.zeros(1, np.int32)
+    agree = mpi_comm.Iallreduce(flag, gave_up, op=_mpi().MAX)
+    if came and _done_within([agree], seconds):
+        if gave_up[0]:
+            raise RuntimeError(
+                f"jaxring.mpi: rank {mpi_comm.Get_rank()} came to {what} on an MPI communicator "
+                f"of {mpi_comm.Get_size()} processes after another rank had given up waiting "
+                "for it (JAXRING_TIMEOUT_SECONDS sets how long ranks wait)")
         return
-    _abandoned_requests.append(request)
+    _abandoned_requests.append(([barrier, agree], (flag, gave_up)))
     raise TimeoutError(
         f"jaxring.mpi: rank {mpi_comm.Get_rank()} timed out after {seconds:g} s waiting for the "
         f"other ranks of an MPI communicator of {mpi_comm.Get_size()} processes to {what}: "
-        f"every rank must, in the same order as its other collectives on that communicator "
-        f"(JAXRING_TIMEOUT_SECONDS sets the timeout). That communicator's collectives are now "
-        f"out of step: a late rank's would meet this rank's abandoned barrier")
+        "every rank must, in the same order as its other collectives on that communicator "
+        "(JAXRING_TIMEOUT_SECONDS sets the timeout); a rank that comes later raises too")
 
 
 def _ranks(ranks: list[int]) -> str:
@@ -470,6 +484,7 @@ def _detach(key: int) -> None:
 @functools.cache
 def world() -> Communicator:
     """Every process of the job (a duplicate of MPI_COMM_WORLD), made once."""
+    # Met on COMM_WORLD before its Dup (collective, without a timeout), then on the Dup.
     _meet(_mpi().COMM_WORLD, "make jaxring.mpi.world()")
     return _owning(_mpi().COMM_WORLD.Dup(), lambda comm: Communicator(comm, label="world"))
 

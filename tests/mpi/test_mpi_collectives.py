@@ -388,30 +388,38 @@ def test_a_rank_that_never_frees_is_named():
 @pytest.mark.parametrize("how", ["create", "split"])
 def test_a_rank_that_never_sets_up_a_communicator_is_given_up_on(how):
     """Making or splitting a communicator is collective, and mpi4py's collectives wait for ever:
-    the ranks that came give up after the timeout, saying what they waited for. A late rank's
-    set-up on that MPI communicator then completes their barrier, so its collectives are in
-    step."""
+    the ranks that came give up after the timeout, saying what they waited for. The late rank's
+    set-up then raises at once, saying that they gave up, instead of waiting for ever in the
+    next collective of the set-up; its collectives and theirs stay in step."""
     mpi_comm = MPI_COMM.Dup()
     parent = jaxring.mpi.Communicator(mpi_comm, label="parent") if how == "split" else None
     late = COMM.size - 1
     waited_for = ("create a jaxring.mpi.Communicator on it" if how == "create"
                   else r"split MPI communicator parent \(\d processes\)")
+
+    def set_up():
+        return jaxring.mpi.Communicator(mpi_comm) if parent is None else parent.split(0)
+
     if COMM.rank != late:
         start = time.monotonic()
         with jaxring.config.override(timeout_seconds=1.0):
             with pytest.raises(TimeoutError, match=rf"rank {COMM.rank} timed out after 1 s "
                                rf"waiting for the other ranks of an MPI communicator of "
                                rf"{COMM.size} processes to {waited_for}: every rank must"):
-                if parent is None:
-                    jaxring.mpi.Communicator(mpi_comm)
-                else:
-                    parent.split(0)
+                set_up()
         assert time.monotonic() - start < 10
     MPI_COMM.Barrier()  # the others have given up
-    # The late rank's set-up would start with the same nonblocking barrier (a blocking one would
-    # not match it).
-    mine = mpi_comm.Ibarrier() if COMM.rank == late else jaxring.mpi._abandoned_requests.pop()
-    assert jaxring.mpi._done_within([mine], 30)
+    if COMM.rank == late:
+        start = time.monotonic()
+        with pytest.raises(RuntimeError, match=rf"rank {late} came to {waited_for} on an MPI "
+                                               r"communicator of \d processes after another rank "
+                                               r"had given up waiting for it"):
+            set_up()
+        assert time.monotonic() - start < 10
+    else:  # the late rank's meeting completed this rank's abandoned one
+        requests, _ = jaxring.mpi._abandoned_requests.pop()
+        assert jaxring.mpi._done_within(requests, 30)
+    np.testing.assert_array_equal(mpi_comm.allreduce(COMM.rank), sum(range(COMM.size)))
     if parent is not None:
         parent.free()
     mpi_comm.Free()
