@@ -129,7 +129,8 @@ def in_process_rows(run: dict) -> dict:
     reduce_scatter and all_gather (their local part in a native call with the effect, at every
     size; all_gather's only from runs that record `gather_floor_piece_bytes`), the `read` floor of
     reduce_scatter (every input byte read, nothing written; only from runs that record
-    `read_floor_streams`, see the module docstring) and the `copy` floor; a loop
+    `read_floor_streams`, see the module docstring) and all_reduce's `copy` floor (all_gather's
+    copies n x its input in and out, where a read-once all-gather reads it once: no bound); a loop
     row's floors are reduce_scatter's `read` floor and, from 16 MiB, the `native` floors and the
     `synced` ones (the read and native floors with a barrier after each pass), each in the same
     loop."""
@@ -155,7 +156,8 @@ def in_process_rows(run: dict) -> dict:
                       "native": (by.get((n, nbytes, f"native floor[{collective}]"))
                                  if natives else None),
                       "read": by.get((n, nbytes, f"read floor[{collective}]")) if reads else None,
-                      "copy": by.get((n, nbytes, f"copy floor[{collective}]")),
+                      "copy": (by.get((n, nbytes, f"copy floor[{collective}]"))
+                               if collective != "all_gather" else None),
                       "synced native": (by.get((n, nbytes, f"synced native floor[{collective}]"))
                                         if natives else None),
                       "synced read": by.get((n, nbytes, f"synced read floor[{collective}]"))}
