@@ -570,14 +570,21 @@ def test_all_gather(n, dtype, axis):
 @pytest.mark.parametrize("n", DEVICE_COUNTS)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_broadcast(n, dtype):
-    rng = np.random.default_rng(13 * n)
+    """Every awkward size and a scalar, from the first, a middle and the last device; every
+    device's output must be the root's block, bit for bit."""
+    rng = np.random.default_rng([13 * n, zlib.crc32(str(dtype).encode())])
     m = mesh(n)
-    x = random_array(rng, (n * 5, 3), dtype)
+    data = _inputs(rng, n, dtype)
     for root in sorted({0, n // 2, n - 1}):
         index = np.int64(root) if root == n - 1 else root  # numpy integers are roots too
-        out = np.asarray(shmap(lambda v: jaxring.broadcast(v, "i", root=index), m)(shard(x, m)))
-        expected = np.tile(x[root * 5:(root + 1) * 5], (n, 1))
-        np.testing.assert_array_equal(out, expected)
+        out = shmap(lambda d: jax.tree.map(lambda v: jaxring.broadcast(v, "i", root=index)[None],
+                                           _per_device(d)), m)(shard(data, m))
+        for name, x in data.items():
+            blocks = x.reshape(n, -1, *x.shape[1:])
+            expected = np.broadcast_to(blocks[root], blocks.shape)
+            if name == "scalar":
+                expected = expected[:, 0]
+            np.testing.assert_array_equal(np.asarray(out[name]), expected, err_msg=name)
 
 
 @pytest.mark.parametrize("n", [3, 8])
