@@ -758,6 +758,9 @@ def test_unsupported_op_and_bad_arguments():
         shmap(lambda v: jaxring.all_reduce(v, "j"), m)(x)
     with pytest.raises(ValueError, match="must be divisible by the 4 devices"):
         shmap(lambda v: jaxring.reduce_scatter(v, "i", scatter_dimension=1), m)(x)
+    with pytest.raises(ValueError, match=r"reduce_scatter: needs an array of rank >= 1, got a "
+                                         r"scalar"):  # (lax.psum_scatter: an IndexError)
+        shmap(lambda v: jaxring.reduce_scatter(v[0, 0], "i")[None], m).trace(x)
     with pytest.raises(ValueError, match=r"root must be an int in \[0, 4\)"):
         shmap(lambda v: jaxring.broadcast(v, "i", root=4), m)(x)
     for root in (True, 1.0):  # not ranks, though Python would compare them equal to 1
