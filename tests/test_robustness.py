@@ -508,18 +508,20 @@ _MANY_DEVICES = textwrap.dedent("""
     for n in (5, 7, 16, 32):
         m = jax.make_mesh((n,), ("i",), devices=jax.devices()[:n])
         x = np.random.default_rng(n).standard_normal((n * 1001,)).astype(np.float32)
-        f = jax.jit(jax.shard_map(lambda v: jaxring.all_reduce(v, "i"), mesh=m,
-                                  in_specs=P("i"), out_specs=P()))
+        # Every device's copy (a row each), which must hold the same bits.
+        f = jax.jit(jax.shard_map(lambda v: jaxring.all_reduce(v, "i")[None], mesh=m,
+                                  in_specs=P("i"), out_specs=P("i")))
         xs = jax.device_put(x, NamedSharding(m, P("i")))
         for algorithm in ("direct", "ring"):
             with jaxring.config.override(algorithm=algorithm):
                 got = np.asarray(f(xs))
+            assert (got == got[0]).all(), (n, algorithm, "devices disagree")
             expected = x.astype(np.float64).reshape(n, -1).sum(0)
             err = np.max(np.abs(got - expected) / np.maximum(np.abs(expected), 1))
             assert err < 1e-5 * n, (n, algorithm, err)
             # Over 8 sources the fold runs in groups; the mean scales only the last one's.
-            mean = jax.jit(jax.shard_map(lambda v: jaxring.all_reduce(v, "i", "mean"), mesh=m,
-                                         in_specs=P("i"), out_specs=P()))
+            mean = jax.jit(jax.shard_map(lambda v: jaxring.all_reduce(v, "i", "mean")[None],
+                                         mesh=m, in_specs=P("i"), out_specs=P("i")))
             with jaxring.config.override(algorithm=algorithm):
                 assert np.array_equal(np.asarray(mean(xs)), got / np.float32(n)), (n, algorithm)
     print("ALL OK")
