@@ -370,7 +370,6 @@ def test_evicting_from_the_caches_keeps_every_byte():
 def test_copy_streamed_copies_every_byte():
     """The benchmarks' streamed copy (the extension's copy_streamed, CopyStreamed) with unaligned
     starts and tails on both sides, and its size check."""
-    from jaxring._src import common, native
 
     rng = np.random.default_rng(7)
     for size in [0, 1, 15, 17, 4096 + 3, (1 << 20) + 5]:
@@ -658,7 +657,6 @@ def test_copied_and_in_place_inputs_give_the_same_bits(n):
     the peers' buffers in place and writes it into every output. Both fold the devices in the same
     order, so every device's result has the same bits either way. Each size is forced both ways:
     the default threshold's size, and n elements more per device."""
-    from jaxring._src import common, native
 
     limit = jaxring.config.get().copy_input_bytes // 4
     always, never = {"copy_input_bytes": 1 << 40}, {"copy_input_bytes": 0}
