@@ -137,8 +137,9 @@ def test_token_hand_over_orders_programs_over_changing_device_lists():
         body = with_callback if k == 20 else (lambda v: jaxring.all_reduce(v, "i"))
         programs.append(shmap(body, m, out_specs=P())(shard(x, m)))
         expected.append(x.astype(np.float64).reshape(m.size, 5).sum(0))
-    for got, want in zip(programs, expected):
-        assert_close(np.asarray(got), want, np.float32, count=8)
+    for got, want in zip(programs, expected):  # every device's copy
+        copies = every_device(got)
+        assert_close(copies, np.broadcast_to(want, copies.shape), np.float32, count=8)
     assert len(seen) == 8  # the callback runs on each device of the program
     np.testing.assert_allclose(seen, expected[20][0], rtol=1e-5)
     token = jax._src.dispatch.runtime_tokens.current_tokens[common.collective_effect]
@@ -706,7 +707,8 @@ def test_a_sum_over_axes_the_input_varies_over_only_partly_is_refused_as_lax_ref
         got = jax.jit(jax.shard_map(lambda v: jaxring.all_reduce(v, ("a", "b"), "max"), mesh=m,
                                     in_specs=P("b"), out_specs=P()))(
             jax.device_put(x, jax.NamedSharding(m, P("b"))))
-    np.testing.assert_array_equal(np.asarray(got), np.maximum(x[:2], x[2:]))
+    np.testing.assert_array_equal(every_device(got), np.broadcast_to(np.maximum(x[:2], x[2:]),
+                                                                      (4, 2, 6)))
 
 
 def test_mesh_axes_left_to_the_compiler_are_refused_and_the_ways_around_agree_with_lax():
