@@ -126,3 +126,16 @@ def test_a_floor_is_refuted_against_jaxring_over_the_runs_that_measured_it():
     refuted = _verdict([1.5, 1.6, 1.1, 1.1], [{}, {}, {"native": 1.4}, {"native": 1.5}])
     assert refuted["refuted"] == {"native": pytest.approx(1.45)}
     assert refuted["verdict"] == "unmet"
+
+
+def test_issue3_over_the_fixed_harness_lists_only_the_rows_whose_verdict_moved():
+    """A row met over every run (an early run's mpi4py faulted its output in) but unmet over the
+    fixed harness's run is listed with both verdicts; a row whose verdict stays is not."""
+    moved, kept = ("lone", 64 << 20), ("lone", 4)
+    every = targets.judge([{moved: (0.9, {}), kept: (2.0, {"effect": 1.5})},
+                           {moved: (0.95, {}), kept: (2.1, {"effect": 1.6})},
+                           {moved: (2.1, {}), kept: (2.2, {"effect": 1.7})}])
+    fixed = targets.judge([{moved: (2.1, {}), kept: (2.2, {"effect": 1.7})}])
+    lines = targets.fixed_harness_lines({"n4": every}, {"n4": fixed}, {"n4": 1})
+    rows = [line for line in lines if line.startswith("| n4 |")]
+    assert rows == ["| n4 | lone | 64 MiB | 0.95, met | 2.10 | 2.10 | - | unmet |"]
