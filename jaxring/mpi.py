@@ -116,10 +116,12 @@ def _meet(mpi_comm, what: str) -> None:
     """Waits, up to jaxring.config's timeout, for every rank of `mpi_comm` to come to `what` (one
     of its collectives, in which mpi4py would wait for a missing rank for ever): a barrier, then
     the maximum of a flag saying whether a rank gave up on it. A rank that times out sets its
-    flag and raises; a rank that comes after it then finds the barrier complete at once, and
-    the flag set, so it raises too instead of going on to a collective that nobody else calls.
-    Either way every rank has made the same two collectives, so the communicator's collectives
-    stay in step."""
+    flag and raises; a rank that comes after it finds the flag set, so it raises too instead of
+    going on to a collective that nobody else calls: at once while the ranks that gave up still
+    make MPI progress (are in MPI calls), else when its own timeout passes. Either way every
+    rank has made the same two collectives, so the communicator's collectives stay in step.
+    Ranks through the barrier give the flag twice the timeout: one that gave up on it alone,
+    while the others found it clear, would leave them waiting in the set-up's next collective."""
     import numpy as np
 
     seconds = config.get().timeout_seconds
@@ -127,7 +129,7 @@ def _meet(mpi_comm, what: str) -> None:
     came = _done_within([barrier], seconds)
     flag, gave_up = np.array([0 if came else 1], np.int32), np.zeros(1, np.int32)
     agree = mpi_comm.Iallreduce(flag, gave_up, op=_mpi().MAX)
-    if came and _done_within([agree], seconds):
+    if came and _done_within([agree], 2 * seconds):
         if gave_up[0]:
             raise RuntimeError(
                 f"jaxring.mpi: rank {mpi_comm.Get_rank()} came to {what} on an MPI communicator "
@@ -139,7 +141,8 @@ def _meet(mpi_comm, what: str) -> None:
         f"jaxring.mpi: rank {mpi_comm.Get_rank()} timed out after {seconds:g} s waiting for the "
         f"other ranks of an MPI communicator of {mpi_comm.Get_size()} processes to {what}: "
         "every rank must, in the same order as its other collectives on that communicator "
-        "(JAXRING_TIMEOUT_SECONDS sets the timeout); a rank that comes later raises too")
+        "(JAXRING_TIMEOUT_SECONDS sets the timeout); a rank that comes later raises too, at "
+        "once while this one still makes MPI calls")
 
 
 def _ranks(ranks: list[int]) -> str:

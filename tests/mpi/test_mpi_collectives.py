@@ -701,7 +701,7 @@ def test_missing_rank_times_out_naming_it():
 def test_an_all_reduce_slower_than_the_timeout_that_keeps_moving_completes():
     """The timeout bounds each wait, not the call: the last rank sleeps 0.9 s three times (before
     each of its first three staging steps of 64 KiB slots in shared memory; over MPI once each
-    of its first three ring slices is forwarded), so the all-reduce takes over 2.7 s, and no
+    of its first three ring slices is handled), so the all-reduce takes over 2.7 s, and no
     rank, with a 2 s timeout, waits 2 s for one thing. It once failed at 2 s, a deadline
     counted from the start of the call."""
     if COMM.transport == "hierarchical":

@@ -33,7 +33,7 @@ class Threads {
     if (tasks_.size() > static_cast<size_t>(idle_)) {
       try {
         std::thread([this] { Work(); }).detach();
-      } catch (...) {  // no thread to be had: the caller fails the call instead
+      } catch (...) {  // no thread to be had: the caller runs the task itself
         tasks_.pop_back();
         throw;
       }
@@ -75,8 +75,8 @@ std::atomic<int64_t> hand_offs{0};
 }  // namespace
 
 void HandOff(std::function<void()> task) {
-  hand_offs.fetch_add(1, std::memory_order_relaxed);
   Threads::Get().Run(std::move(task));
+  hand_offs.fetch_add(1, std::memory_order_relaxed);
 }
 
 int64_t HandOffCount() { return hand_offs.load(std::memory_order_relaxed); }

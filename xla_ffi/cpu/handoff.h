@@ -16,8 +16,8 @@
 namespace jaxring {
 
 // Runs `task` on a jaxring thread: an idle one, or a new one if none is idle, so a task never
-// waits for another to finish. Threads idle for a while exit. Throws std::system_error, leaving
-// `task` not run, where no thread can be started.
+// waits for another to finish. Threads idle for a while exit. Throws (std::system_error where no
+// thread can be started), leaving `task` not run.
 void HandOff(std::function<void()> task);
 
 // How many tasks HandOff has been given since the library loaded (tests check that a

@@ -7,7 +7,6 @@
 #include <memory>
 #include <mutex>
 #include <string>
-#include <system_error>
 
 #include "common/config.h"
 #include "common/types.h"
@@ -78,10 +77,11 @@ Status CheckProcess(const Transport& processes, const Header& header, int rank, 
 HostResult GoOnElsewhere(HostCompletion* complete, std::function<Status()> rest) {
   try {
     HandOff([rest, complete = std::move(*complete)] { complete(HostResult{rest()}); });
-  } catch (const std::system_error&) {
-    // No thread to be had: wait here instead (XLA's thread may then wait for a peer queued
-    // behind it, up to the timeout). The call has met its peers, so it must run to its end
-    // here: an error now would let XLA free buffers that they go on using.
+  } catch (...) {
+    // No thread (or memory for the task) to be had, and the task was not queued: wait here
+    // instead (XLA's thread may then wait for a peer queued behind it, up to the timeout). The
+    // call has met its peers, so it must run to its end: an error now would let XLA free
+    // buffers that they go on using.
     return {rest()};
   }
   HostResult result;

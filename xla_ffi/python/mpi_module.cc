@@ -102,7 +102,7 @@ NB_MODULE(_jaxring_mpi, m) {
   m.def("stall_next_ring_slices", &jaxring::StallNextRingSlicesForTest, nb::arg("seconds"),
         nb::arg("slices"),
         "For tests: the next `slices` slices of this process's MPI rings each sleep `seconds` "
-        "once forwarded (transports/mpi.h).");
+        "once handled (transports/mpi.h).");
 
   m.def("stall_next_receive", &jaxring::StallNextReceiveForTest, nb::arg("seconds"),
         "For tests: the next point-to-point receive of this process's MPI transports sleeps "

@@ -165,7 +165,8 @@ class MpiTransport final : public ProcessTransport {
 // its sender to send, as a rank does that the scheduler (or a debugger) stops there; 0 disarms it.
 void StallNextDataForTest(double seconds);
 // For tests: the next `slices` slices of this process's MPI rings each sleep `seconds` once
-// forwarded, as a rank does that the scheduler leaves without a core.
+// handled (received, reduced, forwarded where forwarded), as a rank does that the scheduler
+// leaves without a core.
 void StallNextRingSlicesForTest(double seconds, int64_t slices);
 // For tests: the next point-to-point receive of this process's MPI transports sleeps `seconds`
 // before it looks for its message (after its own call's sends were posted); 0 disarms it.
