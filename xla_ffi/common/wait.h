@@ -7,6 +7,7 @@
 #include <atomic>
 #include <chrono>
 #include <cstdint>
+#include <thread>
 
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
@@ -108,6 +109,26 @@ class Flag {
   void WakeAll();
   std::atomic<uint32_t> value_{0};
   mutable std::atomic<uint32_t> sleepers_{0};
+};
+
+// For tests: a stall armed for the next `count` takers, each of which sleeps `seconds`, as a
+// thread does that the scheduler leaves without a core.
+class CountedStall {
+ public:
+  void Arm(double seconds, int64_t count) {
+    microseconds_.store(static_cast<int64_t>(seconds * 1e6));
+    left_.store(count);
+  }
+  // Sleeps if a stall is left; returns whether it did.
+  bool TakeIfArmed() {
+    if (left_.load(std::memory_order_relaxed) <= 0 || left_.fetch_sub(1) <= 0) return false;
+    std::this_thread::sleep_for(std::chrono::microseconds(microseconds_.load()));
+    return true;
+  }
+
+ private:
+  std::atomic<int64_t> left_{0};
+  std::atomic<int64_t> microseconds_{0};
 };
 
 }  // namespace jaxring

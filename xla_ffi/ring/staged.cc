@@ -1,12 +1,10 @@
 #include "ring/staged.h"
 
 #include <algorithm>
-#include <atomic>
-#include <chrono>
 #include <cstring>
-#include <thread>
 #include <vector>
 
+#include "common/wait.h"
 #include "kernels/reduce_cpu.h"
 #include "ring/schedule.h"
 
@@ -20,14 +18,7 @@ const char* At(const void* base, int64_t elements, size_t width) {
   return static_cast<const char*>(base) + elements * static_cast<int64_t>(width);
 }
 
-// StallNextStepsForTest's stalls: how many are left, and how long each is.
-std::atomic<int64_t> step_stalls{0};
-std::atomic<int64_t> step_stall_microseconds{0};
-
-void StallStepIfArmed() {
-  if (step_stalls.load(std::memory_order_relaxed) <= 0 || step_stalls.fetch_sub(1) <= 0) return;
-  std::this_thread::sleep_for(std::chrono::microseconds(step_stall_microseconds.load()));
-}
+CountedStall step_stalls;  // StallNextStepsForTest's
 
 // Runs `steps` steps of `body(step_index)`, each framed by BeginStep and the header exchange.
 // The first step also checks every rank's header. On error the communicator is abandoned, so
@@ -38,7 +29,7 @@ Status Steps(ShmCommunicator& comm, const Header& header, const Config& config, 
              Stage stage, Finish finish) {
   const int64_t spin = config.spin_iterations;
   for (int64_t step = 0; step < steps; ++step) {
-    StallStepIfArmed();
+    step_stalls.TakeIfArmed();
     const Deadline deadline(config.timeout_seconds);
     Status status = comm.BeginStep(header, deadline, spin);
     if (status.ok()) {
@@ -261,9 +252,6 @@ Status RunExchange(ShmCommunicator& comm, void* output, const void* input, int64
   return Status();
 }
 
-void StallNextStepsForTest(double seconds, int64_t steps) {
-  step_stall_microseconds.store(static_cast<int64_t>(seconds * 1e6));
-  step_stalls.store(steps);
-}
+void StallNextStepsForTest(double seconds, int64_t steps) { step_stalls.Arm(seconds, steps); }
 
 }  // namespace jaxring

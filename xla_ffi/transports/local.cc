@@ -67,17 +67,14 @@ bool Finished(const Meeting& m, int peer) { return m.peers[peer].finished.load()
 
 std::atomic<int> stall_rank{-1};
 std::atomic<uint64_t> stall_comm{0};
-std::atomic<int64_t> stall_microseconds{0};
-std::atomic<int64_t> stalls_left{0};
+CountedStall piece_stalls;
 std::atomic<int64_t> stalls_taken{0};
 
 // StallNextPieceForTest's stalls, taken by the next pieces or slices of `rank` of `comm` once
 // armed.
 inline void StallIfArmed(uint64_t comm, int rank) {
   if (stall_rank.load(std::memory_order_acquire) != rank || stall_comm.load() != comm) return;
-  if (stalls_left.fetch_sub(1) <= 0) return;
-  std::this_thread::sleep_for(std::chrono::microseconds(stall_microseconds.load()));
-  stalls_taken.fetch_add(1);
+  if (piece_stalls.TakeIfArmed()) stalls_taken.fetch_add(1);
 }
 
 }  // namespace
@@ -464,8 +461,7 @@ Status LocalTransport::WaitForProgress(int peer, uint32_t units) {
 void StallNextPieceForTest(uint64_t comm, int rank, double seconds, int64_t pieces) {
   stall_rank.store(-1);
   stall_comm.store(comm);
-  stall_microseconds.store(static_cast<int64_t>(seconds * 1e6));
-  stalls_left.store(pieces);
+  piece_stalls.Arm(seconds, pieces);
   stall_rank.store(rank, std::memory_order_release);
 }
 

@@ -52,21 +52,12 @@ constexpr double kNoticeAfterFailureSeconds = 0.1;
 std::atomic<int64_t> stall_next_data{0};
 std::atomic<int64_t> stall_next_receive{0};
 
-// StallNextRingSlicesForTest's stalls: how many are left, and how long each is.
-std::atomic<int64_t> ring_slice_stalls{0};
-std::atomic<int64_t> ring_slice_stall{0};
+CountedStall ring_slice_stalls;  // StallNextRingSlicesForTest's
 
 void StallIfArmed(std::atomic<int64_t>& stall = stall_next_data) {
   if (stall.load(std::memory_order_relaxed) == 0) return;
   const int64_t microseconds = stall.exchange(0);
   if (microseconds > 0) std::this_thread::sleep_for(std::chrono::microseconds(microseconds));
-}
-
-void StallRingSliceIfArmed() {
-  if (ring_slice_stalls.load(std::memory_order_relaxed) <= 0 ||
-      ring_slice_stalls.fetch_sub(1) <= 0)
-    return;
-  std::this_thread::sleep_for(std::chrono::microseconds(ring_slice_stall.load()));
 }
 
 // MPI counts are ints: larger messages travel as several pieces of at most this many bytes
@@ -732,7 +723,7 @@ Status MpiTransport::Ring(const Header& h, const CollectiveBuffers& b) {
         Reduce(h.dtype, h.op, srcs, 2, &dst, 1, len, final ? n : 0);
       }
       if (forward) status = send(theirs[g + 1], k);
-      StallRingSliceIfArmed();
+      ring_slice_stalls.TakeIfArmed();
     }
   }
   if (status.ok()) status = Wait(h, &sends_, -1, EachWait(), "receive this rank's data");
@@ -1019,8 +1010,7 @@ void StallNextDataForTest(double seconds) {
 }
 
 void StallNextRingSlicesForTest(double seconds, int64_t slices) {
-  ring_slice_stall.store(static_cast<int64_t>(seconds * 1e6));
-  ring_slice_stalls.store(slices);
+  ring_slice_stalls.Arm(seconds, slices);
 }
 
 }  // namespace jaxring
