@@ -4,6 +4,7 @@ table of them)."""
 from __future__ import annotations
 
 import functools
+import threading
 import time
 
 import jax
@@ -109,3 +110,14 @@ def late_devices(m, delays: dict, collective):
         return collective(v)
     return shmap(f, m)
 
+
+def on_threads(target, args_per_thread, timeout: float = 60.0) -> None:
+    """Runs target(*args) on a thread per `args` at once (ranks calling a native collective on the
+    host) and waits for all of them; one still running after `timeout` fails the test."""
+    threads = [threading.Thread(target=target, args=args, daemon=True)
+               for args in args_per_thread]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=timeout)
+        assert not thread.is_alive(), "a native wait outlived its timeout"

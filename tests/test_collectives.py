@@ -4,7 +4,6 @@ twins, with both algorithms and with the direct one reading small inputs from co
 
 import functools
 import mmap
-import threading
 import time
 import zlib
 
@@ -18,7 +17,7 @@ from jax.sharding import PartitionSpec as P
 import jaxring
 from jaxring._src import common, native
 from helpers import (AWKWARD_SIZES, DEVICE_COUNTS, DTYPES, assert_close, every_device, mesh,
-                     random_array, shard, shmap)
+                     on_threads, random_array, shard, shmap)
 
 # name -> jaxring.config overrides. The direct algorithm copies inputs up to copy_input_bytes
 # into the rendezvous and lets each device leave as soon as its own output is written.
@@ -641,11 +640,7 @@ def test_barrier_waits_for_the_last_device(n):
             np.zeros(0, np.float32), run_id=1, op_id=0)
         left[rank] = time.perf_counter()
 
-    threads = [threading.Thread(target=run, args=(rank,), daemon=True) for rank in range(n)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(timeout=60)
+    on_threads(run, [(rank,) for rank in range(n)])
     assert errors == {rank: "" for rank in range(n)}
     assert min(left.values()) >= arrived[n - 1], (arrived, left)
 

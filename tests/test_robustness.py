@@ -19,8 +19,8 @@ from jax.sharding import PartitionSpec as P
 
 import jaxring
 from jaxring._src import common, native, runtime_tokens
-from helpers import (assert_close, every_device, late_devices, mesh, random_array, shard,
-                     shmap)
+from helpers import (assert_close, every_device, late_devices, mesh, on_threads, random_array,
+                     shard, shmap)
 
 # ---- determinism -------------------------------------------------------------------------------
 
@@ -335,14 +335,8 @@ def test_calls_of_many_runs_at_once_meet_the_calls_of_their_own_run():
                 errors.append(error)
 
     orders = [range(runs), reversed(range(runs))]
-    threads = [threading.Thread(target=calls_of, args=(rank, run), daemon=True)
-               for rank in range(n) for run in orders[rank]]
-    with jaxring.config.override(timeout_seconds=30):
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join(timeout=120)  # the native waits time out after 30 s
-            assert not thread.is_alive(), "a native wait outlived its timeout"
+    with jaxring.config.override(timeout_seconds=30):  # 120 s: the native waits' 30 s and more
+        on_threads(calls_of, [(rank, run) for rank in range(n) for run in orders[rank]], 120)
     assert not errors, errors[:3]
     expected = inputs[:, :, 0] + inputs[:, :, 1]  # two float32 terms: the same sum either way
     for rank in range(n):
@@ -382,12 +376,7 @@ def test_a_call_runs_under_the_configuration_its_first_device_found():
         first.join(timeout=60)  # the native wait times out after 20 s
         assert not first.is_alive(), "a native wait outlived its timeout"
         assert not errors, errors
-        threads = [threading.Thread(target=call, args=(1, rank), daemon=True) for rank in range(n)]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join(timeout=60)
-            assert not thread.is_alive(), "a native wait outlived its timeout"
+        on_threads(call, [(1, rank) for rank in range(n)])
     assert not errors, errors
     for run in range(2):
         expected = inputs[run].astype(np.float64).sum(0)
@@ -856,11 +845,7 @@ def test_a_failed_runs_calls_are_counted_afresh_should_its_run_id_come_again():
     jaxring.reset_after_error()
     errors = {}
     with jaxring.config.override(timeout_seconds=10.0):
-        threads = [threading.Thread(target=call, args=(rank, errors)) for rank in range(2)]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join(timeout=60)
+        on_threads(call, [(rank, errors) for rank in range(2)])
     assert errors == {0: "", 1: ""}, errors
     for out in outputs:
         np.testing.assert_array_equal(out, np.full(3, 3.0, np.float32))
@@ -924,12 +909,7 @@ def test_a_call_slower_than_the_timeout_that_keeps_making_progress_completes():
         with jaxring.config.override(timeout_seconds=2.0, algorithm="ring",
                                      pipeline_slice_bytes=1024):  # 32 slices a step
             start = time.perf_counter()
-            threads = [threading.Thread(target=run, args=(rank,), daemon=True)
-                       for rank in range(n)]
-            for thread in threads:
-                thread.start()
-            for thread in threads:
-                thread.join(timeout=60)
+            on_threads(run, [(rank,) for rank in range(n)])
             took = time.perf_counter() - start
     finally:
         native.extension.stall_next_piece(key, -1, 0.0)
@@ -971,13 +951,7 @@ def test_a_rank_that_gives_up_returns_only_once_no_peer_touches_its_buffers(algo
             native.extension.stall_next_piece(key, 1, stall)
             try:
                 start = time.perf_counter()
-                threads = [threading.Thread(target=run, args=(key, rank), daemon=True)
-                           for rank in range(n)]
-                for thread in threads:
-                    thread.start()
-                for thread in threads:
-                    thread.join(timeout=60)
-                    assert not thread.is_alive(), "a native wait outlived its timeout"
+                on_threads(run, [(key, rank) for rank in range(n)])
             finally:
                 native.extension.stall_next_piece(key, -1, 0.0)
             if native.extension.stalls_taken() > stalls:
@@ -1078,13 +1052,7 @@ def test_a_rank_without_memory_for_its_scratch_fails_its_peers_at_once():
             op_id=0)
 
     def run_all(run_id):
-        threads = [threading.Thread(target=run, args=(rank, run_id), daemon=True)
-                   for rank in range(n)]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join(timeout=2 * timeout)
-            assert not thread.is_alive(), "a native wait outlived its timeout"
+        on_threads(run, [(rank, run_id) for rank in range(n)], 2 * timeout)
 
     with jaxring.config.override(timeout_seconds=timeout, algorithm="ring"):
         native.extension.fail_next_scratch(key, 1)
@@ -1211,11 +1179,7 @@ def test_mismatched_calls_raise_on_every_device_naming_both_sides():
 
     start = time.monotonic()
     with jaxring.config.override(timeout_seconds=30.0):
-        threads = [threading.Thread(target=run, args=(rank,), daemon=True) for rank in range(n)]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join(timeout=60)
+        on_threads(run, [(rank,) for rank in range(n)])
     assert time.monotonic() - start < 10, "a rank waited instead of failing"
     for rank in range(n):
         assert re.search(r"mismatched collectives: rank 0 called all_reduce\(sum\) op 0 "
