@@ -228,6 +228,36 @@ def test_a_late_receiver_of_an_in_place_message_gets_an_error_not_its_senders_bu
 
 
 @pytest.mark.skipif(N < 2, reason="needs two ranks")
+@pytest.mark.parametrize("late", ["receiver", "sender"])
+def test_an_in_place_message_whose_peer_came_late_and_then_paused_is_still_delivered(late):
+    """Under a 2 s timeout, rank 0 sends 1 MiB in place to rank 1 (and, when the sender is late,
+    rank 1 sends 1 MiB back). The late rank comes 1.2 s after the other, then pauses 1.2 s where
+    the payload cannot move: the receiver once it has said it is ready for it, the sender before
+    it sends it (in its own receive, which goes first). Each wait (the peer's arrival, then the
+    payload) is under the timeout and their sum over it, so the call completes. The payload's
+    wait once counted from the call's start, and the rank waiting for the late one timed out."""
+    sub = COMM.split(0 if COMM.rank < 2 else 1, key=COMM.rank)
+    if COMM.rank < 2:
+        x = np.arange(1 << 18, dtype=np.float32) + 7 * COMM.rank  # far above p2p_eager_bytes
+        perm = [(0, 1)] if late == "receiver" else [(0, 1), (1, 0)]
+        send = jax.jit(lambda v: jaxring.ppermute(v, sub, perm))
+        send.lower(x).compile()
+        ext, _ = jaxring.mpi._mpi_extension()
+        sub.mpi_comm.Barrier()
+        if COMM.rank == (1 if late == "receiver" else 0):
+            time.sleep(1.2)
+            (ext.stall_next_data if late == "receiver" else ext.stall_next_receive)(1.2)
+        try:
+            with jaxring.config.override(timeout_seconds=2.0):
+                y = np.asarray(send(x))
+        finally:
+            ext.stall_next_data(0)
+            ext.stall_next_receive(0)
+        np.testing.assert_array_equal(y, expected_permute(gathered(x), perm, COMM.rank))
+    MPI_COMM.Barrier()
+
+
+@pytest.mark.skipif(N < 2, reason="needs two ranks")
 def test_a_receive_that_times_out_leaves_nothing_to_write_into_its_freed_output():
     """Ranks 0 and 1 swap 1 MiB in place. Rank 1 posts its half, then stalls 2.5 s before its
     receive, so it neither sends its payload nor says it is ready for rank 0's; rank 0, which gives

@@ -871,12 +871,19 @@ Status MpiTransport::SendReadyPayloads() {
 
 Status MpiTransport::WaitSent(int dest) {
   InPlace& slot = in_place_[dest];
-  const Deadline deadline(config_.timeout_seconds);
+  // Two waits: for the receiver to say it is ready, then for the payload to go out, each with
+  // the whole timeout.
+  Deadline deadline(config_.timeout_seconds);
+  bool going_out = !slot.payload.requests.empty();
   Status status;
   int64_t polls = 0;
   auto sent = [&] {
     if (!(status = SendReadyPayloads()).ok()) return true;
     if (!slot.payload.requests.empty()) {  // else its receiver is not ready yet
+      if (!going_out) {
+        going_out = true;
+        deadline = EachWait();
+      }
       int flag = 0;
       status = Call(slot.header,
                     MPI_Testall(static_cast<int>(slot.payload.requests.size()),
@@ -957,7 +964,8 @@ Status MpiTransport::Receive(int source, const Header& expected, void* out, size
     status = Irecv(expected, out, bytes, source, in_place ? kPayloadTag : kP2PTag, &recvs_);
     if (status.ok() && in_place) status = Isend(expected, &ready_, 1, source, kReadyTag, &recvs_);
     if (status.ok()) StallIfArmed();
-    if (status.ok()) status = Wait(expected, &recvs_, -1, deadline, "send its data", source);
+    // The header's arrival was one wait; the payload is another, with the whole timeout.
+    if (status.ok()) status = Wait(expected, &recvs_, -1, EachWait(), "send its data", source);
     // An in-place payload came straight from the caller's buffer, which XLA frees once the
     // sender gives up.
     if (status.ok() && in_place) status = SendersStayed(expected, bytes, source);
