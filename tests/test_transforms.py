@@ -263,3 +263,43 @@ def test_two_dimensional_mesh_keeps_groups_apart():
         expected = shmap(lambda v: lax.psum(v, axes), m, P("data", "model"),
                          P("data", "model"))(xs)
         assert_close(np.asarray(got), np.asarray(expected), np.float64, count=8)
+
+
+@pytest.mark.parametrize("shape", [(2, 2), (4, 2), (2, 1), (1, 2)])
+def test_a_shard_map_nested_in_another_matches_lax_or_is_refused_where_jaxlib_would_abort(shape):
+    """An outer shard_map over "a", an inner one over "b". jaxlib 0.10 aborts the process
+    compiling an ordered effect there when both span more than one device, so jaxring refuses
+    that case on it. jaxlib 0.11 compiles that case, and where one of them spans a single device
+    its partitioner may refuse a side effect there (an ordered io_callback alike), with an error.
+    Whatever compiles matches lax."""
+    from jax._src.lib import version as jaxlib_version
+    m = jax.make_mesh(shape, ("a", "b"), axis_types=(jax.sharding.AxisType.Auto,) * 2,
+                      devices=jax.devices()[:shape[0] * shape[1]])
+    x = np.random.default_rng(9).standard_normal((4 * shape[0], 6 * shape[1]))
+    pairs = {
+        "all_reduce": (lambda v: jaxring.all_reduce(v, "b"), lambda v: lax.psum(v, "b"), "b"),
+        "all_gather": (lambda v: jaxring.all_gather(v, "b", axis=1),
+                       lambda v: lax.all_gather(v, "b", axis=1, tiled=True), None),
+    }
+
+    def nested(f, out_b):
+        inner = lambda v: jax.shard_map(f, in_specs=P(None, "b"), out_specs=P(None, out_b),
+                                        axis_names={"b"}, check_vma=False)(v)
+        return jax.jit(jax.shard_map(inner, mesh=m, in_specs=P("a"), out_specs=P("a"),
+                                     axis_names={"a"}, check_vma=False))
+
+    for name, (ours, theirs, out_b) in pairs.items():
+        if jaxlib_version < (0, 11) and min(shape) > 1:
+            with pytest.raises(NotImplementedError, match=r"nested in one over \['a'\] cannot "
+                                                          r"be compiled by jaxlib 0\.10"):
+                nested(ours, out_b)(x)
+            continue
+        try:
+            got = np.asarray(nested(ours, out_b)(x))
+        except jax.errors.JaxRuntimeError as e:
+            assert jaxlib_version >= (0, 11) and min(shape) == 1, e
+            assert "side-effect HLO cannot have a replicated sharding" in str(e), e
+            continue
+        expected = np.asarray(nested(theirs, out_b)(x))
+        assert got.shape == expected.shape, name
+        assert_close(got, expected, np.float64, count=shape[1])

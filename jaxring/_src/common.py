@@ -27,6 +27,7 @@ from jax._src import config as jax_config
 from jax._src import core, dispatch, effects
 from jax._src.interpreters import mlir
 from jax._src.interpreters import partial_eval as pe
+from jax._src.lib import version as jaxlib_version
 
 from jaxring._src import native, runtime_tokens
 
@@ -549,6 +550,38 @@ def _program_device_count(ctx) -> int:
     if mesh is not None:
         return mesh.size
     return getattr(axis_context, "num_devices", 1)
+
+
+def _refuse_nested_shard_maps_jaxlib_cannot_compile() -> None:
+    """jaxlib 0.10 aborts the whole process (an XLA check failure in shape.h) compiling a
+    shard_map nested in another whose manual axes span more than one device, when the inner one
+    makes more than one device manual and carries an ordered effect; an ordered io_callback
+    aborts alike, and jaxlib 0.11 compiles both. On jaxlib 0.10 such a shard_map carrying
+    jaxring's effect is refused as it lowers, with an error in place of the abort."""
+    if jaxlib_version >= (0, 11):
+        return
+    from jax._src import shard_map as shard_map_module
+
+    primitive = shard_map_module.shard_map_p
+    entry = mlir._lowerings[primitive]
+    lower = entry.rule
+
+    def refusing(ctx, *args, jaxpr, mesh, newly_manual_axes, **params):
+        outer = [a for a in mesh.manual_axes if mesh.shape[a] > 1]
+        inner = [a for a in newly_manual_axes if mesh.shape[a] > 1]
+        if outer and inner and any(isinstance(e, CollectiveEffect) for e in jaxpr.effects):
+            raise NotImplementedError(
+                f"jaxring: a collective in a shard_map over mesh axes {inner} nested in one over "
+                f"{outer} cannot be compiled by jaxlib {'.'.join(map(str, jaxlib_version))}: XLA "
+                "aborts the process compiling any ordered effect there (jaxlib 0.11 compiles "
+                "it). Give one shard_map every mesh axis, or use jax and jaxlib 0.11")
+        return lower(ctx, *args, jaxpr=jaxpr, mesh=mesh, newly_manual_axes=newly_manual_axes,
+                     **params)
+
+    mlir.register_lowering(primitive, refusing, inline=entry.inline)
+
+
+_refuse_nested_shard_maps_jaxlib_cannot_compile()
 
 
 def register_lowering_rule(primitive, rule) -> None:
