@@ -150,6 +150,15 @@ std::string PeerError(int peer, const std::string& what, const std::string& why)
   return name + " " + what + ". The error on " + name + ": " + why;
 }
 
+std::string Notice(const std::string& why, size_t bytes) {
+  constexpr std::string_view kCut = " [...] ";
+  if (why.size() <= bytes) return why;
+  if (bytes <= kCut.size()) return why.substr(0, bytes);
+  const size_t head = (bytes - kCut.size()) / 4;
+  const size_t tail = bytes - kCut.size() - head;
+  return why.substr(0, head) + std::string(kCut) + why.substr(why.size() - tail);
+}
+
 std::string Where(const Header& h, const std::string& comm_name, int rank, int size) {
   std::ostringstream s;
   s << "jaxring " << Describe(h) << " on " << comm_name << " (rank " << rank << " of " << size

@@ -93,6 +93,10 @@ std::string NameInGroup(std::string_view name, int64_t group);
 // What a rank reports when `peer` gave up first: "rank <peer> <what>. The error on rank <peer>:
 // <why>" (JAX raises one device's error of a failed program, so each quotes the first).
 std::string PeerError(int peer, const std::string& what, const std::string& why);
+// A gave-up notice's text: `why` cut to at most `bytes` (kept small, so that MPI sends it eagerly)
+// by dropping its middle. A rank that gives up on a peer's notice passes on its own error, which
+// quotes the peer's at its end, so the first rank's error (the cause) is the end of the text.
+std::string Notice(const std::string& why, size_t bytes = 1024);
 // Error text prefix naming the call, the communicator and the rank, e.g.
 // "jaxring all_reduce(sum) op 3 float32[1024] on mesh axis 'i' (rank 2 of 4)".
 std::string Where(const Header& h, const std::string& comm_name, int rank, int size);

@@ -115,6 +115,10 @@ NB_MODULE(_jaxring_mpi, m) {
   m.def("slice_bytes", &jaxring::SliceBytes, nb::arg("bytes"), nb::arg("pipeline_slice_bytes"),
         "The slices the MPI ring's steps and broadcast chain cut `bytes` into (transports/mpi.h).");
 
+  m.def("notice", [](const std::string& why, size_t bytes) { return jaxring::Notice(why, bytes); },
+        nb::arg("why"), nb::arg("bytes"),
+        "A gave-up notice's text: `why` cut to `bytes` by dropping its middle (common/types.h).");
+
   m.def("cuda_aware", &CudaAware,
         "(whether the MPI library takes CUDA device pointers, how that was determined).");
 

@@ -23,9 +23,6 @@ constexpr int kPayloadTag = 0x6a75; // ... the payloads sent straight from the c
 constexpr int kReadyTag = 0x6a76;   // ... and their receivers' word that they may come
 constexpr int kGaveUpTag = 0x6a77;  // a rank's notice that it gave up on the communicator
 
-// A gave-up notice carries at most this much of the error, which keeps it an eager message
-// that completes without its receiver.
-constexpr size_t kNoticeBytes = 1024;
 // Waits look for a gave-up notice once every this many polls (a wait that ends sooner never
 // looks).
 constexpr int64_t kPollsPerNoticeProbe = 64;
@@ -71,14 +68,18 @@ constexpr size_t kRingSendsInFlight = 8;
 constexpr int64_t kMaxSlices = 1024;
 // Eager point-to-point sends in flight before a sender waits for its oldest to be received.
 constexpr size_t kMaxEagerInFlight = 64;
+// A copied point-to-point payload up to this many bytes (with its header) travels in its
+// header's message, which the receiver takes into a buffer of its own and copies out; a larger
+// one follows as a message of its own, received straight into the output, so that the receiver
+// neither copies it twice nor keeps a buffer that large (a 500 MB `send` once left one behind).
+constexpr size_t kMaxInlineBytes = 64 * 1024;
 
 // How a point-to-point message's payload travels (WireHeader::payload).
 enum Payload : uint32_t {
   kPayloadInline = 0,    // in the header's message
   kPayloadInPlace = 1,   // from the sender's buffer once the receiver is ready (kReadyTag, then
                          // kPayloadTag)
-  kPayloadSeparate = 2,  // a copy too large for one message: its pieces follow the header
-                         // (kP2PTag)
+  kPayloadSeparate = 2,  // a copy over kMaxInlineBytes: its pieces follow the header (kP2PTag)
 };
 
 // Prefix of every point-to-point message.
@@ -225,9 +226,11 @@ MpiTransport::~MpiTransport() {
     stranded->push_back(std::move(message.bytes));
   }
   eager_.clear();
-  // A receive left running after a failure (DropRequests) may still write into the scratch it
-  // was posted on, which therefore stays allocated too.
-  if (receives_left_running_) {
+  // After a failure the scratch stays allocated too: a receive left running (DropRequests) may
+  // still write into it, and a send from it (recursive doubling sends from scratch, and sends are
+  // never cancelled) may still be read by a peer that comes late, which would otherwise get
+  // freed memory as its data.
+  if (receives_left_running_ || !broken_.empty()) {
     std::lock_guard<std::mutex> lock(stranded_mutex);
     for (std::vector<char>& scratch : scratch_) stranded->push_back(std::move(scratch));
   }
@@ -411,7 +414,7 @@ Status MpiTransport::Fail(Status status) {
     // receive from it) looks only for this rank's notices. The notice is small enough to go
     // eagerly, and its text is left allocated: a communicator fails once, and MPI may still be
     // sending it when this transport is gone.
-    const std::string* notice = new std::string(broken_.substr(0, kNoticeBytes));
+    const std::string* notice = new std::string(Notice(broken_));
     for (int peer = 0; peer < size_; ++peer) {
       if (peer == rank_) continue;
       MPI_Request request;
@@ -818,8 +821,9 @@ Status MpiTransport::Post(int dest, const Header& header, const void* data, size
   Status status = ReapEager(header, eager_.size() >= kMaxEagerInFlight);
   if (!status.ok()) return Fail(status);
   const Payload payload = in_place ? kPayloadInPlace
-                          : sizeof(WireHeader) + bytes > MaxPiece() ? kPayloadSeparate
-                                                                     : kPayloadInline;
+                          : sizeof(WireHeader) + bytes > std::min(MaxPiece(), kMaxInlineBytes)
+                              ? kPayloadSeparate
+                              : kPayloadInline;
   Eager message;
   message.bytes.resize(sizeof(WireHeader) + (in_place ? 0 : bytes));
   const WireHeader wire{header, payload, 0};
@@ -913,6 +917,7 @@ void MpiTransport::WithdrawSent(int dest, const std::string&) {
 
 Status MpiTransport::Receive(int source, const Header& expected, void* out, size_t bytes) {
   if (!broken_.empty()) return Broken(expected);
+  ReapEager(expected, false);  // frees this rank's sent copies already received, never waits
   StallIfArmed(stall_next_receive);
   const Deadline deadline(config_.timeout_seconds);
   MPI_Message message = MPI_MESSAGE_NULL;

@@ -105,7 +105,8 @@ class MpiTransport final : public ProcessTransport {
   // XLA frees the buffers those sends read, so a receiver that took such a message late (stalled
   // past its sender's timeout) may have read freed memory, and then finds the notice here
   // instead of returning those bytes. Messages that came from memory the transport owns (the
-  // recursive doubling's) need no look, nor do smaller ones, which MPI copies as they are sent.
+  // recursive doubling's, kept allocated after a failure even when the transport is destroyed)
+  // need no look, nor do smaller ones, which MPI copies as they are sent.
   Status SendersStayed(const Header& h, size_t largest_received, int source = MPI_ANY_SOURCE);
   Status Broken(const Header& h) const;
   // Frees eager sends that have been received; with `block`, first waits for the oldest.

@@ -16,7 +16,6 @@ namespace {
 
 constexpr int kTag = 0x6a75;         // apart from the MPI transport's tags
 constexpr int kGaveUpTag = 0x6a76;   // a rank's notice that it gave up on these messages
-constexpr size_t kNoticeBytes = 1024;
 constexpr size_t kMaxPiece = size_t{1} << 30;  // MPI counts are ints
 
 struct MpiMessages {
@@ -54,7 +53,7 @@ int Fail(char* error, size_t error_bytes, const std::string& message) {
 std::string GiveUp(MpiMessages* m, std::string why) {
   if (!m->broken.empty()) return why;
   m->broken = why;
-  const std::string* notice = new std::string(why.substr(0, kNoticeBytes));
+  const std::string* notice = new std::string(Notice(why));
   for (int peer = 0; peer < m->size; ++peer) {
     if (peer == m->rank) continue;
     MPI_Request request;
