@@ -23,16 +23,20 @@ from jaxring._src import native
 
 @dataclasses.dataclass(frozen=True)
 class Config:
-    # Every wait gives up after this long, naming the devices that never arrived; float("inf")
-    # waits for ever.
+    # Every wait gives up after this long, naming the devices that never arrived (over MPI past
+    # mpi_direct_header_ranks ranks, the rank this one heard nothing from); float("inf") waits
+    # for ever.
     timeout_seconds: float = 300.0
-    # "auto" uses the direct (one-shot) algorithm up to this many bytes per device and the
-    # pipelined ring above it. Measured in benchmarks/allreduce.py: on CPU devices sharing one
+    # Devices of one process: "auto" uses the direct (one-shot) algorithm up to this many bytes
+    # per device and the pipelined ring above it (ranks sharing a node's memory, jaxring.mpi's
+    # shm transport, always stage through it and read neither this nor `algorithm`). Measured in benchmarks/allreduce.py: on CPU devices sharing one
     # memory the direct path moves the fewest bytes at every size, so the ring is opt-in there.
     ring_threshold_bytes: int = 1 << 62
-    # "auto", "direct" or "ring": forces one algorithm for every call when not "auto".
+    # "auto", "direct" or "ring": forces one algorithm for every call when not "auto" (over
+    # MPI, "direct" is recursive doubling).
     algorithm: str = "auto"
-    # The ring moves each chunk in slices of about this many bytes (pipelining).
+    # The ring moves each chunk in slices of about this many bytes (pipelining); over MPI, and in
+    # its broadcast chain, slices grow past it where a step would otherwise have over 1024.
     pipeline_slice_bytes: int = 256 * 1024
     # Polls before a waiting device sleeps in the kernel; small because devices share cores.
     spin_iterations: int = 256
@@ -40,7 +44,8 @@ class Config:
     # mailbox (the sender does not wait); larger ones are read in place from the sender.
     p2p_eager_bytes: int = 64 * 1024
     # Process communicators over MPI (jaxring.mpi): all_reduce by recursive doubling up to this
-    # many bytes per rank, the pipelined ring above it. A hierarchical communicator also fixes,
+    # many bytes per rank, the pipelined ring above it; broadcast by a binomial tree of whole
+    # messages up to it, a pipelined chain above. A hierarchical communicator also fixes,
     # when it is created (its ranks must agree), which all-reduces go through its node levels:
     # those larger than its value then (Communicator.levels_threshold_bytes).
     mpi_ring_threshold_bytes: int = 64 * 1024

@@ -383,11 +383,12 @@ class Communicator:
         hierarchical one, and the MPI communicators it made (by `split`, by `world`, for its
         levels; one passed in stays the caller's to free). Collective, like MPI_Comm_free: every
         rank calls it after its last call on the communicator, and it waits (up to the timeout,
-        naming the ranks that never came) for all of them, so that no peer still reads this
-        rank's memory. Later calls on it fail, saying so; a second free() does nothing. Where the
-        barrier fails (a communicator that failed refuses it, as every later call), this rank's
-        part is released all the same and the barrier's error raised. A GPU transport's device
-        memory is not yet returned (README, "GPUs")."""
+        naming the ranks that never came, or past `mpi_direct_header_ranks` ranks the one this
+        rank heard nothing from, as every collective's timeout does) for all of them, so that no
+        peer still reads this rank's memory. Later calls on it fail, saying so; a second free()
+        does nothing. Where the barrier fails (a communicator that failed refuses it, as every
+        later call), this rank's part is released all the same and the barrier's error raised.
+        A GPU transport's device memory is not yet returned (README, "GPUs")."""
         if self._freed:
             return
         if not self._finalizer.alive:  # released at interpreter exit

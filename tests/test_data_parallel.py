@@ -135,6 +135,36 @@ def test_one_all_reduce_per_bucket():
             np.testing.assert_array_equal(got, want)
 
 
+def test_a_leaf_varying_over_only_some_axes_is_refused_as_all_reduce_refuses_it():
+    """Summing over ("a", "b") a leaf that varies over "a" only: jaxring.all_reduce (like
+    lax.psum) refuses it, as it is unclear whether its copies along "b" count once or once each.
+    Packed into a bucket with a leaf that varies over both, the bucket varies over both, and
+    all_reduce_gradients summed both copies; now it refuses the leaf, naming it the same way. A
+    leaf alone (over fuse_below_bytes) was refused before too; max takes either."""
+    m = jax.make_mesh((2, 2), ("a", "b"), devices=jax.devices()[:4])
+    x = np.random.default_rng(11).standard_normal((4, 8)).astype(np.float32)
+    with jax.set_mesh(m):
+        xs = jax.device_put(x, jax.NamedSharding(m, P(("a", "b"))))
+
+        def step(op, fuse_below):
+            def body(v):
+                partly = lax.psum(v, "b")  # varies over "a" only
+                return data_parallel.all_reduce_gradients({"partly": partly, "both": v},
+                                                          ("a", "b"), op,
+                                                          fuse_below_bytes=fuse_below)
+            return jax.jit(jax.shard_map(body, mesh=m, in_specs=P(("a", "b")), out_specs=P()))
+
+        for fuse_below in (None, 4):
+            for op in ("sum", "mean"):
+                with pytest.raises(ValueError, match=r"all_reduce_gradients: the input varies "
+                                                     r"over \('a',\) but not over \('b',\)"):
+                    step(op, fuse_below)(xs)
+        got = step("max", None)(xs)
+    pairs = x.reshape(2, 2, 8).sum(1)  # "partly" on the devices of a = 0 and a = 1
+    np.testing.assert_array_equal(np.asarray(got["partly"]), pairs.max(0, keepdims=True))
+    np.testing.assert_array_equal(np.asarray(got["both"]), x.max(0, keepdims=True))
+
+
 def test_broadcast_parameters_from_root():
     n, root = 4, 2
     rng = np.random.default_rng(7)

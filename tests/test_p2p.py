@@ -76,6 +76,16 @@ def test_ppermute_scalars_pytrees_and_self_pairs():
                    out_specs=(P("i"), P("i")))((a, b))
     for o, t in zip(ours, theirs):
         np.testing.assert_array_equal(np.asarray(o), np.asarray(t))
+    # A perm given as a generator: every leaf sees all of it (the first leaf once used it up,
+    # and the others received zeros; lax.ppermute still does so).
+    ours = shmap(lambda t: jaxring.ppermute(t, "i", (p for p in perm)), m,
+                 in_specs=((P("i"), P("i")),), out_specs=(P("i"), P("i")))((a, b))
+    for o, t in zip(ours, theirs):
+        np.testing.assert_array_equal(np.asarray(o), np.asarray(t))
+    sent = shmap(lambda t: jaxring.recv(jaxring.send(t, "i", iter(perm)) or t, "i", iter(perm)),
+                 m, in_specs=((P("i"), P("i")),), out_specs=(P("i"), P("i")))((a, b))
+    for o, t in zip(sent, theirs):
+        np.testing.assert_array_equal(np.asarray(o), np.asarray(t))
     scalar = shmap(lambda v: jaxring.ppermute(v[0], "i", perm)[None], m)(a)
     np.testing.assert_array_equal(np.asarray(scalar), np.asarray(theirs[0]))
 

@@ -756,6 +756,9 @@ def test_unsupported_op_and_bad_arguments():
         shmap(lambda v: jaxring.reduce_scatter(v[0, 0], "i")[None], m).trace(x)
     with pytest.raises(ValueError, match=r"root must be an int in \[0, 4\)"):
         shmap(lambda v: jaxring.broadcast(v, "i", root=4), m)(x)
+    with pytest.raises(TypeError, match=r"root must be a static Python int in \[0, 4\), known "
+                                        r"when the program is traced, not a traced value"):
+        shmap(lambda v: jaxring.broadcast(v, "i", root=lax.axis_index("i")), m)(x)
     for root in (True, 1.0):  # not ranks, though Python would compare them equal to 1
         with pytest.raises(ValueError, match=r"root must be an int in \[0, 4\)"):
             shmap(lambda v, root=root: jaxring.broadcast(v, "i", root=root), m)(x)
@@ -1149,6 +1152,13 @@ def _check_recovery(m, x, error):
     f = shmap(lambda v: jaxring.all_reduce(v, "i"), m, out_specs=P())
     with pytest.raises(Exception, match=error):
         np.asarray(f(x))
+    if runtime_tokens._installed:  # else the next program's outputs raise the error as it was
+        g = shmap(lambda v: jaxring.all_gather(v, "i"), m)
+        with pytest.raises(Exception, match=r"an earlier program with jaxring calls failed, so "
+                                            r"this one was not run; call "
+                                            r"jaxring.reset_after_error\(\) .* Its error: .*"
+                                            + error):
+            g(x)
     jaxring.reset_after_error()
     np.testing.assert_array_equal(np.asarray(f(x)), np.full((2, 3), 4.0, np.float32))
 

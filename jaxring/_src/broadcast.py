@@ -28,6 +28,10 @@ def broadcast(x, axis_name, root: int = 0):
         common.check_dtype("broadcast", leaf)
         comm = common.communicator("broadcast", axis_name)
         index = common.as_index(root)
+        if isinstance(root, core.Tracer):
+            raise TypeError(
+                f"jaxring.broadcast: root must be a static Python int in [0, {comm.size}), known "
+                f"when the program is traced, not a traced value: got {root!r}")
         if index is None or not 0 <= index < comm.size:
             raise ValueError(
                 f"jaxring.broadcast: root must be an int in [0, {comm.size}) for {comm.name}, "

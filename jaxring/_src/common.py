@@ -9,6 +9,7 @@ primitive, public function, abstract eval, lowering, batching, JVP/transpose, re
 from __future__ import annotations
 
 import atexit
+import collections.abc
 import dataclasses
 import functools
 import hashlib
@@ -163,6 +164,12 @@ def as_index(value) -> int | None:
         return operator.index(value)
     except TypeError:
         return None
+
+
+def read_once(perm):
+    """`perm` as a tuple if it is an iterator (a generator, say), which only one leaf of a pytree
+    could read; anything else as it is, for check_perm to judge."""
+    return tuple(perm) if isinstance(perm, collections.abc.Iterator) else perm
 
 
 def check_perm(name: str, perm, size: int, where: str) -> tuple[tuple[int, int], ...]:

@@ -30,6 +30,8 @@ def ppermute(x, axis_name, perm):
     do ``send`` and ``recv``.
     """
 
+    perm = common.read_once(perm)
+
     def permute_leaf(leaf):
         leaf = jnp.asarray(leaf)
         common.check_dtype("ppermute", leaf)

@@ -163,6 +163,18 @@ def guard_compiled_calls() -> bool:
     return True
 
 
+def _earlier_failure(error: Exception) -> Exception:
+    """The error a program raises, before it runs, when an earlier jaxring program failed: JAX
+    hands that program's token, and with it its error, to every later one."""
+    message = (f"jaxring: an earlier program with jaxring calls failed, so this one was not run; "
+               f"call jaxring.reset_after_error() once that failure is handled. Its error: "
+               f"{error}")
+    try:
+        return type(error)(message)
+    except Exception:  # noqa: BLE001 - a type that takes no message
+        return RuntimeError(message)
+
+
 def install(effect_type: type) -> bool:
     """Routes tokens of `effect_type` through the cached layouts. Returns whether it did."""
     global _installed
@@ -178,7 +190,10 @@ def install(effect_type: type) -> bool:
             token = self.current_tokens.get(eff)
             if (isinstance(token, core.Token)
                     and token._buf.sharding is _token_layout(tuple(devices))[0]):
-                token.block_until_ready()  # one program at a time: see the module docstring
+                try:
+                    token.block_until_ready()  # one program at a time: see the module docstring
+                except Exception as error:  # noqa: BLE001 - an earlier program's, re-raised as is
+                    raise _earlier_failure(error) from error
                 return token
         return jax_get_token_input(self, eff, devices)
 

@@ -32,6 +32,8 @@ def send(x, axis_name, perm) -> None:
     gradients of or vmap.
     """
 
+    perm = common.read_once(perm)
+
     def send_leaf(leaf):
         leaf = jnp.asarray(leaf)
         common.check_dtype("send", leaf)
@@ -53,6 +55,8 @@ def recv(like, axis_name, perm):
     what was sent): a scan carry it replaces must vary over them too
     (``jax.lax.pcast(x, axes, to="varying")``).
     """
+
+    perm = common.read_once(perm)
 
     def recv_leaf(leaf):
         dtype = leaf.dtype if hasattr(leaf, "dtype") else jnp.result_type(leaf)  # Python scalars

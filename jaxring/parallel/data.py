@@ -126,7 +126,12 @@ def all_reduce_gradients(grads, axis_name, op: str = "mean",
                          fuse_below_bytes: int | None = DEFAULT_FUSE_BELOW_BYTES):
     """Reduces a pytree of gradients over `axis_name`: leaves under `fuse_below_bytes` in fused
     buckets (one `jaxring.all_reduce` per bucket instead of one per leaf), larger leaves on their
-    own. Equal to ``jaxring.all_reduce(grads, axis_name, op)``."""
+    own. Equal to ``jaxring.all_reduce(grads, axis_name, op)``, which refuses a sum or mean of a
+    leaf that varies over some of the axes but not all (packed into a bucket with others, it
+    would pass unseen)."""
+    comm = common.communicator("all_reduce_gradients", axis_name)
+    for leaf in jax.tree.leaves(grads):
+        common.refuse_partly_varying("all_reduce_gradients", leaf, comm, op)
     return _apply_fused(lambda b: jaxring.all_reduce(b, axis_name, op), grads, bucket_bytes,
                         fuse_below_bytes, axis_name)
 
