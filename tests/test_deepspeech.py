@@ -280,5 +280,12 @@ def test_configs_from_tiny_to_paper():
         count = sum(math.prod(x.shape) for x in jax.tree.leaves(model))
         assert count > 0
     assert configs.get_config("tiny", rnn_layers="3", conv_kernels="[[3, 5]]").rnn_layers == 3
+    # From Python, lists become tuples as on the command line: a config is a cache key.
+    from_python = configs.get_config("tiny", conv_channels=[4], conv_kernels=[[3, 5]],
+                                     conv_strides=[(2, 2)])
+    from_text = configs.get_config("tiny", conv_channels="[4]", conv_kernels="[[3, 5]]",
+                                   conv_strides="[[2, 2]]")
+    assert from_python == from_text and hash(from_python) == hash(from_text)
+    assert from_python.conv_kernels == ((3, 5),)
     with pytest.raises(ValueError, match="unknown config key"):
         configs.get_config("tiny", nonsense=1)

@@ -231,6 +231,31 @@ def test_zero_samples_from_every_sampler():
         assert tokens.shape == (batch, 0) and logits.shape == (batch, 0, config.quantization_levels)
 
 
+def test_every_sampler_refuses_local_conditioning_of_another_length():
+    """Local conditioning gives one frame per sample. One shorter than the samples asked for was
+    padded with zeros by the naive sampler, refused by the incremental one (by lax.scan) and
+    reused from its start by the fused ones, silently; longer was taken by some. Every sampler
+    now refuses both with the shape it needs."""
+    config, batch, num_samples = CONDITIONED, 2, 12
+    weights = random_weights(config, seed=33)
+    key = jax.random.key(34)
+    stages = mesh(2, "stage")
+    samplers = (sampler.sample_naive, sampler.sample_incremental, sampler.sample_python_loop,
+                functools.partial(fused_sampler.sample_fused, chunk_steps=5),
+                functools.partial(pipeline_sampler.sample_layer_sharded, mesh=stages,
+                                  axis="stage"),
+                functools.partial(pipeline_sampler.sample_layer_sharded_fused, mesh=stages,
+                                  axis="stage", chunk_steps=5))
+    for frames in (num_samples - 7, num_samples + 3):
+        speaker, local = conditioning(config, batch, frames, seed=35)
+        for sample in samplers:
+            with pytest.raises(ValueError, match=rf"local conditioning must have shape \[batch, "
+                                                 rf"num_samples, local_channels\] = \({batch}, "
+                                                 rf"{num_samples}, {config.local_channels}\), "
+                                                 rf"got \({batch}, {frames}, "):
+                sample(weights, config, key, num_samples, batch, speaker=speaker, local=local)
+
+
 def test_incremental_equals_naive(case):
     config, batch, weights, key, speaker, local, naive = case
     incremental = sampler.sample_incremental(weights, config, key, NUM_SAMPLES, batch, speaker,
@@ -455,23 +480,42 @@ def test_the_command_line_trains_and_every_sampler_draws_the_same_samples(tmp_pa
     assert train.stored_config(tmp_path / "unfinished").model == get_config("tiny").model
 
 
-def test_training_loss_falls_and_resumes(tmp_path):
-    """Two epochs, then a third resumed from the checkpoint, against three epochs in one go on
-    the same data: the resumed epoch sees the same crops, so only a restore of the weights and of
-    Adam's moments and step count gives the same losses and held-out NLL."""
+def test_training_loss_falls_and_resumes(tmp_path, monkeypatch):
+    """Two epochs, the second stopped as it saves its checkpoint, then a run of three resumed
+    from the first epoch's checkpoint, against three epochs in one go on the same data: the
+    resumed epochs see the same crops, so only a restore of the weights and of Adam's moments and
+    step count gives the same losses and held-out NLL. The stopped run had written its history
+    of both epochs first; the resumed run keeps the first (a checkpoint written before its
+    history once resumed with that epoch missing from it)."""
     from models.wavenet import train
 
     config = get_config("tiny")
     three_epochs = dataclasses.replace(config, num_epochs=3)
     straight = train.train_and_evaluate(three_epochs, tmp_path / "straight")
     shutil.copytree(tmp_path / "straight" / "data", tmp_path / "resumed" / "data")
-    first = train.train_and_evaluate(config, tmp_path / "resumed")
+    save = train.ocp.CheckpointManager.save
+
+    class Stopped(Exception):
+        pass
+
+    def stopped_at_epoch_2(manager, step, *args, **kwargs):
+        if step == 2:
+            raise Stopped("as epoch 2's checkpoint was saved")
+        return save(manager, step, *args, **kwargs)
+
+    monkeypatch.setattr(train.ocp.CheckpointManager, "save", stopped_at_epoch_2)
+    with pytest.raises(Stopped):
+        train.train_and_evaluate(config, tmp_path / "resumed")
+    monkeypatch.undo()
+    assert json.loads((tmp_path / "resumed" / "metrics.json").read_text()) == straight[:2]
     resumed = train.train_and_evaluate(three_epochs, tmp_path / "resumed")
     assert [h["epoch"] for h in resumed] == [1, 2, 3]
-    assert first == straight[:2]
-    np.testing.assert_allclose(resumed[2]["step_losses"], straight[2]["step_losses"],
-                               rtol=1e-6)
-    np.testing.assert_allclose(resumed[2]["test_nll"], straight[2]["test_nll"], rtol=1e-6)
+    assert resumed[0] == straight[0]
+    for epoch in (1, 2):
+        np.testing.assert_allclose(resumed[epoch]["step_losses"], straight[epoch]["step_losses"],
+                                   rtol=1e-6)
+        np.testing.assert_allclose(resumed[epoch]["test_nll"], straight[epoch]["test_nll"],
+                                   rtol=1e-6)
     steps = [loss for h in resumed for loss in h["step_losses"]]
     assert np.mean(steps[-5:]) < np.mean(steps[:5]) - 0.05
     assert resumed[-1]["test_nll"] < resumed[0]["test_nll"]

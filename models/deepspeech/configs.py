@@ -59,6 +59,8 @@ class Config:
                 value = (json.loads(value.lower()) if isinstance(default, bool)
                          else _as_tuples(json.loads(value)) if isinstance(default, tuple)
                          else type(default)(value) if not isinstance(default, str) else value)
+            elif isinstance(getattr(self, key), tuple):
+                value = _as_tuples(list(value))  # hashable, as the training functions' cache needs
             parsed[key] = value
         return dataclasses.replace(self, **parsed)
 

@@ -184,8 +184,13 @@ def replicas_for(config: Config) -> InProcess | Processes:
         return processes(jaxring.mpi.world())
     devices = jax.devices()[:config.num_devices]
     if len(devices) < config.num_devices:
-        raise ValueError(f"num_devices={config.num_devices} but only {len(devices)} devices; "
-                         "set XLA_FLAGS=--xla_force_host_platform_device_count=N")
+        platform = jax.default_backend()
+        more = ("set XLA_FLAGS=--xla_force_host_platform_device_count=N" if platform == "cpu"
+                else f"set num_devices={len(devices)} (--set num_devices={len(devices)}), or "
+                     "train on CPU devices: JAX_PLATFORMS=cpu XLA_FLAGS="
+                     f"--xla_force_host_platform_device_count={config.num_devices}")
+        raise ValueError(f"num_devices={config.num_devices} but only {len(devices)} {platform} "
+                         f"devices; {more}")
     return in_process(tuple(devices))
 
 

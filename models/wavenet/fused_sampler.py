@@ -182,6 +182,7 @@ def sample_fused(weights, config: ModelConfig, key, num_samples: int, batch: int
                  weight_dtype=jnp.float32, chunk_steps: int = 1024, portable: bool = False,
                  threads: int = 1, gpu_emulation: bool = False):
     """Samples `[batch, num_samples]` (and logits), like `sampler.sample_incremental`."""
+    sampler.check_local(local, config, num_samples, batch)
     packed = pack_weights(weights, config, weight_dtype)
     gate_bias = gate_bias_per_stream(weights, batch, speaker)
 

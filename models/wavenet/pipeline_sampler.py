@@ -50,6 +50,7 @@ def sample_layer_sharded(weights, config: ModelConfig, key, num_samples: int, ba
                          permute: str = "jaxring"):
     """Samples `[batch, num_samples]` (and logits) with the layers sharded over `mesh`'s `axis`;
     the same samples as `sampler.sample_incremental`."""
+    sampler.check_local(local, config, num_samples, batch)
     n = mesh.shape[axis]
     stage_dilations, queue_lengths = stage_layout(config, n)
     microbatches = math.gcd(batch, n)
@@ -170,6 +171,7 @@ def sample_layer_sharded_fused(weights, config: ModelConfig, key, num_samples: i
     if not 1 <= n <= config.num_layers:
         raise ValueError(f"layer-sharded sampling: {n} stages for {config.num_layers} layers; "
                          "each stage needs at least one layer")
+    sampler.check_local(local, config, num_samples, batch)
     groups = n if stream_groups is None else stream_groups
     packed = fused_sampler.pack_weights(weights, config, weight_dtype)
     gate_bias = fused_sampler.gate_bias_per_stream(weights, batch, speaker)

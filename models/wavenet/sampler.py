@@ -41,6 +41,16 @@ def sample_token(logits, uniform):
     return jnp.minimum(below, logits.shape[-1] - 1).astype(jnp.int32)
 
 
+def check_local(local, config: ModelConfig, num_samples: int, batch: int) -> None:
+    """Every sampler takes local conditioning of one frame per sample: `[batch, num_samples,
+    local_channels]`. (A shorter one was padded with zeros by one sampler, refused by another and
+    silently reused from its start by the fused ones.)"""
+    want = (batch, num_samples, config.local_channels)
+    if local is not None and tuple(local.shape) != want:
+        raise ValueError(f"local conditioning must have shape [batch, num_samples, "
+                         f"local_channels] = {want}, got {tuple(local.shape)}")
+
+
 def time_major(local):
     """Local conditioning `[batch, time, channels]` -> `[time, batch, channels]` (scan order)."""
     return None if local is None else jnp.swapaxes(local, 0, 1)
@@ -54,6 +64,7 @@ def time_major(local):
 def sample_naive(weights, config: ModelConfig, key, num_samples: int, batch: int = 1,
                  speaker=None, local=None, return_logits: bool = False):
     """Samples `[batch, num_samples]` (and logits `[batch, num_samples, levels]`)."""
+    check_local(local, config, num_samples, batch)
     window = model.receptive_field(config)
     length = num_samples + window
     inputs = jnp.full((batch, length), model.start_token(config), jnp.int32)
@@ -124,6 +135,7 @@ def incremental_step(weights, config: ModelConfig, key, queues, token, t, speake
 def sample_incremental(weights, config: ModelConfig, key, num_samples: int, batch: int = 1,
                        speaker=None, local=None, return_logits: bool = False):
     """Samples `[batch, num_samples]` (and logits), the whole loop one `lax.scan`."""
+    check_local(local, config, num_samples, batch)
     queues = init_queues(config, batch, model.dilations(config))
     token = jnp.full((batch,), model.start_token(config), jnp.int32)
 
@@ -143,6 +155,7 @@ def sample_incremental(weights, config: ModelConfig, key, num_samples: int, batc
 def sample_python_loop(weights, config: ModelConfig, key, num_samples: int, batch: int = 1,
                        speaker=None, local=None):
     """The per-step baseline: the incremental step jitted once, called once per sample."""
+    check_local(local, config, num_samples, batch)
     step = _jitted_step(config)
     queues = init_queues(config, batch, model.dilations(config))
     token = jnp.full((batch,), model.start_token(config), jnp.int32)

@@ -173,10 +173,15 @@ def train_and_evaluate(config: Config, workdir) -> list[dict]:
                         "test_nll": test_nll, "step_losses": losses})
         print(f"epoch {epoch}: train NLL {history[-1]['train_nll']:.4f}, "
               f"held-out NLL {test_nll:.4f} nats/sample")
+        # The history first, whole or not at all: a run stopped before the checkpoint resumes
+        # from the previous one and cuts the history back to it, while a checkpoint without its
+        # epoch's history would resume with that epoch missing.
+        partial = metrics_path.with_suffix(".json.partial")
+        partial.write_text(json.dumps(history))
+        partial.replace(metrics_path)
+        plot_learning_curve(workdir / "learning_curve.png", history)
         if epoch % config.checkpoint_every_epochs == 0 or epoch == config.num_epochs:
             manager.save(epoch, args=ocp.args.StandardSave(
                 nnx.to_pure_dict(training_state(net, optimizer))))
             manager.wait_until_finished()
-        metrics_path.write_text(json.dumps(history))
-        plot_learning_curve(workdir / "learning_curve.png", history)
     return history
