@@ -565,6 +565,48 @@ def test_all_gather(n, dtype, axis):
             np.testing.assert_array_equal(ours["ring"], np.asarray(theirs))
 
 
+@pytest.mark.parametrize("n", [1, 3, 4])
+def test_untiled_all_gather_and_reduce_scatter_match_lax(n):
+    """tiled=False, lax's default: all_gather stacks the inputs along a new dimension `axis`,
+    reduce_scatter takes a dimension of one entry per device and removes it. Values and
+    gradients against lax's, on random inputs."""
+    rng = np.random.default_rng(40 + n)
+    m = mesh(n)
+    x = shard(random_array(rng, (n * 3, 5), np.float64), m)
+    for axis in (0, 1, 2, -1, -3):
+        ours = shmap(lambda v: jaxring.all_gather(v, "i", axis=axis, tiled=False), m)(x)
+        theirs = shmap(lambda v: lax.all_gather(v, "i", axis=axis, tiled=False), m)(x)
+        assert ours.shape == theirs.shape, axis
+        np.testing.assert_array_equal(np.asarray(ours), np.asarray(theirs), err_msg=f"{axis}")
+    scalars = shmap(lambda v: jaxring.all_gather(v[0, 0], "i", tiled=False)[None], m)(x)
+    np.testing.assert_array_equal(
+        np.asarray(scalars), np.asarray(shmap(lambda v: lax.all_gather(v[0, 0], "i")[None], m)(x)))
+    y = shard(random_array(rng, (n * 2, n, 3), np.float64), m)
+    for dim, op in ((1, "sum"), (1, "max"), (0, "sum")):
+        # lax.psum_scatter: a sum over a dimension of n entries; dim 0 takes a block of n rows
+        v_of = (lambda v: v) if dim == 1 else (lambda v: v.reshape(n, 2 * 3))
+        ours = shmap(lambda v: jaxring.reduce_scatter(v_of(v), "i", op, dim, tiled=False), m)(y)
+        reduce = {"sum": lambda v: lax.psum_scatter(v, "i", scatter_dimension=dim, tiled=False),
+                  "max": lambda v: jnp.max(lax.all_gather(v, "i"), 0).take(
+                      lax.axis_index("i"), axis=dim)}[op]
+        theirs = shmap(lambda v: reduce(v_of(v)), m)(y)
+        assert ours.shape == theirs.shape, (dim, op)
+        assert_close(np.asarray(ours), np.asarray(theirs), np.float64, count=n)
+    grad = lambda f: jax.jit(jax.grad(lambda v: jnp.sum(jax.shard_map(  # noqa: E731
+        f, mesh=m, in_specs=P("i"), out_specs=P("i"))(v) ** 2)))(y)
+    assert_close(np.asarray(grad(lambda v: jaxring.reduce_scatter(v, "i", "sum", 1, tiled=False))),
+                 np.asarray(grad(lambda v: lax.psum_scatter(v, "i", scatter_dimension=1,
+                                                            tiled=False))), np.float64, count=n)
+    assert_close(np.asarray(grad(lambda v: jaxring.all_gather(v, "i", axis=1, tiled=False))),
+                 np.asarray(grad(lambda v: lax.all_gather(v, "i", axis=1, tiled=False))),
+                 np.float64, count=n)
+    with pytest.raises(ValueError, match=rf"untiled, dimension 0 of shape \(2, {n}, 3\) must "
+                                         rf"equal the {n} devices"):
+        shmap(lambda v: jaxring.reduce_scatter(v, "i", tiled=False), m)(y)
+    with pytest.raises(TypeError, match=r"tiled must be True or False, got 1"):
+        shmap(lambda v: jaxring.all_gather(v, "i", tiled=1), m)(y)
+
+
 @pytest.mark.parametrize("n", DEVICE_COUNTS)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_broadcast(n, dtype):

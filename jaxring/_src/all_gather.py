@@ -17,24 +17,31 @@ all_gather_p = core.Primitive("jaxring_all_gather")
 # ---- public function ---------------------------------------------------------------------------
 
 
-def all_gather(x, axis_name, axis: int = 0):
+def all_gather(x, axis_name, axis: int = 0, tiled: bool = True):
     """Concatenates the `x` of every device of `axis_name` along `axis`, in device order.
 
-    Drop-in for ``lax.all_gather(x, axis_name, axis=axis, tiled=True)``. Scalars are gathered
-    into a vector of one element per device.
+    Drop-in for ``lax.all_gather(x, axis_name, axis=axis, tiled=tiled)``, whose default is
+    ``tiled=False``: this one's is ``tiled=True``, the ring's natural result. Untiled, the
+    inputs are stacked along a new dimension `axis` of one entry per device. Tiled, scalars are
+    gathered into a vector of one element per device (``lax`` refuses them).
     """
+    common.check_tiled("all_gather", tiled)
 
     def gather_leaf(leaf):
         leaf = jnp.asarray(leaf)
         common.check_dtype("all_gather", leaf)
         comm = common.communicator("all_gather", axis_name)
-        if leaf.ndim == 0:
+        if tiled and leaf.ndim == 0:
             leaf = leaf[None]
         index = common.as_index(axis)
-        if index is None or not -leaf.ndim <= index < leaf.ndim:
-            raise ValueError(f"jaxring.all_gather: axis must be an int in [{-leaf.ndim}, "
-                             f"{leaf.ndim}) for an input of rank {leaf.ndim}, got {axis!r}")
-        dim = index % leaf.ndim
+        rank = leaf.ndim + (not tiled)  # of the input the ring concatenates
+        if index is None or not -rank <= index < rank:
+            raise ValueError(f"jaxring.all_gather: axis must be an int in [{-rank}, {rank}) for "
+                             f"an input of rank {leaf.ndim}{'' if tiled else ', untiled'}, got "
+                             f"{axis!r}")
+        dim = index % rank
+        if not tiled:
+            leaf = jnp.expand_dims(leaf, dim)
         out = _bind(jnp.moveaxis(leaf, dim, 0), comm)
         return jnp.moveaxis(out, 0, dim)
 

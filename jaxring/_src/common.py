@@ -52,6 +52,11 @@ def check_dtype(name: str, x) -> None:
         raise TypeError(f"jaxring.{name}: unsupported dtype {dtype}; allowed: {allowed}")
 
 
+def check_tiled(name: str, tiled) -> None:
+    if not isinstance(tiled, bool):
+        raise TypeError(f"jaxring.{name}: tiled must be True or False, got {tiled!r}")
+
+
 def check_op(name: str, op: str) -> None:
     if not isinstance(op, str) or op not in REDUCE_OPS:
         raise ValueError(

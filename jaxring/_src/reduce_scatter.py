@@ -18,14 +18,17 @@ reduce_scatter_p = core.Primitive("jaxring_reduce_scatter")
 # ---- public function ---------------------------------------------------------------------------
 
 
-def reduce_scatter(x, axis_name, op: str = "sum", scatter_dimension: int = 0):
+def reduce_scatter(x, axis_name, op: str = "sum", scatter_dimension: int = 0,
+                   tiled: bool = True):
     """Reduces `x` over the devices of `axis_name` and leaves block i of the result on device i.
 
-    Drop-in for ``lax.psum_scatter(x, axis_name, scatter_dimension=d, tiled=True)``: dimension `d`
-    of `x` must be divisible by the number of devices and shrinks by that factor. `op` is one of
-    "sum", "mean", "max", "min".
+    Drop-in for ``lax.psum_scatter(x, axis_name, scatter_dimension=d, tiled=tiled)``, whose
+    default is ``tiled=False``: this one's is ``tiled=True``. Tiled, dimension `d` of `x` must
+    be divisible by the number of devices and shrinks by that factor; untiled, it must equal the
+    number of devices and is removed. `op` is one of "sum", "mean", "max", "min".
     """
     common.check_op("reduce_scatter", op)
+    common.check_tiled("reduce_scatter", tiled)
 
     def scatter_leaf(leaf):
         leaf = jnp.asarray(leaf)
@@ -35,6 +38,12 @@ def reduce_scatter(x, axis_name, op: str = "sum", scatter_dimension: int = 0):
         if leaf.ndim == 0:
             raise ValueError("jaxring.reduce_scatter: needs an array of rank >= 1, got a scalar")
         dim = _canonical_dimension(scatter_dimension, leaf.ndim)
+        if not tiled:
+            if leaf.shape[dim] != comm.size:
+                raise ValueError(
+                    f"jaxring.reduce_scatter: untiled, dimension {dim} of shape {leaf.shape} "
+                    f"must equal the {comm.size} devices of {comm.name}")
+            return jnp.squeeze(reduce_scatter(leaf, axis_name, op, dim), dim)
         if leaf.shape[dim] % comm.size:
             raise ValueError(
                 f"jaxring.reduce_scatter: dimension {dim} of shape {leaf.shape} must be divisible "
