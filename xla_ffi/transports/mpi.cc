@@ -328,9 +328,12 @@ Status MpiTransport::Wait(const Header& h, Requests* r, int index, const Deadlin
     std::set<int> missing;
     for (int i = 0; i < count; ++i) {
       int flag = 0;
-      MPI_Test(&requests[i], &flag, MPI_STATUS_IGNORE);
+      const int tested = MPI_Test(&requests[i], &flag, MPI_STATUS_IGNORE);
+      if (tested != MPI_SUCCESS) return Call(h, tested, what);
       if (!flag) missing.insert(r->peers[first + i]);
     }
+    // Everything completed as the deadline passed: done, not a timeout naming nobody.
+    if (missing.empty()) return Status();
     return TimedOut(h, deadline, missing, what);
   }
   if (!sending.ok()) return sending;

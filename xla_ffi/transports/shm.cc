@@ -242,7 +242,9 @@ Status ShmCommunicator::WaitFor(int peer, Phase phase, const Header& header,
   s << Where(header) << ": timed out after " << deadline.seconds() << " s waiting for rank(s) [";
   bool first = true;
   for (int other = 0; other < size_; ++other) {
-    if (Flag::Reached(segment_->ranks[other].progress.Load(), target)) continue;
+    // `peer` as it was seen, so that it is named even if it arrives as the list is made.
+    const uint32_t progress = other == peer ? seen : segment_->ranks[other].progress.Load();
+    if (Flag::Reached(progress, target)) continue;
     s << (first ? "" : ", ") << other;
     first = false;
   }
