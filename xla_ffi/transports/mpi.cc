@@ -40,7 +40,9 @@ constexpr size_t kRendezvousBytes = 4096;
 #endif
 // MPI_Improbe looks at what MPI has already taken in before it makes progress, one message at a
 // time, so a notice that came while this rank was out of MPI shows only on a later look: in
-// tests/mpi, the second with 2 ranks, the third with 3 and 4 (one message more came first).
+// tests/mpi, the second with 2 ranks, the third with 3 and 4 (one message more came first). So
+// a rank looks at least this many times, and once per rank of its communicator where that is
+// more (each peer may have a message ahead of the notice: its own notice, say).
 constexpr int kLooksForNotice = 3;
 // How long a wait whose requests MPI failed looks for a notice that explains why.
 constexpr double kNoticeAfterFailureSeconds = 0.1;
@@ -244,7 +246,7 @@ MpiTransport::~MpiTransport() {
   // communicator would receive it as its own, wrong data if its shape matched.
   Status unread;
   if (!broken_.empty() || PeerGaveUp(Header{}, MPI_ANY_SOURCE, &unread)) return;
-  for (int look = 0; look < kLooksForNotice; ++look) {  // MPICH may need more than one probe
+  for (int look = 0; look < LooksForNotice(); ++look) {  // MPICH may need more than one probe
     int pending = 0;
     if (MPI_Iprobe(MPI_ANY_SOURCE, MPI_ANY_TAG, comm_, &pending, MPI_STATUS_IGNORE) !=
             MPI_SUCCESS || pending)
@@ -394,10 +396,12 @@ bool MpiTransport::PeerGaveUpEvery(int64_t* polls, const Header& h, int source, 
   return ++*polls % kPollsPerNoticeProbe == 0 && PeerGaveUp(h, source, error);
 }
 
+int MpiTransport::LooksForNotice() const { return std::max(kLooksForNotice, size_); }
+
 bool MpiTransport::PeerGaveUpLooking(const Header& h, int source, Status* error,
                                      double seconds) {
   const Deadline deadline(seconds);
-  for (int look = 0; look < kLooksForNotice || !deadline.Expired(); ++look)
+  for (int look = 0; look < LooksForNotice() || !deadline.Expired(); ++look)
     if (PeerGaveUp(h, source, error)) return true;
   return false;
 }

@@ -95,9 +95,10 @@ class MpiTransport final : public ProcessTransport {
   bool PeerGaveUp(const Header& h, int source, Status* error);
   // PeerGaveUp on every kPollsPerNoticeProbe-th call, counted in *polls: a wait's poll.
   bool PeerGaveUpEvery(int64_t* polls, const Header& h, int source, Status* error);
-  // PeerGaveUp, looking kLooksForNotice times (enough for a notice that came while this rank was
-  // out of MPI) and until `seconds` have passed.
+  // PeerGaveUp, looking LooksForNotice() times (enough for a notice that came while this rank
+  // was out of MPI) and until `seconds` have passed.
   bool PeerGaveUpLooking(const Header& h, int source, Status* error, double seconds = 0);
+  int LooksForNotice() const;
   // After every receive of a call has completed: the error of PeerGaveUp if `source` (any rank
   // by default) gave up, where the largest message received was large enough for MPI to read it
   // out of its sender's buffer only as this rank took it (kRendezvousBytes). A sender gives up,
