@@ -163,6 +163,8 @@ def test_a_leaf_varying_over_only_some_axes_is_refused_as_all_reduce_refuses_it(
     pairs = x.reshape(2, 2, 8).sum(1)  # "partly" on the devices of a = 0 and a = 1
     np.testing.assert_array_equal(np.asarray(got["partly"]), pairs.max(0, keepdims=True))
     np.testing.assert_array_equal(np.asarray(got["both"]), x.max(0, keepdims=True))
+    # An empty tree has nothing to refuse or reduce, even outside a shard_map.
+    assert data_parallel.all_reduce_gradients({}, ("a", "b")) == {}
 
 
 def test_broadcast_parameters_from_root():

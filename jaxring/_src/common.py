@@ -53,7 +53,7 @@ def check_dtype(name: str, x) -> None:
 
 
 def check_tiled(name: str, tiled) -> None:
-    if not isinstance(tiled, bool):
+    if not isinstance(tiled, (bool, np.bool_)):
         raise TypeError(f"jaxring.{name}: tiled must be True or False, got {tiled!r}")
 
 

@@ -129,9 +129,11 @@ def all_reduce_gradients(grads, axis_name, op: str = "mean",
     own. Equal to ``jaxring.all_reduce(grads, axis_name, op)``, which refuses a sum or mean of a
     leaf that varies over some of the axes but not all (packed into a bucket with others, it
     would pass unseen)."""
-    comm = common.communicator("all_reduce_gradients", axis_name)
-    for leaf in jax.tree.leaves(grads):
-        common.refuse_partly_varying("all_reduce_gradients", leaf, comm, op)
+    leaves = jax.tree.leaves(grads)
+    if leaves:
+        comm = common.communicator("all_reduce_gradients", axis_name)
+        for leaf in leaves:
+            common.refuse_partly_varying("all_reduce_gradients", leaf, comm, op)
     return _apply_fused(lambda b: jaxring.all_reduce(b, axis_name, op), grads, bucket_bytes,
                         fuse_below_bytes, axis_name)
 

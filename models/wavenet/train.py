@@ -179,9 +179,9 @@ def train_and_evaluate(config: Config, workdir) -> list[dict]:
         partial = metrics_path.with_suffix(".json.partial")
         partial.write_text(json.dumps(history))
         partial.replace(metrics_path)
-        plot_learning_curve(workdir / "learning_curve.png", history)
         if epoch % config.checkpoint_every_epochs == 0 or epoch == config.num_epochs:
             manager.save(epoch, args=ocp.args.StandardSave(
                 nnx.to_pure_dict(training_state(net, optimizer))))
             manager.wait_until_finished()
+        plot_learning_curve(workdir / "learning_curve.png", history)
     return history
