@@ -277,6 +277,20 @@ def test_a_cuda_library_from_another_build_is_refused(monkeypatch):
         native.cuda_library.cache_clear()
 
 
+def test_a_library_compiled_against_another_jaxlib_release_is_refused():
+    """The handlers are compiled against the installed jaxlib's FFI headers, whose API changes
+    between releases; pip's isolated build environment may bring another jaxlib than the venv's."""
+    import jaxlib
+
+    built = native.extension.jaxlib_version()
+    assert built.split(".")[:2] == jaxlib.__version__.split(".")[:2]
+    native.check_jaxlib("0.10.2", "0.10.1")  # a patch release shares the headers
+    with pytest.raises(ImportError, match=r"compiled against jaxlib 0\.10\.2's FFI headers, but "
+                                          r"jaxlib 0\.11\.2 is installed: rebuild against it "
+                                          r"with `pip install --no-build-isolation -e \.`"):
+        native.check_jaxlib("0.10.2", "0.11.2")
+
+
 @pytest.mark.skipif(shutil.which("cmake") is None, reason="no cmake on the PATH")
 def test_the_build_id_is_a_hash_of_every_native_source(tmp_path):
     """The installed library's id is the hash of the sources here (a stale build fails this),

@@ -8,6 +8,7 @@ import functools
 import os
 
 import jax
+import jaxlib
 
 try:
     from jaxring import _jaxring as extension
@@ -16,6 +17,20 @@ except ImportError as error:  # pragma: no cover - only when the build is missin
         "jaxring's native library is not built; install with `pip install -e .` (see README)"
     ) from error
 
+
+def check_jaxlib(built: str, installed: str) -> None:
+    """Refuses a library compiled against the FFI headers of another jaxlib release than the one
+    installed (their FFI API differs between releases: 0.10's is 0.3, 0.11's 0.4). pip's isolated
+    build environment installs the newest jaxlib for the build, whatever the venv holds."""
+    if built.split(".")[:2] != installed.split(".")[:2]:
+        raise ImportError(
+            f"jaxring's native library was compiled against jaxlib {built}'s FFI headers, but "
+            f"jaxlib {installed} is installed: rebuild against it with `pip install "
+            "--no-build-isolation -e .` (or install jaxlib " + built + ")")
+
+
+check_jaxlib(getattr(extension, "jaxlib_version", lambda: jaxlib.__version__)(),
+             jaxlib.__version__)
 
 # FFI target -> exported symbol suffix, for the handlers both platforms have.
 COLLECTIVE_TARGETS = {

@@ -56,6 +56,23 @@ def test_ppermute_against_numpy_on_every_permutation(dtype):
                                           err_msg=f"{name} perm, {size} elements")
 
 
+def test_sends_on_both_sides_of_64_kib_arrive_whole():
+    """A send is always copied; up to 64 KiB with its header the copy travels in the header's
+    message, above it as a message of its own, received into the transport's buffer and copied
+    out. Sizes on both sides of that line, and one of several MiB, on every permutation."""
+    rng = np.random.default_rng([COMM.rank, 23])
+    for size in (16_000, 16_380, 16_400, 1_500_000):
+        x = rng.standard_normal(size).astype(np.float32)
+        inputs = gathered(x)
+        for name, perm in permutations().items():
+            def step(v, perm=perm):
+                jaxring.send(v, COMM, perm)
+                return jaxring.recv(v, COMM, perm)
+            np.testing.assert_array_equal(np.asarray(jax.jit(step)(x)),
+                                          expected_permute(inputs, perm, COMM.rank),
+                                          err_msg=f"{name} perm, {size} elements")
+
+
 def test_send_compute_recv_scan_vmap_and_pytrees():
     shift = permutations()["shift"]
     x = np.arange(12.0, dtype=np.float32).reshape(3, 4) + 100 * COMM.rank

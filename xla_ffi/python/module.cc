@@ -427,6 +427,8 @@ NB_MODULE(_jaxring, m) {
   m.def("unlink_failures", &jaxring::ProcessTransport::UnlinkFailures, nb::arg("key"));
 
   m.def("build_id", &jaxring::BuildId, "A hash of the native sources this library was built from.");
+  m.def("jaxlib_version", []() { return std::string(JAXRING_JAXLIB_VERSION); },
+        "The version of the jaxlib whose FFI headers this library was compiled against.");
   m.def("host_call_address", []() { return reinterpret_cast<uintptr_t>(&JaxringRunHostCall); },
         "Address of JaxringRunHostCall, which the CUDA library calls on staged host buffers.");
   m.def("host_timeout_address",

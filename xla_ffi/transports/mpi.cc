@@ -71,10 +71,14 @@ constexpr int64_t kMaxSlices = 1024;
 // Eager point-to-point sends in flight before a sender waits for its oldest to be received.
 constexpr size_t kMaxEagerInFlight = 64;
 // A copied point-to-point payload up to this many bytes (with its header) travels in its
-// header's message, which the receiver takes into a buffer of its own and copies out; a larger
-// one follows as a message of its own, received straight into the output, so that the receiver
-// neither copies it twice nor keeps a buffer that large (a 500 MB `send` once left one behind).
+// header's message; a larger one follows as a message of its own, which the receiver can wait for
+// with a timeout (MPI_Mrecv of the whole message blocks). The receiver takes either into a buffer
+// of its own (kept up to kKeptReceiveBytes: a 500 MB `send` once left one that large behind) and
+// copies it out.
 constexpr size_t kMaxInlineBytes = 64 * 1024;
+// The receive buffer of copies stays allocated between calls up to this size; a larger one is
+// freed after its message.
+constexpr size_t kKeptReceiveBytes = 64 << 20;
 
 // How a point-to-point message's payload travels (WireHeader::payload).
 enum Payload : uint32_t {
@@ -235,6 +239,7 @@ MpiTransport::~MpiTransport() {
   if (receives_left_running_ || !broken_.empty()) {
     std::lock_guard<std::mutex> lock(stranded_mutex);
     for (std::vector<char>& scratch : scratch_) stranded->push_back(std::move(scratch));
+    stranded->push_back(std::move(message_));  // a separate copy's receive buffer
   }
   // A communicator on which a rank failed (this one, or a peer whose notice is here) is left
   // allocated. Messages its ranks had under way when they gave up (sends are freed, never
@@ -969,11 +974,16 @@ Status MpiTransport::Receive(int source, const Header& expected, void* out, size
     return Fail(Status::Error(s.str()));
   }
   if (wire.payload == kPayloadInPlace || wire.payload == kPayloadSeparate) {
-    // The pieces of a separate copy follow its header; an in-place payload comes once this rank
-    // says it is ready.
+    // An in-place payload comes once this rank says it is ready, straight into `out`. The pieces
+    // of a separate copy follow its header, so MPI has usually matched them before their receive
+    // is posted, and a matched receive cannot be cancelled: they go into this transport's own
+    // buffer, which a receive left running after a failure may then write into (the destructor
+    // keeps it), and are copied out.
     const bool in_place = wire.payload == kPayloadInPlace;
+    if (!in_place && message_.size() < bytes) message_.resize(bytes);
+    void* into = in_place ? out : message_.data();
     recvs_.Clear();
-    status = Irecv(expected, out, bytes, source, in_place ? kPayloadTag : kP2PTag, &recvs_);
+    status = Irecv(expected, into, bytes, source, in_place ? kPayloadTag : kP2PTag, &recvs_);
     if (status.ok() && in_place) status = Isend(expected, &ready_, 1, source, kReadyTag, &recvs_);
     if (status.ok()) StallIfArmed();
     // The header's arrival was one wait; the payload is another, with the whole timeout.
@@ -981,8 +991,10 @@ Status MpiTransport::Receive(int source, const Header& expected, void* out, size
     // An in-place payload came straight from the caller's buffer, which XLA frees once the
     // sender gives up.
     if (status.ok() && in_place) status = SendersStayed(expected, bytes, source);
-    if (!status.ok()) return Fail(status);  // which cancels the receive into `out`
+    if (!status.ok()) return Fail(status);  // which cancels the receive
     recvs_.Clear();
+    if (!in_place && bytes > 0) std::memcpy(out, message_.data(), bytes);
+    if (message_.size() > kKeptReceiveBytes) std::vector<char>().swap(message_);
     return status;
   }
   if (wire.payload != kPayloadInline)

@@ -65,10 +65,10 @@ std::string GiveUp(MpiMessages* m, std::string why) {
 }
 
 // Takes in `peer`'s notice that it gave up, if one has come, and says why. MPICH may need more
-// than one probe to take in a message that has arrived, so it looks `looks` times, by default as
-// often as the MPI transport's PeerGaveUpLooking (three times, or once per rank where more).
-bool PeerGaveUp(MpiMessages* m, int peer, std::string* why, int looks = 0) {
-  if (looks == 0) looks = std::max(3, m->size);
+// than one probe to take in a message that has arrived, so it looks `looks` times (it runs before
+// and after every message, so it does not look once per rank as the MPI transport's
+// PeerGaveUpLooking does once per call).
+bool PeerGaveUp(MpiMessages* m, int peer, std::string* why, int looks = 3) {
   int flag = 0;
   MPI_Message message = MPI_MESSAGE_NULL;
   MPI_Status status;
