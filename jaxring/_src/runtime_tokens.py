@@ -192,7 +192,7 @@ def install(effect_type: type) -> bool:
                     and token._buf.sharding is _token_layout(tuple(devices))[0]):
                 try:
                     token.block_until_ready()  # one program at a time: see the module docstring
-                except Exception as error:  # noqa: BLE001 - an earlier program's, re-raised as is
+                except Exception as error:  # noqa: BLE001 - any earlier program's error, wrapped
                     raise _earlier_failure(error) from error
                 return token
         return jax_get_token_input(self, eff, devices)
