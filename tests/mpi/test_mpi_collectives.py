@@ -103,6 +103,12 @@ def test_a_long_gave_up_notice_keeps_its_start_and_its_end_the_first_ranks_error
     assert ext.notice(why, 1024).endswith("rank 0: timed out after 2 s waiting for rank(s) [5] "
                                           "to send")
     assert ext.notice(why, len(why)) == why and ext.notice("short", 1024) == "short"
+    # Cuts fall between UTF-8 characters (a non-ASCII axis name): a cut inside one made the
+    # notice undecodable as a Python string.
+    named = "mesh axis 'données' " * 100
+    for bytes_ in list(range(1, 40)) + [100, 1024]:
+        notice = ext.notice(named, bytes_)  # a str: it decoded
+        assert len(notice.encode()) <= bytes_, bytes_
 
 
 def test_tiny_pipeline_slices_grow_to_at_most_1024_a_step_and_change_no_result():

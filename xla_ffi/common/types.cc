@@ -153,10 +153,15 @@ std::string PeerError(int peer, const std::string& what, const std::string& why)
 std::string Notice(const std::string& why, size_t bytes) {
   constexpr std::string_view kCut = " [...] ";
   if (why.size() <= bytes) return why;
-  if (bytes <= kCut.size()) return why.substr(0, bytes);
-  const size_t head = (bytes - kCut.size()) / 4;
-  const size_t tail = bytes - kCut.size() - head;
-  return why.substr(0, head) + std::string(kCut) + why.substr(why.size() - tail);
+  // Cuts fall between UTF-8 characters (a non-ASCII name, say), never inside one: the notice
+  // becomes a Python string on the other rank.
+  auto inside = [&](size_t at) { return at < why.size() && (why[at] & 0xC0) == 0x80; };
+  size_t head = bytes <= kCut.size() ? bytes : (bytes - kCut.size()) / 4;
+  while (head > 0 && inside(head)) --head;
+  if (bytes <= kCut.size()) return why.substr(0, head);
+  size_t tail_start = why.size() - (bytes - kCut.size() - (bytes - kCut.size()) / 4);
+  while (inside(tail_start)) ++tail_start;
+  return why.substr(0, head) + std::string(kCut) + why.substr(tail_start);
 }
 
 std::string Where(const Header& h, const std::string& comm_name, int rank, int size) {
