@@ -38,21 +38,19 @@ def reduce_scatter(x, axis_name, op: str = "sum", scatter_dimension: int = 0,
         if leaf.ndim == 0:
             raise ValueError("jaxring.reduce_scatter: needs an array of rank >= 1, got a scalar")
         dim = _canonical_dimension(scatter_dimension, leaf.ndim)
-        if not tiled:
-            if leaf.shape[dim] != comm.size:
-                raise ValueError(
-                    f"jaxring.reduce_scatter: untiled, dimension {dim} of shape {leaf.shape} "
-                    f"must equal the {comm.size} devices of {comm.name}")
-            return jnp.squeeze(reduce_scatter(leaf, axis_name, op, dim), dim)
+        if not tiled and leaf.shape[dim] != comm.size:
+            raise ValueError(
+                f"jaxring.reduce_scatter: untiled, dimension {dim} of shape {leaf.shape} must "
+                f"equal the {comm.size} devices of {comm.name}")
         if leaf.shape[dim] % comm.size:
             raise ValueError(
                 f"jaxring.reduce_scatter: dimension {dim} of shape {leaf.shape} must be divisible "
                 f"by the {comm.size} devices of {comm.name}"
             )
         if op == "mean" and jnp.issubdtype(leaf.dtype, jnp.integer):
-            return reduce_scatter(leaf, axis_name, "sum", dim) / comm.size
-        out = _bind(jnp.moveaxis(leaf, dim, 0), comm, op)
-        return jnp.moveaxis(out, 0, dim)
+            return reduce_scatter(leaf, axis_name, "sum", dim, tiled) / comm.size
+        out = jnp.moveaxis(_bind(jnp.moveaxis(leaf, dim, 0), comm, op), 0, dim)
+        return out if tiled else jnp.squeeze(out, dim)
 
     return jax.tree.map(scatter_leaf, x)
 

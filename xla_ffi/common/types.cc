@@ -154,14 +154,16 @@ std::string Notice(const std::string& why, size_t bytes) {
   constexpr std::string_view kCut = " [...] ";
   if (why.size() <= bytes) return why;
   // Cuts fall between UTF-8 characters (a non-ASCII name, say), never inside one: the notice
-  // becomes a Python string on the other rank.
-  auto inside = [&](size_t at) { return at < why.size() && (why[at] & 0xC0) == 0x80; };
-  size_t head = bytes <= kCut.size() ? bytes : (bytes - kCut.size()) / 4;
-  while (head > 0 && inside(head)) --head;
-  if (bytes <= kCut.size()) return why.substr(0, head);
-  size_t tail_start = why.size() - (bytes - kCut.size() - (bytes - kCut.size()) / 4);
-  while (inside(tail_start)) ++tail_start;
-  return why.substr(0, head) + std::string(kCut) + why.substr(tail_start);
+  // becomes a Python string on the other rank. `at` moves back (the head) or on (the tail) past
+  // continuation bytes.
+  auto between = [&](size_t at, int step) {
+    while (at > 0 && at < why.size() && (why[at] & 0xC0) == 0x80) at += step;
+    return at;
+  };
+  if (bytes <= kCut.size()) return why.substr(0, between(bytes, -1));
+  const size_t head = (bytes - kCut.size()) / 4;
+  const size_t tail = why.size() - (bytes - kCut.size() - head);
+  return why.substr(0, between(head, -1)) + std::string(kCut) + why.substr(between(tail, 1));
 }
 
 std::string Where(const Header& h, const std::string& comm_name, int rank, int size) {

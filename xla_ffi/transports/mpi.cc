@@ -47,17 +47,11 @@ constexpr int kLooksForNotice = 3;
 // How long a wait whose requests MPI failed looks for a notice that explains why.
 constexpr double kNoticeAfterFailureSeconds = 0.1;
 
-// StallNextDataForTest's and StallNextReceiveForTest's stalls, in microseconds (0: disarmed).
-std::atomic<int64_t> stall_next_data{0};
-std::atomic<int64_t> stall_next_receive{0};
-
-CountedStall ring_slice_stalls;  // StallNextRingSlicesForTest's
-
-void StallIfArmed(std::atomic<int64_t>& stall = stall_next_data) {
-  if (stall.load(std::memory_order_relaxed) == 0) return;
-  const int64_t microseconds = stall.exchange(0);
-  if (microseconds > 0) std::this_thread::sleep_for(std::chrono::microseconds(microseconds));
-}
+// The test hooks' stalls: StallNextDataForTest's and StallNextReceiveForTest's (one each, once
+// armed), StallNextRingSlicesForTest's.
+CountedStall data_stall;
+CountedStall receive_stall;
+CountedStall ring_slice_stalls;
 
 // MPI counts are ints: larger messages travel as several pieces of at most this many bytes
 // (SetMaxPieceForTest lowers it, so that tests reach the paths of messages over 1 GiB).
@@ -484,7 +478,7 @@ Status MpiTransport::RunCollective(const Header& h, const CollectiveBuffers& b,
   Header mine = h;
   mine.plan = Plan(method, config);
   Status status = ExchangeHeaders(mine, deadline);
-  if (status.ok()) StallIfArmed();
+  if (status.ok()) data_stall.TakeIfArmed();
   if (status.ok() && h.kind != Collective::kBarrier) {
     const size_t width = ByteWidth(h.dtype);
     if (size_ == 1) {
@@ -930,7 +924,7 @@ void MpiTransport::WithdrawSent(int dest, const std::string&) {
 Status MpiTransport::Receive(int source, const Header& expected, void* out, size_t bytes) {
   if (!broken_.empty()) return Broken(expected);
   ReapEager(expected, false);  // frees this rank's sent copies already received, never waits
-  StallIfArmed(stall_next_receive);
+  receive_stall.TakeIfArmed();
   const Deadline deadline(config_.timeout_seconds);
   MPI_Message message = MPI_MESSAGE_NULL;
   MPI_Status probe;
@@ -985,7 +979,7 @@ Status MpiTransport::Receive(int source, const Header& expected, void* out, size
     recvs_.Clear();
     status = Irecv(expected, into, bytes, source, in_place ? kPayloadTag : kP2PTag, &recvs_);
     if (status.ok() && in_place) status = Isend(expected, &ready_, 1, source, kReadyTag, &recvs_);
-    if (status.ok()) StallIfArmed();
+    if (status.ok()) data_stall.TakeIfArmed();
     // The header's arrival was one wait; the payload is another, with the whole timeout.
     if (status.ok()) status = Wait(expected, &recvs_, -1, EachWait(), "send its data", source);
     // An in-place payload came straight from the caller's buffer, which XLA frees once the
@@ -1034,11 +1028,11 @@ void SetMaxPieceForTest(size_t bytes) {
 }
 
 void StallNextReceiveForTest(double seconds) {
-  stall_next_receive.store(static_cast<int64_t>(seconds * 1e6));
+  receive_stall.Arm(seconds, seconds > 0 ? 1 : 0);
 }
 
 void StallNextDataForTest(double seconds) {
-  stall_next_data.store(static_cast<int64_t>(seconds * 1e6));
+  data_stall.Arm(seconds, seconds > 0 ? 1 : 0);
 }
 
 void StallNextRingSlicesForTest(double seconds, int64_t slices) {
