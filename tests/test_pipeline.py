@@ -8,7 +8,7 @@ import pytest
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from helpers import mesh, shard
+from helpers import every_device, mesh, shard
 from jaxring.parallel import pipeline
 
 LAYERS, WIDTH = 8, 6
@@ -45,7 +45,8 @@ def test_pipeline_apply_equals_unsharded_model(n, dtype):
     got = sharded_apply(m)(shard(pipeline.stack_stages(layers, n), m), microbatches)
     expected = unsharded(layers, microbatches.astype(np.float64))
     rtol = 1e-5 if dtype == np.float32 else 1e-12
-    np.testing.assert_allclose(np.asarray(got), expected, rtol=rtol, atol=rtol)
+    for copy in every_device(got):
+        np.testing.assert_allclose(copy, expected, rtol=rtol, atol=rtol)
 
 
 @pytest.mark.parametrize("axes", [("a", "b"), ("b", "a")])
@@ -62,8 +63,8 @@ def test_a_pipeline_over_a_tuple_of_axes_in_either_order_equals_unsharded(axes):
     with jax.set_mesh(m):
         stages = jax.device_put(pipeline.stack_stages(layers, 8), jax.NamedSharding(m, P(axes)))
         got = apply(stages, microbatches)
-    np.testing.assert_allclose(np.asarray(got), unsharded(layers, microbatches), rtol=1e-12,
-                               atol=1e-12)
+    for copy in every_device(got):
+        np.testing.assert_allclose(copy, unsharded(layers, microbatches), rtol=1e-12, atol=1e-12)
 
 
 @pytest.mark.parametrize("check_vma", [True, False])
@@ -84,6 +85,39 @@ def test_gradient_through_a_4_stage_pipeline_equals_unsharded(check_vma):
             shard(pipeline.stack_stages(layers, n), m), microbatches)
     expected = jax.grad(lambda ls, x: jnp.sum((unsharded(ls, x) - targets) ** 2),
                         argnums=(0, 1))(layers, microbatches)
+    for got, want in zip(jax.tree.leaves(grads[0]),
+                         jax.tree.leaves(pipeline.stack_stages(expected[0], n))):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-10, atol=1e-12)
+    np.testing.assert_allclose(np.asarray(grads[1]), np.asarray(expected[1]), rtol=1e-10,
+                               atol=1e-12)
+
+
+def test_gradient_through_a_pipeline_of_layers_not_finite_at_zero_equals_unsharded():
+    """Layers that normalise their input without an epsilon are not finite at zero, which the
+    model never sees but the idle ticks of GPipe's schedule did (a stage ran on the zeros that
+    start the pipeline before its first microbatch came): multiplied by a zero cotangent, the NaN
+    went into every gradient. Stages now run only at the ticks that bring them a microbatch."""
+    n = 4
+    rng = np.random.default_rng(12)
+    layers = make_layers(rng, np.float64)
+    microbatches = rng.standard_normal((5, 2, WIDTH))
+    targets = rng.standard_normal((5, 2, WIDTH))
+    normalised = lambda p, h: (h / jnp.linalg.norm(h, axis=-1, keepdims=True)) @ p["w"] + p["b"]  # noqa: E731
+    m = mesh(n)
+    apply = jax.jit(jax.shard_map(
+        lambda p, x: pipeline.pipeline_apply(pipeline.scan_layers(normalised), p, x, "i"),
+        mesh=m, in_specs=(P("i"), P()), out_specs=P()))
+
+    def unsharded_loss(ls, x):
+        for params in ls:
+            x = normalised(params, x)
+        return jnp.sum((x - targets) ** 2)
+
+    with jax.set_mesh(m):
+        grads = jax.jit(jax.grad(lambda s, x: jnp.sum((apply(s, x) - targets) ** 2),
+                                 argnums=(0, 1)))(shard(pipeline.stack_stages(layers, n), m),
+                                                  microbatches)
+    expected = jax.grad(unsharded_loss, argnums=(0, 1))(layers, microbatches)
     for got, want in zip(jax.tree.leaves(grads[0]),
                          jax.tree.leaves(pipeline.stack_stages(expected[0], n))):
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-10, atol=1e-12)
@@ -130,6 +164,8 @@ def test_bad_layouts_are_refused():
     layers = make_layers(np.random.default_rng(0), np.float32)
     with pytest.raises(ValueError, match="8 layers cannot be split evenly over 3 stages"):
         pipeline.stack_stages(layers, 3)
+    with pytest.raises(ValueError, match="0 layers cannot be split evenly over 2 stages"):
+        pipeline.stack_stages([], 2)
     m = mesh(2)
     stacked = pipeline.stack_stages(layers, 2)
     unsharded_params = jax.shard_map(
@@ -137,3 +173,28 @@ def test_bad_layouts_are_refused():
         in_specs=(P(), P()), out_specs=P())
     with pytest.raises(ValueError, match="one stage per device"):
         jax.jit(unsharded_params)(stacked, np.ones((2, 1, WIDTH), np.float32))
+
+
+def test_microbatches_that_do_not_share_a_leading_size_are_refused_and_none_give_none():
+    """Leaves of different leading sizes were indexed alike, the shorter ones' indices clamped:
+    microbatches paired wrongly, without an error. Scalars and an empty tree have no microbatch
+    axis; zero microbatches pass through, as they would through the unsharded model."""
+    layers = make_layers(np.random.default_rng(0), np.float64)
+    m = mesh(2)
+    stacked = shard(pipeline.stack_stages(layers, 2), m)
+    pair_layer = lambda p, h: {"x": layer(p, h["x"]), "y": h["y"]}  # noqa: E731
+
+    def run(microbatches, stage_fn=pipeline.scan_layers(pair_layer)):
+        return jax.jit(jax.shard_map(
+            lambda p, x: pipeline.pipeline_apply(stage_fn, p, x, "i"),
+            mesh=m, in_specs=(P("i"), P()), out_specs=P()))(stacked, microbatches)
+
+    with pytest.raises(ValueError, match=r"leading \(microbatch\) size: 3 in \['y'\]; "
+                                         r"4 in \['x'\]"):
+        run({"x": np.ones((4, 1, WIDTH)), "y": np.ones((3, 1, WIDTH))})
+    with pytest.raises(ValueError, match=r"microbatch leaf \"\['y'\]\" is a scalar"):
+        run({"x": np.ones((4, 1, WIDTH)), "y": np.float64(1.0)})
+    with pytest.raises(ValueError, match="got no microbatches"):
+        run({})
+    none = run(np.ones((0, 1, WIDTH)), pipeline.scan_layers(layer))
+    assert none.shape == (0, 1, WIDTH)

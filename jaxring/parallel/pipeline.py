@@ -37,10 +37,11 @@ PyTree = Any
 def stack_stages(layers: Sequence[PyTree], num_stages: int) -> PyTree:
     """Stacks per-layer parameters into leaves of shape ``[num_stages, len(layers) // num_stages,
     ...]``: contiguous groups of layers, one group per stage, in order."""
-    if num_stages < 1 or len(layers) % num_stages:
+    if num_stages < 1 or not layers or len(layers) % num_stages:
         raise ValueError(
             f"jaxring.parallel.pipeline: {len(layers)} layers cannot be split evenly over "
-            f"{num_stages} stages; use a layer count divisible by the number of devices"
+            f"{num_stages} stages; use a layer count divisible by the number of devices (at "
+            "least one layer per stage)"
         )
     per_stage = len(layers) // num_stages
     stacked = jax.tree.map(lambda *leaves: jnp.stack(leaves), *layers)
@@ -111,17 +112,24 @@ def pipeline_apply(stage_fn, stage_params: PyTree, microbatches: PyTree, axis_na
     M + n - 1 ticks) and returns the last stage's outputs ``[M, ...]`` on every device.
 
     Equal to applying the stages one after another on one device; ``jax.grad`` through it equals
-    the unsharded gradient.
+    the unsharded gradient. A stage runs `stage_fn` only at the M ticks that bring it a
+    microbatch (under ``lax.cond``): at the others it would run on zeros or on what the idle
+    stages before it made of them, and a function that is not finite there (a normalisation
+    without an epsilon, a log) would put NaN into the gradient, multiplied by zero as it is.
     """
     comm = common.communicator("pipeline", axis_name)
     n = comm.size
     stage = comm.rank_and_group()[0]  # a mesh axis index, or a process communicator's rank
-    count = jax.tree.leaves(microbatches)[0].shape[0]
+    count = _microbatch_count(microbatches)
+    if count == 0:
+        return jax.tree.map(jnp.asarray, microbatches)
 
     def tick(carry, t):
         fresh = jax.tree.map(lambda mb: mb[jnp.minimum(t, count - 1)], microbatches)
         x = jax.tree.map(lambda f, c: jnp.where(stage == 0, f, c), fresh, carry)
-        output, carry = pipeline_step(stage_fn, stage_params, x, axis_name)
+        busy = (t >= stage) & (t < stage + count)  # microbatch t - stage is here
+        guarded = lambda params, x: lax.cond(busy, stage_fn, lambda _, x: x, params, x)  # noqa: E731
+        output, carry = pipeline_step(guarded, stage_params, x, axis_name)
         return carry, output
 
     empty = jax.tree.map(lambda mb: common.make_varying(jnp.zeros_like(mb[0]), comm.axes),
@@ -129,3 +137,26 @@ def pipeline_apply(stage_fn, stage_params: PyTree, microbatches: PyTree, axis_na
     _, outputs = lax.scan(tick, empty, jnp.arange(count + n - 1))
     finished = jax.tree.map(lambda o: o[n - 1:], outputs)  # microbatch m leaves at tick m + n - 1
     return jaxring.broadcast(finished, axis_name, root=n - 1)
+
+
+def _microbatch_count(microbatches: PyTree) -> int:
+    """M, the leading size every leaf of `microbatches` shares; an error naming the leaves that
+    differ (indexing them alike would clamp the shorter ones' indices and pair microbatches
+    wrongly, without an error)."""
+    leaves, _ = jax.tree.flatten_with_path(microbatches)
+    if not leaves:
+        raise ValueError("jaxring.parallel.pipeline: pipeline_apply got no microbatches (an empty "
+                         "pytree); pass arrays with a leading microbatch axis")
+    sizes = {}
+    for path, leaf in leaves:
+        shape = np.shape(leaf)
+        if not shape:
+            raise ValueError(
+                f"jaxring.parallel.pipeline: microbatch leaf {jax.tree_util.keystr(path)!r} is a "
+                "scalar; every leaf needs a leading microbatch axis [M, ...]")
+        sizes.setdefault(shape[0], []).append(jax.tree_util.keystr(path) or "microbatches")
+    if len(sizes) > 1:
+        found = "; ".join(f"{m} in {', '.join(names)}" for m, names in sorted(sizes.items()))
+        raise ValueError("jaxring.parallel.pipeline: microbatch leaves differ in their leading "
+                         f"(microbatch) size: {found}")
+    return next(iter(sizes))
