@@ -167,6 +167,54 @@ def test_a_leaf_varying_over_only_some_axes_is_refused_as_all_reduce_refuses_it(
     assert data_parallel.all_reduce_gradients({}, ("a", "b")) == {}
 
 
+def test_fused_buckets_give_each_leaf_the_type_it_would_get_alone():
+    """Over a (data, model) mesh, reduced over "data": a leaf varying over both axes and one
+    varying over "data" only, each with an empty slice of itself, all packed. A bucket varies over
+    every axis one of its leaves does, so the "data"-only leaf came back varying over "model"
+    (refused by out_specs=P() below), and empty leaves, made anew, came back invariant. Every
+    leaf must get the varying type its own jaxring.all_reduce gives, and its values."""
+    import jaxring
+    from jax._src import core
+    from jaxring._src import common
+
+    m = jax.make_mesh((2, 2), ("data", "model"), devices=jax.devices()[:4])
+    types = {}
+
+    def body(w, b):
+        grads = {"w": w, "b": b, "w_empty": w[:0], "b_empty": b[:0]}
+        fused = data_parallel.all_reduce_gradients(grads, "data", "sum", fuse_below_bytes=None)
+        alone = {k: jaxring.all_reduce(v, "data", "sum") for k, v in grads.items()}
+        for name, tree in (("fused", fused), ("alone", alone)):
+            types[name] = {k: common.varying_axes(core.typeof(v)) for k, v in tree.items()}
+        return fused["w"], fused["b"]
+
+    rng = np.random.default_rng(13)
+    w, b = rng.standard_normal(8).astype(np.float32), rng.standard_normal(4).astype(np.float32)
+    f = jax.jit(jax.shard_map(body, mesh=m, in_specs=(P(("data", "model")), P("data")),
+                              out_specs=(P("model"), P())))
+    got_w, got_b = f(shard(w, m, P(("data", "model"))), shard(b, m, P("data")))
+    assert types["fused"] == types["alone"], types
+    assert types["alone"]["w"] == types["alone"]["w_empty"] == {"model"}, types
+    assert types["alone"]["b"] == types["alone"]["b_empty"] == set(), types
+    np.testing.assert_array_equal(np.asarray(got_w), w.reshape(2, 2, 2).sum(0).reshape(4))
+    np.testing.assert_array_equal(every_device(got_b), np.tile(b.reshape(2, 2).sum(0), (4, 1)))
+
+
+def test_bucket_sizes_are_checked_and_errors_name_the_function_called():
+    """The sizes were checked only where buckets were planned: not on an axis of one device or
+    for an empty tree; and an unknown axis was blamed on "jaxring.fusion"."""
+    one = mesh(1)
+    for helper in (data_parallel.all_reduce_gradients, data_parallel.broadcast_parameters):
+        with pytest.raises(ValueError, match="bucket_bytes must be positive, got -1"):
+            jax.jit(jax.shard_map(lambda v: helper(v, "i", bucket_bytes=-1), mesh=one,
+                                  in_specs=P("i"), out_specs=P("i")))(shard(np.ones(2), one))
+        with pytest.raises(ValueError, match="fuse_below_bytes must be positive or None, got 0"):
+            helper({}, "i", fuse_below_bytes=0)
+        with pytest.raises(NameError, match=f"jaxring.{helper.__name__}: unbound axis name"):
+            jax.jit(jax.shard_map(lambda v: helper(v, "nope"), mesh=one, in_specs=P("i"),
+                                  out_specs=P("i")))(shard(np.ones(2), one))
+
+
 def test_broadcast_parameters_from_root():
     n, root = 4, 2
     rng = np.random.default_rng(7)

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax._src import core
 
 import jaxring
 from jaxring._src import common
@@ -49,26 +50,39 @@ class FusionPlan(NamedTuple):
     empty: tuple = ()  # indices of the leaves with no elements: nothing to move
 
 
-def fusion_plan(tree, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-                fuse_below_bytes: int | None = DEFAULT_FUSE_BELOW_BYTES) -> FusionPlan:
-    """Leaves of the same dtype under `fuse_below_bytes` (None: every leaf) are concatenated in
-    tree order and the result cut into buckets of at most `bucket_bytes` (a leaf may straddle two
-    buckets); larger leaves go alone, and leaves with no elements nowhere (unfuse makes them
-    anew). Only shapes and dtypes are used, so every rank makes the same plan."""
+def _check_sizes(bucket_bytes: int, fuse_below_bytes: int | None) -> None:
     if bucket_bytes <= 0:
         raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
     if fuse_below_bytes is not None and fuse_below_bytes <= 0:
         raise ValueError(f"fuse_below_bytes must be positive or None, got {fuse_below_bytes}")
+
+
+def _varying(leaf) -> frozenset:
+    """The mesh axes a leaf varies over inside jax.shard_map (none outside a trace)."""
+    return common.varying_axes(leaf.aval) if isinstance(leaf, core.Tracer) else frozenset()
+
+
+def fusion_plan(tree, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+                fuse_below_bytes: int | None = DEFAULT_FUSE_BELOW_BYTES) -> FusionPlan:
+    """Leaves of the same dtype, varying over the same mesh axes, under `fuse_below_bytes`
+    (None: every leaf) are concatenated in tree order and the result cut into buckets of at most
+    `bucket_bytes` (a leaf may straddle two buckets); larger leaves go alone, and leaves with no
+    elements nowhere (unfuse makes them anew). Only shapes, dtypes and the trace's types are
+    used, so every rank makes the same plan. (A leaf packed with leaves that vary over more axes
+    would come back varying over those too, unlike the leaf reduced on its own.)"""
+    _check_sizes(bucket_bytes, fuse_below_bytes)
     leaves, treedef = jax.tree.flatten(tree)
     shapes = tuple(tuple(np.shape(leaf)) for leaf in leaves)
     dtypes = tuple(jnp.result_type(leaf) for leaf in leaves)
+    kinds = tuple((dtype, _varying(leaf)) for dtype, leaf in zip(dtypes, leaves))
     alone = tuple(i for i in range(len(leaves)) if fuse_below_bytes is not None
                   and math.prod(shapes[i]) * np.dtype(dtypes[i]).itemsize >= fuse_below_bytes)
     empty = tuple(i for i in range(len(leaves)) if math.prod(shapes[i]) == 0)
     packed = sorted(set(range(len(leaves))) - set(alone) - set(empty))
     groups = []
-    for dtype in dict.fromkeys(dtypes):  # first-appearance order, deterministic on every rank
-        indices = tuple(i for i in packed if dtypes[i] == dtype)
+    for kind in dict.fromkeys(kinds):  # first-appearance order, deterministic on every rank
+        dtype = kind[0]
+        indices = tuple(i for i in packed if kinds[i] == kind)
         total = sum(math.prod(shapes[i]) for i in indices)
         per_bucket = max(1, bucket_bytes // np.dtype(dtype).itemsize)
         sizes = tuple(min(per_bucket, total - start) for start in range(0, total, per_bucket))
@@ -88,15 +102,15 @@ def fuse(tree, plan: FusionPlan) -> list:
     return buckets
 
 
-def unfuse(buckets, plan: FusionPlan, alone=()):
+def unfuse(buckets, plan: FusionPlan, alone=(), empty=None):
     """The inverse of `fuse`: a pytree of the original structure, shapes and dtypes, with the
     leaves that went alone (`alone`, in plan.alone's order) put back in their places and the
-    empty ones made anew."""
+    empty ones made anew (or taken from `empty`, in plan.empty's order)."""
     leaves = [None] * len(plan.shapes)
     for i, leaf in zip(plan.alone, alone):
         leaves[i] = leaf
-    for i in plan.empty:
-        leaves[i] = jnp.zeros(plan.shapes[i], plan.dtypes[i])
+    for k, i in enumerate(plan.empty):
+        leaves[i] = jnp.zeros(plan.shapes[i], plan.dtypes[i]) if empty is None else empty[k]
     position = 0
     for _, indices, sizes in plan.groups:
         flat = jnp.concatenate(buckets[position:position + len(sizes)])
@@ -107,15 +121,21 @@ def unfuse(buckets, plan: FusionPlan, alone=()):
     return jax.tree.unflatten(plan.treedef, leaves)
 
 
-def _apply_fused(collective, tree, bucket_bytes, fuse_below_bytes, axis_name):
+def _apply_fused(name, collective, tree, bucket_bytes, fuse_below_bytes, axis_name):
+    _check_sizes(bucket_bytes, fuse_below_bytes)
     if not jax.tree.leaves(tree):
         return tree
-    if common.communicator("fusion", axis_name).size == 1:
+    comm = common.communicator(name, axis_name)
+    if comm.size == 1:
         return collective(tree)  # one replica: nothing moves, so nothing to fuse
     plan = fusion_plan(tree, bucket_bytes, fuse_below_bytes)
     leaves = jax.tree.leaves(tree)
     alone = [collective(leaves[i]) for i in plan.alone]
-    return unfuse([collective(bucket) for bucket in fuse(tree, plan)], plan, alone)
+    # Empty leaves move nothing; made anew, they get the type the collective would give them
+    # (varying over the axes the leaf varies over, less those reduced over).
+    empty = [common.make_varying(jnp.zeros(plan.shapes[i], plan.dtypes[i]),
+                                 tuple(_varying(leaves[i]) - set(comm.axes))) for i in plan.empty]
+    return unfuse([collective(bucket) for bucket in fuse(tree, plan)], plan, alone, empty)
 
 
 # ---- collectives on whole models -----------------------------------------------------------------
@@ -134,8 +154,8 @@ def all_reduce_gradients(grads, axis_name, op: str = "mean",
         comm = common.communicator("all_reduce_gradients", axis_name)
         for leaf in leaves:
             common.refuse_partly_varying("all_reduce_gradients", leaf, comm, op)
-    return _apply_fused(lambda b: jaxring.all_reduce(b, axis_name, op), grads, bucket_bytes,
-                        fuse_below_bytes, axis_name)
+    return _apply_fused("all_reduce_gradients", lambda b: jaxring.all_reduce(b, axis_name, op),
+                        grads, bucket_bytes, fuse_below_bytes, axis_name)
 
 
 def broadcast_parameters(params, axis_name, root: int = 0,
@@ -143,8 +163,8 @@ def broadcast_parameters(params, axis_name, root: int = 0,
                          fuse_below_bytes: int | None = DEFAULT_FUSE_BELOW_BYTES):
     """Every replica gets replica `root`'s copy of `params` (Horovod's broadcast_parameters), so
     replicas start identical however they were initialised."""
-    return _apply_fused(lambda b: jaxring.broadcast(b, axis_name, root), params, bucket_bytes,
-                        fuse_below_bytes, axis_name)
+    return _apply_fused("broadcast_parameters", lambda b: jaxring.broadcast(b, axis_name, root),
+                        params, bucket_bytes, fuse_below_bytes, axis_name)
 
 
 def masked_moments(x, mask, axis_name=None):
