@@ -17,6 +17,7 @@ import contextlib
 import dataclasses
 import numbers
 import os
+import threading
 
 from jaxring._src import native
 
@@ -178,9 +179,18 @@ def _finish_dispatched_programs() -> None:
     common.wait_for_dispatched_programs()
 
 
+# Updates from several threads take turns: each builds on the configuration the previous made.
+_updating = threading.RLock()
+
+
 def update(**changes) -> Config:
     """Changes some fields, e.g. ``jaxring.config.update(timeout_seconds=10)``, once the
     programs already dispatched have finished."""
+    with _updating:
+        return _update(changes)
+
+
+def _update(changes: dict) -> Config:
     global _current
     unknown = sorted(set(changes) - set(_ENV))
     if unknown:
@@ -201,11 +211,12 @@ def update(**changes) -> Config:
 
 @contextlib.contextmanager
 def override(**changes):
-    """Changes some fields inside a ``with`` block, restoring them afterwards."""
-    previous = _current
-    update(**changes)
+    """Changes some fields inside a ``with`` block, restoring those fields afterwards (a field
+    the block changed with ``update`` keeps its new value)."""
+    with _updating:
+        before = _current
+        update(**changes)
     try:
         yield _current
     finally:
-        if _current is not previous:
-            update(**dataclasses.asdict(previous))
+        update(**{field: getattr(before, field) for field in changes})

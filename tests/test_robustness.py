@@ -1,6 +1,7 @@
 """Determinism, concurrency, stress, the failure behaviour DESIGN.md promises, configuration and
 the kernels' 16-bit rounding."""
 
+import dataclasses
 import os
 import re
 import subprocess
@@ -1237,6 +1238,26 @@ def test_config_override_restores_and_reaches_native():
         assert type(config.pipeline_slice_bytes) is int and config.pipeline_slice_bytes == 8192
         assert type(config.timeout_seconds) is float and config.timeout_seconds == 2.5
         assert native.extension.get_config()["pipeline_slice_bytes"] == 8192
+
+
+def test_config_override_restores_only_the_fields_it_overrode():
+    """Leaving an override set every field back to its value on entry, undoing an update made
+    inside the block (or by another thread meanwhile) to a field the override never named."""
+    before = jaxring.config.get()
+    with jaxring.config.override(timeout_seconds=5.0):
+        jaxring.config.update(p2p_eager_bytes=before.p2p_eager_bytes + 1)
+        with jaxring.config.override(timeout_seconds=6.0, algorithm="ring"):
+            assert jaxring.config.get().timeout_seconds == 6.0
+        assert jaxring.config.get().timeout_seconds == 5.0
+        assert jaxring.config.get().algorithm == before.algorithm
+    try:
+        after = jaxring.config.get()
+        assert after.p2p_eager_bytes == before.p2p_eager_bytes + 1
+        assert native.extension.get_config()["p2p_eager_bytes"] == before.p2p_eager_bytes + 1
+        assert after.timeout_seconds == before.timeout_seconds
+        assert dataclasses.replace(after, p2p_eager_bytes=before.p2p_eager_bytes) == before
+    finally:
+        jaxring.config.update(p2p_eager_bytes=before.p2p_eager_bytes)
 
 
 def test_the_native_codes_name_every_supported_dtype_op_and_collective():
