@@ -21,8 +21,9 @@ def ppermute(x, axis_name, perm):
 
     `perm` is a sequence of (source, destination) index pairs; no source or destination may
     repeat. A device that is no pair's destination receives zeros. `x` may be a pytree. Messages
-    up to ``jaxring.config`` ``p2p_eager_bytes`` are delivered eagerly (the sender never waits
-    for the receiver); larger ones are copied once, straight from the sender's buffer. Its
+    up to ``jaxring.config`` ``p2p_eager_bytes`` are delivered eagerly (the sender does not wait
+    for the receiver unless 8 of its messages already wait there); larger ones are copied once,
+    straight from the sender's buffer. Its
     transpose is the inverse permutation, so ``jax.grad`` flows back through pipelines. Over a
     tuple of mesh axes, indices run as the installed jax's ``lax.ppermute`` numbers them: in the
     mesh's order of those axes before jax 0.11, in the tuple's from 0.11, which refuses a tuple

@@ -24,8 +24,9 @@ def send(x, axis_name, perm) -> None:
     """Sends `x` from each source device of `perm` to its destination along `axis_name`.
 
     `perm` holds (source, destination) pairs, as in ``ppermute``; devices that are no pair's
-    source send nothing. A send never waits for its receiver: the message is copied into the
-    destination's mailbox. The matching ``recv`` (same `perm`, dtype and element count; shapes
+    source send nothing. A send does not wait for its receiver: the message is copied into the
+    destination's mailbox, which holds 8 messages from each sender; a ninth send before the
+    receiver takes one waits for room (and times out naming the receiver). The matching ``recv`` (same `perm`, dtype and element count; shapes
     are not compared) receives it, in the same program; sends and receives between two devices
     are matched in program order. Neither differentiable
     nor batchable: use ``ppermute``, whose transpose is the inverse permutation, in code you take

@@ -146,7 +146,8 @@ def all_reduce_gradients(grads, axis_name, op: str = "mean",
                          fuse_below_bytes: int | None = DEFAULT_FUSE_BELOW_BYTES):
     """Reduces a pytree of gradients over `axis_name`: leaves under `fuse_below_bytes` in fused
     buckets (one `jaxring.all_reduce` per bucket instead of one per leaf), larger leaves on their
-    own. Equal to ``jaxring.all_reduce(grads, axis_name, op)``, which refuses a sum or mean of a
+    own. Equal to ``jaxring.all_reduce(grads, axis_name, op)`` (whose `op` defaults to "sum";
+    this one's to "mean", Horovod's), which refuses a sum or mean of a
     leaf that varies over some of the axes but not all (packed into a bucket with others, it
     would pass unseen)."""
     leaves = jax.tree.leaves(grads)
