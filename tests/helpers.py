@@ -111,6 +111,23 @@ def late_devices(m, delays: dict, collective):
     return shmap(f, m)
 
 
+class HeldDevices:
+    """`delays` for late_devices that holds the given ranks on the host until release() (or 30 s,
+    after which they go on): a device late for as long as a test needs, however slowly the test's
+    own thread runs."""
+
+    def __init__(self, ranks):
+        self.ranks, self.released = set(ranks), threading.Event()
+
+    def get(self, rank, default=0.0):
+        if rank in self.ranks:
+            self.released.wait(30.0)
+        return default
+
+    def release(self):
+        self.released.set()
+
+
 def on_threads(target, args_per_thread, timeout: float = 60.0) -> None:
     """Runs target(*args) on a thread per `args` at once (ranks calling a native collective on the
     host) and waits for all of them; one still running after `timeout` fails the test."""

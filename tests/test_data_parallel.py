@@ -245,6 +245,7 @@ def test_masked_moments_across_replicas_equal_global_batch():
         np.testing.assert_allclose(moments[0], selected.mean(0), rtol=1e-5, atol=1e-6)
         np.testing.assert_allclose(moments[1], selected.var(0), rtol=1e-4, atol=1e-6)
         np.testing.assert_allclose(local[0], moments[0], rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(local[1], moments[1], rtol=1e-4, atol=1e-6)
 
 
 def test_masked_moments_per_feature_masks_and_16_bit_inputs():

@@ -18,10 +18,14 @@ MPIEXEC = shutil.which("mpiexec") or str(Path(sys.executable).parent / "mpiexec"
 pytestmark = pytest.mark.skipif(not Path(MPIEXEC).exists(), reason="no mpiexec (pip install mpich)")
 
 # The tiny config shrunk as in test_deepspeech_train.py: 3 steps of 16 utterances per epoch.
+# The paper's optimiser with a clipping norm that never binds, not Adam: Adam (and clipping)
+# remove the gradient's scale, so processes that summed their gradients instead of averaging them
+# would train alike.
 OVERRIDES = {
     "train_utterances": 48, "test_utterances": 8, "conv_channels": "[4]",
     "conv_kernels": "[[5, 11]]", "rnn_layers": 1, "rnn_hidden": 16, "dense": 16, "batch_size": 16,
-    "learning_rate": 1e-2, "frame_multiple": 320, "beam_utterances": 2, "epochs": 2,
+    "optimizer": "nesterov", "learning_rate": 0.005, "grad_clip_norm": 1e9,
+    "frame_multiple": 320, "beam_utterances": 2, "epochs": 2,
 }
 
 # The command line's `train`, which also saves this process's final state (params, batch
@@ -87,5 +91,9 @@ def test_two_processes_train_like_two_devices_in_one(tmp_path):
     assert len(rank0) == len(rank1) > 10
     for a, b in zip(rank0, rank1):
         np.testing.assert_array_equal(a, b)
-    for a, b in zip(rank0, state(devices / "rank0.npz")):
-        np.testing.assert_allclose(a, b, rtol=1e-3, atol=1e-5)
+    in_process = state(devices / "rank0.npz")
+    assert len(in_process) == len(rank0)
+    for a, b in zip(rank0, in_process):
+        # Identical here (2026-12-05): every reduction sums two values, in either order the
+        # same bits; the bound leaves room for XLA compiling the two programs' arithmetic apart.
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)

@@ -440,7 +440,7 @@ def test_speech_choices_do_not_depend_on_clip_lengths(monkeypatch):
         np.testing.assert_array_equal(clip, longer[:len(clip)])
 
 
-def test_the_command_line_trains_and_every_sampler_draws_the_same_samples(tmp_path):
+def test_the_command_line_trains_and_every_sampler_draws_the_same_samples(tmp_path, capsys):
     """models.wavenet.main: a short training run, then the fused sampler and the two
     layer-sharded ones (2 stages) from its checkpoint, which must write the same WAV files."""
     from models.wavenet import main
@@ -468,7 +468,9 @@ def test_the_command_line_trains_and_every_sampler_draws_the_same_samples(tmp_pa
     with pytest.raises(ValueError, match="holds a run of another model or sample rate"):
         main.main(["train", "--workdir", str(workdir), "--set", "sample_rate=16000"])
     # Resumed without --config: the run's own configuration, one more epoch.
+    capsys.readouterr()
     main.main(["train", "--workdir", str(workdir), "--set", "num_epochs=2", "steps_per_epoch=2"])
+    assert "resumed from the checkpoint of epoch 1" in capsys.readouterr().out
     assert json.loads((workdir / "metrics.json").read_text())[-1]["epoch"] == 2
     # A run that stopped before its first checkpoint binds nothing: another model may start.
     from models.wavenet import train
@@ -508,7 +510,11 @@ def test_training_loss_falls_and_resumes(tmp_path, monkeypatch):
         train.train_and_evaluate(config, tmp_path / "resumed")
     monkeypatch.undo()
     assert json.loads((tmp_path / "resumed" / "metrics.json").read_text()) == straight[:2]
+    # The run must restore epoch 1 (training it again from scratch would give the same history).
+    restored, restore = [], train.restore
+    monkeypatch.setattr(train, "restore", lambda *a: restored.append(restore(*a)) or restored[-1])
     resumed = train.train_and_evaluate(three_epochs, tmp_path / "resumed")
+    assert restored == [1]
     assert [h["epoch"] for h in resumed] == [1, 2, 3]
     assert resumed[0] == straight[0]
     for epoch in (1, 2):

@@ -93,6 +93,7 @@ def test_send_compute_recv_scan_vmap_and_pytrees():
                                   expected_permute(inputs, shift, COMM.rank).T)
     tree = {"a": x, "b": np.int64(COMM.rank)}
     got = jax.jit(lambda t: jaxring.ppermute(t, COMM, shift))(tree)
+    np.testing.assert_array_equal(np.asarray(got["a"]), expected_permute(inputs, shift, COMM.rank))
     np.testing.assert_array_equal(np.asarray(got["b"]), (COMM.rank - 1) % N)
 
 
