@@ -420,7 +420,7 @@ _MIXED = textwrap.dedent("""
 
     def step(grads):  # jaxring's calls on fused buckets beside lax's sums, independent
         grads = jax.tree.map(lambda g: g[0], grads)
-        mine = data_parallel._apply_fused(ours, grads, 400, None, "i")
+        mine = data_parallel._apply_fused("test", ours, grads, 400, None, "i")
         theirs = jax.tree.map(lambda g: lax.psum(g, "i") if g.size else jnp.zeros_like(g), grads)
         return jax.tree.map(lambda x: x[None], (mine, theirs))
 
