@@ -40,8 +40,11 @@ struct CpuRunner {
       AdviseHugePages(y->untyped_data(), y->size_bytes());
       call.output = y->untyped_data();
     }
+    // The future first: its constructor asserts that only it and the promise share their state
+    // (the handed-off task holds a copy of the promise before a later future could be made).
     ffi::Promise promise;
-    HostCompletion complete = [promise](const HostResult& result) mutable {
+    ffi::Future future(promise);
+    HostCompletion complete = [promise = std::move(promise)](const HostResult& result) mutable {
       if (result.status.ok()) {
         promise.SetAvailable();
       } else {
@@ -49,7 +52,7 @@ struct CpuRunner {
       }
     };
     const HostResult result = RunHostCall(call, &complete);
-    if (result.handed_off) return {ffi::Future(promise)};
+    if (result.handed_off) return {std::move(future)};
     return {ToError(result)};
   }
 };
