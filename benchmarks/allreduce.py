@@ -537,7 +537,7 @@ def markdown(env: dict, ceiling: float, rows: list[dict], huge_pages: int) -> st
         " the size and writes as much into its outputs, so none takes less, effect or not, once"
         " that no longer fits the last-level cache."
         " `copy / twin` above a target ratio: no all-reduce that writes a separate output"
-        " reaches that target at that size on this machine. (Runs before 2026-12-05 timed it for"
+        " reaches that target at that size on this machine. (Runs 0 to 94 timed it for"
         " all_gather too, which a read-once all-gather beats: it bounds no all-gather.)",
         "",
     ]
