@@ -97,8 +97,14 @@ def test_evaluation_splits_batches_over_the_parameters_devices_and_compares_beam
     greedy_all, greedy_first = decoding.ErrorRates(), decoding.ErrorRates()
     greedy_all.update(references, hypotheses)
     greedy_first.update(references[:5], hypotheses[:5])
-    metrics = training.evaluate(graphdef, *replicated, dataset, config, beam=True)
+    seen = frozenset(references[::2])  # transcripts "heard in training": every other one
+    unseen = [k for k, reference in enumerate(references) if reference not in seen]
+    greedy_unseen = decoding.ErrorRates()
+    greedy_unseen.update([references[k] for k in unseen], [hypotheses[k] for k in unseen])
+    metrics = training.evaluate(graphdef, *replicated, dataset, config, beam=True, seen=seen)
     assert (metrics["cer"], metrics["wer"]) == (greedy_all.cer, greedy_all.wer)
+    assert 0 < metrics["unseen_utterances"] == len(unseen) < len(references)
+    assert (metrics["cer_unseen"], metrics["wer_unseen"]) == (greedy_unseen.cer, greedy_unseen.wer)
     assert (metrics["beam_greedy_cer"], metrics["beam_greedy_wer"]) == (greedy_first.cer,
                                                                         greedy_first.wer)
     assert 0 <= metrics["beam_cer"] and 0 <= metrics["beam_wer"]

@@ -259,12 +259,17 @@ def predict_log_probs(graphdef, params, batch_stats, features, feature_mask):
     return np.asarray(log_probs), np.asarray(mask)
 
 
-def evaluate(graphdef, params, batch_stats, dataset, config: Config, beam: bool = False):
-    """Greedy CER and WER over `dataset`; with `beam`, prefix-beam search's on the first
-    `beam_utterances` (the shortest: batches run in order of length), and greedy decoding's on
-    the same utterances, to compare the two (beam_greedy_cer, beam_greedy_wer)."""
-    greedy, beam_rates, beam_greedy = (decoding.ErrorRates(), decoding.ErrorRates(),
-                                       decoding.ErrorRates())
+def evaluate(graphdef, params, batch_stats, dataset, config: Config, beam: bool = False,
+             seen: frozenset = frozenset()):
+    """Greedy CER and WER over `dataset`, and over its utterances whose transcript is not in
+    `seen` (the training transcripts: cer_unseen, wer_unseen, unseen_utterances; the test split's
+    voices are new, but a short transcript from the small grammar often is not); with `beam`,
+    prefix-beam search's on the first `beam_utterances` (the shortest: batches run in order of
+    length), and greedy decoding's on the same utterances, to compare the two (beam_greedy_cer,
+    beam_greedy_wer)."""
+    greedy, unseen, beam_rates, beam_greedy = (decoding.ErrorRates(), decoding.ErrorRates(),
+                                               decoding.ErrorRates(), decoding.ErrorRates())
+    unseen_utterances = 0
     beam_left = config.beam_utterances if beam else 0
     for batch in data.eval_batches(dataset, config.batch_size, config.frame_multiple,
                                    config.max_label_length):
@@ -274,13 +279,18 @@ def evaluate(graphdef, params, batch_stats, dataset, config: Config, beam: bool 
         references = [batch.transcripts[i] for i in real]
         hypotheses = decoding.greedy_decode(log_probs[real], mask[real])
         greedy.update(references, hypotheses)
+        new = [k for k, reference in enumerate(references) if reference not in seen]
+        unseen.update([references[k] for k in new], [hypotheses[k] for k in new])
+        unseen_utterances += len(new)
         if beam_left > 0:
             take = real[:beam_left]
             beam_rates.update([batch.transcripts[i] for i in take],
                               decoding.beam_decode(log_probs[take], mask[take], config.beam_width))
             beam_greedy.update([batch.transcripts[i] for i in take], hypotheses[:len(take)])
             beam_left -= len(take)
-    metrics = {"cer": greedy.cer, "wer": greedy.wer}
+    metrics = {"cer": greedy.cer, "wer": greedy.wer, "unseen_utterances": unseen_utterances,
+               "cer_unseen": unseen.cer if unseen_utterances else None,
+               "wer_unseen": unseen.wer if unseen_utterances else None}
     if beam:
         metrics |= {"beam_cer": beam_rates.cer, "beam_wer": beam_rates.wer,
                     "beam_greedy_cer": beam_greedy.cer, "beam_greedy_wer": beam_greedy.wer}
@@ -358,6 +368,7 @@ def train(config: Config, workdir: str | Path, cache_dir: str | Path | None = No
         train_set = data.load("train", config.train_utterances, config.data_seed,
                               config.sample_rate, cache_dir)
 
+    seen = frozenset(train_set.transcripts)  # evaluation also scores the test's other sentences
     steps_per_epoch = len(train_set) // config.batch_size
     graphdef, params, batch_stats, optimizer, train_step, broadcast = _training_functions(
         config.replace(epochs=0), steps_per_epoch, replicas)
@@ -396,8 +407,8 @@ def train(config: Config, workdir: str | Path, cache_dir: str | Path | None = No
         train_loss = float(np.mean([float(x) for x in losses]))
         train_seconds = time.perf_counter() - start
         is_last = epoch == config.epochs - 1
-        metrics = (evaluate(graphdef, params, batch_stats, test_set, config, beam=is_last)
-                   if replicas.is_main else {})
+        metrics = (evaluate(graphdef, params, batch_stats, test_set, config, beam=is_last,
+                            seen=seen) if replicas.is_main else {})
         if replicas.is_main:
             metrics["eval_seconds"] = time.perf_counter() - start - train_seconds
         elapsed += time.perf_counter() - start
@@ -433,6 +444,9 @@ def write_learning_curve(history: list[dict], workdir: Path):
     loss_axes.set(xlabel="epoch", ylabel="CTC loss (train)", yscale="log", title="training loss")
     error_axes.plot(epochs, [100 * h["cer"] for h in history], marker="o", label="CER (greedy)")
     error_axes.plot(epochs, [100 * h["wer"] for h in history], marker="o", label="WER (greedy)")
+    if all(h.get("cer_unseen") is not None for h in history):
+        error_axes.plot(epochs, [100 * h["cer_unseen"] for h in history], marker="o",
+                        linestyle="--", label="CER, sentences unseen in training")
     error_axes.set(xlabel="epoch", ylabel="%", title="held-out voices")
     error_axes.axhline(10, color="gray", linestyle=":", label="CER goal 10%")
     error_axes.legend()
