@@ -102,7 +102,10 @@ def test_gradient_through_a_pipeline_of_layers_not_finite_at_zero_equals_unshard
     layers = make_layers(rng, np.float64)
     microbatches = rng.standard_normal((5, 2, WIDTH))
     targets = rng.standard_normal((5, 2, WIDTH))
-    normalised = lambda p, h: (h / jnp.linalg.norm(h, axis=-1, keepdims=True)) @ p["w"] + p["b"]  # noqa: E731
+
+    def normalised(params, h):
+        return (h / jnp.linalg.norm(h, axis=-1, keepdims=True)) @ params["w"] + params["b"]
+
     m = mesh(n)
     apply = jax.jit(jax.shard_map(
         lambda p, x: pipeline.pipeline_apply(pipeline.scan_layers(normalised), p, x, "i"),

@@ -26,11 +26,11 @@ def send(x, axis_name, perm) -> None:
     `perm` holds (source, destination) pairs, as in ``ppermute``; devices that are no pair's
     source send nothing. A send does not wait for its receiver: the message is copied into the
     destination's mailbox, which holds 8 messages from each sender; a ninth send before the
-    receiver takes one waits for room (and times out naming the receiver). The matching ``recv`` (same `perm`, dtype and element count; shapes
-    are not compared) receives it, in the same program; sends and receives between two devices
-    are matched in program order. Neither differentiable
-    nor batchable: use ``ppermute``, whose transpose is the inverse permutation, in code you take
-    gradients of or vmap.
+    receiver takes one waits for room (and times out naming the receiver). The matching
+    ``recv`` (same `perm`, dtype and element count; shapes are not compared) receives it, in the
+    same program; sends and receives between two devices are matched in program order. Neither
+    differentiable nor batchable: use ``ppermute``, whose transpose is the inverse permutation,
+    in code you take gradients of or vmap.
     """
 
     perm = common.read_once(perm)

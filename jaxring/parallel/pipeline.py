@@ -128,7 +128,9 @@ def pipeline_apply(stage_fn, stage_params: PyTree, microbatches: PyTree, axis_na
         fresh = jax.tree.map(lambda mb: mb[jnp.minimum(t, count - 1)], microbatches)
         x = jax.tree.map(lambda f, c: jnp.where(stage == 0, f, c), fresh, carry)
         busy = (t >= stage) & (t < stage + count)  # microbatch t - stage is here
-        guarded = lambda params, x: lax.cond(busy, stage_fn, lambda _, x: x, params, x)  # noqa: E731
+        def guarded(params, x):
+            return lax.cond(busy, stage_fn, lambda _, x: x, params, x)
+
         output, carry = pipeline_step(guarded, stage_params, x, axis_name)
         return carry, output
 
