@@ -104,12 +104,15 @@ NATIVE_WAYS = {(collective, streamed): f"{NATIVE}[{collective}, {way}]"
                for way, streamed in (("plain", False), ("streamed", True))}
 
 
-def native_rows(n: int, nbytes: int, seconds: dict, prefix: str = "") -> list[dict]:
-    """The `{prefix}native floor[collective]` rows: the faster of NATIVE_WAYS' times in `seconds`
-    (case -> seconds per call, each way's case named with the same prefix), each way's kept
-    beside it."""
+def native_rows(n: int, nbytes: int, seconds: dict, prefix: str = "",
+                collectives=NATIVE_OF) -> list[dict]:
+    """The `{prefix}native floor[collective]` rows of `collectives`: the faster of NATIVE_WAYS'
+    times in `seconds` (case -> seconds per call, each way's case named with the same prefix),
+    each way's kept beside it."""
     rows = []
     for collective in NATIVE_OF:
+        if collective not in collectives:
+            continue
         ways = {prefix + name: seconds[prefix + name]
                 for (c, _), name in NATIVE_WAYS.items() if c == collective}
         rows.append({"devices": n, "bytes": _elements(collective, n, nbytes)[1],
@@ -201,13 +204,27 @@ def _min_rounds(nbytes: int) -> int:
 SHARED_INPUT_BYTES = 128 << 20
 
 
-def measure(n: int, nbytes: int) -> list[dict]:
-    """Every case at `nbytes` per device, the cases taking turns call by call."""
+def new_sizes(n: int, sizes: list[int]) -> list[tuple[int, frozenset]]:
+    """(size, the collectives to time at it) for each of `sizes` on n devices: those whose
+    measured size (_elements) no smaller one already gives. reduce_scatter's input rounds up to n
+    elements and all_gather's output to n, so on 4 and 8 devices 4 B and 16 B are one size."""
+    seen, plan = set(), []
+    for size in sizes:
+        fresh = frozenset(c for c in TWIN if (c, _elements(c, n, size)[1]) not in seen)
+        seen |= {(c, _elements(c, n, size)[1]) for c in fresh}
+        plan.append((size, fresh))
+    return plan
+
+
+def measure(n: int, nbytes: int, collectives=frozenset(TWIN)) -> list[dict]:
+    """Every case of `collectives` at `nbytes` per device, the cases taking turns call by
+    call."""
     mesh = jax.make_mesh((n,), ("i",), devices=jax.devices()[:n])
     runs, sizes, shared = {}, {}, {}
+    cases = [case for case in CASES if case[1] in collectives]
     floors = [(f"{FLOOR}[{collective}]", collective, None,
                lambda v, floor=floor: with_jaxring_effect(floor(v, n)))
-              for collective, floor in FLOOR_BODIES.items()]
+              for collective, floor in FLOOR_BODIES.items() if collective in collectives]
 
     def program(body, per_device, on=mesh, spec=P("i")):
         def make():
@@ -224,49 +241,53 @@ def measure(n: int, nbytes: int) -> list[dict]:
         f = jax.jit(jax.shard_map(body, mesh=on, in_specs=spec, out_specs=spec))
         return lambda: f(x).block_until_ready()
 
-    for name, collective, algorithm, body in CASES + floors:
+    for name, collective, algorithm, body in cases + floors:
         per_device, sizes[name] = _elements(collective, n, nbytes)
         runs[name] = program(body, per_device)
     alone = jax.make_mesh((n, 1), ("i", "j"), devices=jax.devices()[:n])
-    locals_ = [(f"{LOCAL}[{collective}]", collective) for collective in LOCAL_INPUT]
+    locals_ = [(f"{LOCAL}[{collective}]", collective) for collective in LOCAL_INPUT
+               if collective in collectives]
     for name, collective in locals_:
         per_device, sizes[name] = _elements(collective, n, nbytes)
         runs[name] = program(lambda v: jaxring.all_gather(v, "j"),
                              LOCAL_INPUT[collective](per_device, n), alone, P(("i", "j")))
-    for (collective, streamed), name in NATIVE_WAYS.items():
+    natives = {key: name for key, name in NATIVE_WAYS.items() if key[0] in collectives}
+    for (collective, streamed), name in natives.items():
         per_device, _ = _elements(collective, n, nbytes)
         runs[name] = program(lambda v, c=collective, s=streamed: native_floor(v, c, n, s),
                              per_device)
-    reads = [(f"{READ}[{collective}]", collective) for collective in READ_OF]
+    reads = [(f"{READ}[{collective}]", collective) for collective in READ_OF
+             if collective in collectives]
     for name, collective in reads:
         per_device, sizes[name] = _elements(collective, n, nbytes)
         runs[name] = program(lambda v, c=collective: native_floor(v, c, n, reads_only=True),
                              per_device)
+    copy_of = [collective for collective in COPY_FLOOR_OF if collective in collectives]
     copies = ({f"{COPY}[{way}]": copy for way, copy in COPY_WAYS.items()}
-              if nbytes >= COPY_FLOOR_BYTES else {})
+              if nbytes >= COPY_FLOOR_BYTES and copy_of else {})
     if copies:  # one pair of buffers for every way (2 x 2 GiB at 256 MiB on 8 devices)
         src = np.ones(n * nbytes // 4, np.float32)
         dst = np.empty_like(src)
     for name, copy in copies.items():
         runs[name] = copy_floor(src, dst, copy)
-    algorithms = {name: algorithm or "auto" for name, _, algorithm, _ in CASES + floors}
-    algorithms.update(dict.fromkeys([*copies, *NATIVE_WAYS.values(),
+    algorithms = {name: algorithm or "auto" for name, _, algorithm, _ in cases + floors}
+    algorithms.update(dict.fromkeys([*copies, *natives.values(),
                                      *(name for name, _ in locals_ + reads)], "auto"))
     medians = medians_in_turns(runs, budget_seconds=0.6, min_rounds=_min_rounds(nbytes),
                                context=lambda name: jaxring.config.override(
                                    algorithm=algorithms[name]))
     rows = []
-    for name, collective in [(c[0], c[1]) for c in CASES + floors] + locals_ + reads:
+    for name, collective in [(c[0], c[1]) for c in cases + floors] + locals_ + reads:
         algbw = sizes[name] / medians[name] / 1e9
         rows.append({"devices": n, "bytes": sizes[name], "case": name, "collective": collective,
                      "seconds": medians[name], "algbw_GBps": algbw,
                      "busbw_GBps": algbw * bus_factor(collective, n)})
-    rows += native_rows(n, nbytes, medians)
+    rows += native_rows(n, nbytes, medians, collectives=collectives)
     if copies:
         rows += [{"devices": n, "bytes": nbytes, "case": f"{COPY}[{collective}]",
                   "collective": collective, "seconds": min(medians[c] for c in copies),
                   "copies_seconds": {c: medians[c] for c in copies}}
-                 for collective in COPY_FLOOR_OF]
+                 for collective in copy_of]
     return rows
 
 
@@ -361,8 +382,8 @@ def donated_loop(step, mesh, repeats: int):
                    donate_argnums=0)
 
 
-def measure_in_loop(n: int, nbytes: int) -> list[dict]:
-    """Per collective inside one compiled loop that feeds each result to the next, with nothing
+def measure_in_loop(n: int, nbytes: int, collectives=frozenset(TWIN)) -> list[dict]:
+    """Per collective of `collectives` inside one compiled loop that feeds each result to the next, with nothing
     else in the loop: the collective's own cost, without the program launch that dominates a lone
     call's. The loop runs at least 64 times up to 2 MiB and fewer above (8 from 16 MiB to 64 MiB):
     each program still pays one launch, jaxring's dearer for its ordered effect, and a short loop
@@ -378,17 +399,22 @@ def measure_in_loop(n: int, nbytes: int) -> list[dict]:
     sharding = NamedSharding(mesh, P("i"))
     repeats = loop_repeats(nbytes)
     runs, sizes, inputs = {}, {}, {}
+    cases = {name: case for name, case in LOOP_CASES.items() if case[0] in collectives}
     natives = {}
     if nbytes >= LOOP_NATIVE_BYTES:
         for (collective, streamed), name in NATIVE_WAYS.items():
+            if collective not in collectives:
+                continue
             one_pass = _native_pass(collective, streamed)
             natives[name] = (collective, one_pass)
             natives[SYNCED + name] = (collective, _synced(one_pass))
         for collective in READ_OF:
+            if collective not in collectives:
+                continue
             read = f"{READ}[{collective}]"
             natives[SYNCED + read] = (collective, _synced(LOOP_CASES[read][1]))
     starts = {}  # per_device -> the start values, which the cases of that size share (read only)
-    for name, (collective, one_pass) in {**LOOP_CASES, **natives}.items():
+    for name, (collective, one_pass) in {**cases, **natives}.items():
         per_device, sizes[name] = _elements(collective, n, nbytes)
         if per_device not in starts:
             starts[per_device] = (np.random.default_rng(0).standard_normal(
@@ -412,12 +438,15 @@ def measure_in_loop(n: int, nbytes: int) -> list[dict]:
 
     medians = medians_in_turns(runs, budget_seconds=0.6, min_rounds=_min_rounds(nbytes),
                                context=fresh_input)
-    rows = [{"devices": n, "bytes": sizes[name], "case": name, "collective": LOOP_CASES[name][0],
-             "seconds": medians[name] / repeats} for name in LOOP_CASES]
+    rows = [{"devices": n, "bytes": sizes[name], "case": name, "collective": cases[name][0],
+             "seconds": medians[name] / repeats} for name in cases]
     if natives:
         seconds = {name: medians[name] / repeats for name in natives}
-        rows += native_rows(n, nbytes, seconds) + native_rows(n, nbytes, seconds, SYNCED)
+        rows += (native_rows(n, nbytes, seconds, collectives=collectives)
+                 + native_rows(n, nbytes, seconds, SYNCED, collectives))
         for collective in READ_OF:
+            if collective not in collectives:
+                continue
             name = f"{SYNCED}{READ}[{collective}]"
             rows.append({"devices": n, "bytes": sizes[name], "case": name,
                          "collective": collective, "seconds": seconds[name]})
@@ -620,10 +649,11 @@ def main(argv=None) -> None:
     env = environment()
     ceiling = memory_bandwidth_gbps()
     print(f"{env['device']}; memory copy bandwidth {ceiling:.1f} GB/s", flush=True)
+    plans = {n: new_sizes(n, sizes) for n in counts}
     rows = []
     for n in counts:
-        for size in sizes:
-            new = measure(n, size)
+        for size, collectives in plans[n]:
+            new = measure(n, size, collectives)
             rows += new
             psum = next(r for r in new if r["case"] == "lax.psum")["seconds"]
             ours = next(r for r in new if r["case"] == "jaxring.all_reduce")
@@ -634,13 +664,13 @@ def main(argv=None) -> None:
         return
     loop_rows = []
     for n in counts:
-        for size in sizes:
-            new = measure_in_loop(n, size)
+        for size, collectives in plans[n]:
+            new = measure_in_loop(n, size, collectives)
             loop_rows += new
             t = {r["case"]: r["seconds"] for r in new}
             print(f"n={n} {human_bytes(size):>9} in a loop, ratio to the twin: " + ", ".join(
                 f"{c} {t[f'jaxring.{c}'] / t[twin]:.2f}"
-                for c, twin in TWIN.items()), flush=True)
+                for c, twin in TWIN.items() if c in collectives), flush=True)
     env = environment()  # the CPU steal over the run, now that it is over
     text = (markdown(env, ceiling, rows, jaxring.config.get().huge_page_bytes) + "\n"
             + loop_markdown(loop_rows))
