@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import importlib.metadata
 import os
 import re
 import sys
@@ -234,10 +233,8 @@ def main() -> None:
                              for r in rows if r["bytes"] == nbytes)
             print(f"n={n} {human_bytes(nbytes):>9s}: {line}", flush=True)
     if rank == 0:
-        env = environment()
+        env = environment(MPI)
         env["device"] = GPU.device_kind
-        env["mpi"] = MPI.Get_library_version().splitlines()[0]
-        env["mpi4jax"] = importlib.metadata.version("mpi4jax")
         env["cuda_aware_mpi"] = [COMMS["jaxring[staged]"].cuda_aware_mpi,
                                  COMMS["jaxring[staged]"].cuda_aware_mpi_source]
         env["mps"] = mps_is_running()

@@ -31,7 +31,6 @@ benchmarks/results/allreduce_mpi-cpu-n{N}.{json,md,png}.
 from __future__ import annotations
 
 import argparse
-import importlib.metadata
 import os
 import sys
 import time
@@ -297,9 +296,7 @@ def main() -> None:
             print(f"n={n} {human_bytes(nbytes):>9s}: {line}", flush=True)
     binding = rank_binding(WORLD)
     if COMM.rank == 0:
-        env = environment()
-        env["mpi"] = MPI.Get_library_version().splitlines()[0]
-        env["mpi4jax"] = importlib.metadata.version("mpi4jax")
+        env = environment(MPI)
         bound, env["binding"] = binding
         name = args.name or f"allreduce_mpi-cpu-n{n}" + ("-bound" if bound else "")
         write_results(name, {"environment": env, "ranks": n, "copy_bandwidth_gbps": ceiling,

@@ -309,13 +309,25 @@ def code_version() -> str:
     return commit.stdout.strip() + ("+changes" if dirty.stdout.strip() else "")
 
 
-def environment() -> dict:
+def environment(mpi=None) -> dict:
+    """The machine and the versions a result was measured with; given mpi4py's `MPI`, also the
+    MPI library's and the MPI packages' (mpi4jax: None where it is not installed)."""
+    import importlib.metadata
+
     import jax
     import jaxlib
 
     from jaxring._src import native
 
     devices = jax.devices()
+    versions = {}
+    if mpi is not None:
+        versions["mpi"] = mpi.Get_library_version().strip(" \n\x00").splitlines()[0]
+        for package in ("mpi4py", "mpi4jax"):
+            try:
+                versions[package] = importlib.metadata.version(package)
+            except importlib.metadata.PackageNotFoundError:
+                versions[package] = None
     return {
         "device": (f"cpu x{len(devices)} host devices" if devices[0].platform == "cpu" else
                    f"{devices[0].device_kind} x{len(devices)}"),
@@ -326,9 +338,11 @@ def environment() -> dict:
         "python": platform.python_version(),
         "jax": jax.__version__,
         "jaxlib": jaxlib.__version__,
+        "numpy": np.__version__,
         "jaxring_commit": code_version(),
         "date": time.strftime("%Y-%m-%d"),
         "cpu_steal_percent": cpu_steal_percent(),
+        **versions,
     }
 
 

@@ -102,7 +102,7 @@ def main() -> None:
     binding = rank_binding(WORLD)
     if rank != 0:
         return
-    env = environment()
+    env = environment(MPI)
     bound, env["binding"] = binding
     for row in rows:
         print(f"n={n} {row['case']:40s} {row['passes_per_s']:9.1f} passes/s  "
