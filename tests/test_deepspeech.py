@@ -272,13 +272,34 @@ def test_error_rates():
     assert decoding.edit_distance("kitten", "sitting") == 3
 
 
+def expected_parameters(config) -> int:
+    """Deep Speech 2's parameter count from its configuration, as the README's table gives it:
+    convolutions without bias, each batch-normalised (scale and bias); per bidirectional GRU layer
+    one input projection for 3 gates x 2 directions, batch-normalised, and per direction
+    recurrent weights and biases for 3 gates; a dense layer and the output layer, with biases."""
+    frequency, channels, count = data.feature_size(config.sample_rate), 1, 0
+    for out, (kt, kf), (_, sf) in zip(config.conv_channels, config.conv_kernels,
+                                      config.conv_strides):
+        count += kt * kf * channels * out + 2 * out
+        frequency, channels = -(-frequency // sf), out
+    inputs, hidden = frequency * channels, config.rnn_hidden
+    for _ in range(config.rnn_layers):
+        count += inputs * 6 * hidden + 2 * 6 * hidden + 2 * (hidden * 3 * hidden + 3 * hidden)
+        inputs = hidden
+    return count + (inputs + 1) * config.dense + (config.dense + 1) * data.NUM_CLASSES
+
+
 def test_configs_from_tiny_to_paper():
+    counts = {}
     for name in ("tiny", "small", "paper"):
         config = configs.get_config(name)
         model = jax.eval_shape(lambda c=config: nnx.state(
             training.create_model(c, 0), nnx.Param))
-        count = sum(math.prod(x.shape) for x in jax.tree.leaves(model))
-        assert count > 0
+        counts[name] = sum(math.prod(x.shape) for x in jax.tree.leaves(model))
+        assert counts[name] == expected_parameters(config), name
+    # The README's table: 0.83 M, 6.4 M and 267 M.
+    assert (round(counts["tiny"] / 1e6, 2), round(counts["small"] / 1e6, 1),
+            round(counts["paper"] / 1e6)) == (0.83, 6.4, 267)
     assert configs.get_config("tiny", rnn_layers="3", conv_kernels="[[3, 5]]").rnn_layers == 3
     # From Python, lists become tuples as on the command line: a config is a cache key.
     from_python = configs.get_config("tiny", conv_channels=[4], conv_kernels=[[3, 5]],
