@@ -32,7 +32,7 @@ SENTENCES = (
     "we present a deep neural network that generates raw audio",
 )
 DIGITS = ("zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine")
-_CACHE_VERSION = 2  # bump when generation changes, so old caches are not reused
+_CACHE_VERSION = 3  # bump when generation changes, so old caches are not reused
 
 
 def speech(voices, utterances_per_voice: int, sample_rate: int, rng) -> list[np.ndarray]:
@@ -80,8 +80,14 @@ def synthetic(seconds: float, sample_rate: int, rng) -> list[np.ndarray]:
     return clips
 
 
+SPLITS = ("train", "test", "test_synthetic")
+
+
 def load_dataset(config: Config, cache_dir) -> dict[str, np.ndarray]:
-    """{"train", "test"}: one long int32 mu-law stream each (clips joined by 50 ms of silence)."""
+    """One long int32 mu-law stream (clips joined by 50 ms of silence) per split: "train" (the
+    training voices' speech and synthetic clips, shuffled), "test" (speech of the held-out voice
+    alone) and "test_synthetic" (held-out synthetic clips, new draws of the training ones'
+    kinds)."""
     settings = dict(version=_CACHE_VERSION, rate=config.sample_rate,
                     per_voice=config.utterances_per_voice,
                     synthetic=config.synthetic_seconds, seed=config.seed,
@@ -91,19 +97,19 @@ def load_dataset(config: Config, cache_dir) -> dict[str, np.ndarray]:
     path = Path(cache_dir) / f"wavenet-data-{digest}.npz"
     if path.exists():
         with np.load(path) as data:
-            return {"train": data["train"], "test": data["test"]}
+            return {split: data[split] for split in SPLITS}
     rng = np.random.default_rng(config.seed)
     train = speech(TRAIN_VOICES, config.utterances_per_voice, config.sample_rate, rng)
     train += synthetic(config.synthetic_seconds, config.sample_rate, rng)
     test = speech(TEST_VOICES, max(2, config.utterances_per_voice // 2), config.sample_rate, rng)
-    test += synthetic(max(1.0, config.synthetic_seconds / 5), config.sample_rate, rng)
+    test_synthetic = synthetic(max(1.0, config.synthetic_seconds / 5), config.sample_rate, rng)
     rng.shuffle(train)
     silence = np.zeros(config.sample_rate // 20, np.float32)
     levels = config.model.quantization_levels
     dataset = {
         name: audio.mu_law_encode(np.concatenate([x for clip in clips for x in (clip, silence)]),
                                   levels)
-        for name, clips in (("train", train), ("test", test))
+        for name, clips in zip(SPLITS, (train, test, test_synthetic))
     }
     path.parent.mkdir(parents=True, exist_ok=True)
     np.savez(path, **dataset)
@@ -121,5 +127,8 @@ def random_crops(stream: np.ndarray, batch: int, length: int, rng, context: int 
 def evaluation_crops(stream: np.ndarray, count: int, length: int, context: int = 0) -> np.ndarray:
     """Evenly spaced crops as random_crops', the same every epoch."""
     span = context + length
+    if len(stream) <= span:
+        raise ValueError(f"a held-out stream of {len(stream)} samples is too short for a crop of "
+                         f"{span + 1} (context {context} + length {length} + 1)")
     starts = np.linspace(0, len(stream) - span - 1, count).astype(np.int64)
     return np.stack([stream[s: s + span + 1] for s in starts])

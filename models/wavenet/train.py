@@ -121,6 +121,9 @@ def plot_learning_curve(path, history: list[dict]) -> None:
     figure, axis = plt.subplots(figsize=(6, 4))
     axis.plot(epochs, [h["train_nll"] for h in history], "o-", label="train")
     axis.plot(epochs, [h["test_nll"] for h in history], "s-", label="held-out voice")
+    # (histories from before 2026-12-06 have none, and their test NLL counted synthetic clips)
+    axis.plot(epochs, [h.get("test_synthetic_nll", np.nan) for h in history], "^-",
+              label="held-out synthetic")
     axis.set_xlabel("epoch")
     axis.set_ylabel("NLL (nats / sample)")
     axis.set_title("WaveNet learning curve")
@@ -147,8 +150,9 @@ def train_and_evaluate(config: Config, workdir) -> list[dict]:
     save_config(config, workdir)
     data = input_pipeline.load_dataset(config, workdir / "data")
     context = model.receptive_field(config.model) - 1
-    eval_crops = jnp.asarray(input_pipeline.evaluation_crops(
-        data["test"], config.eval_crops, config.crop_length, context))
+    eval_crops = {split: jnp.asarray(input_pipeline.evaluation_crops(
+        data[split], config.eval_crops, config.crop_length, context))
+        for split in ("test", "test_synthetic")}
     net, optimizer = create_model(config)
     first_epoch = restore(manager, net, optimizer)
     metrics_path = workdir / "metrics.json"
@@ -168,11 +172,13 @@ def train_and_evaluate(config: Config, workdir) -> list[dict]:
                                                 config.crop_length, rng, context)
             losses.append(float(train_step(net, optimizer, jnp.asarray(crops), context)))
             bar.set_postfix(nll=f"{losses[-1]:.3f}")
-        test_nll = held_out_nll(net, eval_crops, config.batch_size, context)
+        test_nll, synthetic_nll = (held_out_nll(net, eval_crops[split], config.batch_size,
+                                                context) for split in eval_crops)
         history.append({"epoch": epoch, "train_nll": float(np.mean(losses)),
-                        "test_nll": test_nll, "step_losses": losses})
-        print(f"epoch {epoch}: train NLL {history[-1]['train_nll']:.4f}, "
-              f"held-out NLL {test_nll:.4f} nats/sample")
+                        "test_nll": test_nll, "test_synthetic_nll": synthetic_nll,
+                        "step_losses": losses})
+        print(f"epoch {epoch}: train NLL {history[-1]['train_nll']:.4f}, held-out voice NLL "
+              f"{test_nll:.4f}, held-out synthetic NLL {synthetic_nll:.4f} nats/sample")
         # The history first, whole or not at all: a run stopped before the checkpoint resumes
         # from the previous one and cuts the history back to it, while a checkpoint without its
         # epoch's history would resume with that epoch missing.
