@@ -48,8 +48,8 @@ def all_gather(x, axis_name, axis: int = 0, tiled: bool = True):
     return jax.tree.map(gather_leaf, x)
 
 
-def _bind(x, comm: common.AxisCommunicator):
-    return common.bind_collective(all_gather_p, x, comm)
+def _bind(x, comm: common.AxisCommunicator, op_id: int | None = None):
+    return common.bind_collective(all_gather_p, x, comm, op_id)
 
 
 # ---- abstract evaluation -----------------------------------------------------------------------
@@ -75,7 +75,8 @@ def _batching(args, dims, *, comm, op_id):
     rank, group, x = args
     common.check_unbatched(comm, dims[0], dims[1])
     x = common.move_batch_axis(x, dims[2], 1)
-    return all_gather_p.bind(rank, group, x, comm=comm, op_id=common.next_op_id(comm)), 1
+    return all_gather_p.bind(rank, group, x, comm=comm,
+                             op_id=common.next_op_id(comm, op_id, "batch")), 1
 
 
 # ---- JVP and transpose -------------------------------------------------------------------------
@@ -86,7 +87,7 @@ def _jvp(primals, tangents, *, comm, op_id):
     out = all_gather_p.bind(rank, group, x, comm=comm, op_id=op_id)
     if type(tangents[2]) is ad.Zero:
         return out, ad.Zero.from_primal_value(out)
-    return out, _bind(tangents[2], comm)
+    return out, _bind(tangents[2], comm, common.next_op_id(comm, op_id, "jvp"))
 
 
 def _transpose(cotangent, rank, group, x, *, comm, op_id):
@@ -94,7 +95,8 @@ def _transpose(cotangent, rank, group, x, *, comm, op_id):
 
     if type(cotangent) is ad.Zero:
         return None, None, ad.Zero(x.aval)
-    return None, None, reduce_scatter._bind(cotangent, comm, "sum")
+    return None, None, reduce_scatter._bind(cotangent, comm, "sum",
+                                            common.next_op_id(comm, op_id, "transpose"))
 
 
 # ---- registration ------------------------------------------------------------------------------

@@ -59,9 +59,10 @@ def all_reduce(x, axis_name, op: str = "sum", *, in_place: bool | None = None):
     return jax.tree.map(reduce_leaf, x)
 
 
-def _bind(x, comm: common.AxisCommunicator, op: str, in_place: bool | None = None):
+def _bind(x, comm: common.AxisCommunicator, op: str, in_place: bool | None = None,
+          op_id: int | None = None):
     in_place = common.in_place_pays(x) if in_place is None else bool(in_place)
-    return common.bind_collective(all_reduce_p, x, comm, op=op, in_place=in_place)
+    return common.bind_collective(all_reduce_p, x, comm, op_id, op=op, in_place=in_place)
 
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(1, 2))
@@ -124,7 +125,7 @@ def _batching(args, dims, *, comm, op, op_id, in_place):
     common.check_unbatched(comm, dims[0], dims[1])
     # Elementwise across devices: the batch dimension just rides along.
     return all_reduce_p.bind(rank, group, x, comm=comm, op=op, in_place=in_place,
-                             op_id=common.next_op_id(comm)), dims[2]
+                             op_id=common.next_op_id(comm, op_id, "batch")), dims[2]
 
 
 # ---- JVP and transpose -------------------------------------------------------------------------
@@ -136,9 +137,11 @@ def _jvp(primals, tangents, *, comm, op, op_id, in_place):
     tangent = tangents[2]
     if type(tangent) is ad.Zero:
         return out, ad.Zero.from_primal_value(out)
+    tangent_id = common.next_op_id(comm, op_id, "jvp")
     if op in ("sum", "mean"):
-        return out, _bind(tangent, comm, op)
-    return out, _winners_tangent(x, out, tangent, lambda v: _bind(v, comm, "sum"))
+        return out, _bind(tangent, comm, op, op_id=tangent_id)
+    return out, _winners_tangent(x, out, tangent,
+                                 lambda v: _bind(v, comm, "sum", op_id=tangent_id))
 
 
 def _transpose(cotangent, rank, group, x, *, comm, op, op_id, in_place):
@@ -150,7 +153,7 @@ def _transpose(cotangent, rank, group, x, *, comm, op, op_id, in_place):
         # As psum under shard_map's type checker: an invariant cotangent is cast back to varying.
         ct = common.make_varying(cotangent, comm.axes)
     else:
-        ct = _bind(cotangent, comm, "sum")
+        ct = _bind(cotangent, comm, "sum", op_id=common.next_op_id(comm, op_id, "transpose"))
     if op == "mean":
         ct = ct / np.asarray(comm.size, ct.dtype)
     return None, None, ct

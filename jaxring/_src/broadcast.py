@@ -42,8 +42,8 @@ def broadcast(x, axis_name, root: int = 0):
     return jax.tree.map(broadcast_leaf, x)
 
 
-def _bind(x, comm: common.AxisCommunicator, root: int):
-    return common.bind_collective(broadcast_p, x, comm, root=root)
+def _bind(x, comm: common.AxisCommunicator, root: int, op_id: int | None = None):
+    return common.bind_collective(broadcast_p, x, comm, op_id, root=root)
 
 
 # ---- abstract evaluation -----------------------------------------------------------------------
@@ -71,7 +71,7 @@ def _batching(args, dims, *, comm, root, op_id):
     rank, group, x = args
     common.check_unbatched(comm, dims[0], dims[1])
     return broadcast_p.bind(rank, group, x, comm=comm, root=root,
-                            op_id=common.next_op_id(comm)), dims[2]
+                            op_id=common.next_op_id(comm, op_id, "batch")), dims[2]
 
 
 # ---- JVP and transpose -------------------------------------------------------------------------
@@ -82,7 +82,7 @@ def _jvp(primals, tangents, *, comm, root, op_id):
     out = broadcast_p.bind(rank, group, x, comm=comm, root=root, op_id=op_id)
     if type(tangents[2]) is ad.Zero:
         return out, ad.Zero.from_primal_value(out)
-    return out, _bind(tangents[2], comm, root)
+    return out, _bind(tangents[2], comm, root, common.next_op_id(comm, op_id, "jvp"))
 
 
 def _transpose(cotangent, rank, group, x, *, comm, root, op_id):
@@ -94,7 +94,9 @@ def _transpose(cotangent, rank, group, x, *, comm, root, op_id):
         # The result is one (invariant) value, so its cotangent is already the total.
         total = common.make_varying(cotangent, comm.axes)
     else:
-        total = common.make_varying(all_reduce._bind(cotangent, comm, "sum"), comm.axes)
+        total = common.make_varying(all_reduce._bind(
+            cotangent, comm, "sum", op_id=common.next_op_id(comm, op_id, "transpose")),
+            comm.axes)
     return None, None, jnp.where(rank == root, total, jnp.zeros_like(total))
 
 

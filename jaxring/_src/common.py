@@ -233,21 +233,29 @@ _LIBRARY_DIRS = (os.path.dirname(jax.__file__) + os.sep,
                  os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep)
 
 
-def next_op_id(comm: "AxisCommunicator") -> int:
+def next_op_id(comm: "AxisCommunicator", derived_from: int | None = None, role: str = "") -> int:
     """A static id for one call site, carried in the header peers compare.
 
     The devices of a mesh share one trace, so a counter serves. Processes trace on their own,
     and may trace different numbers of calls (a rank-dependent branch, a retrace on one rank), so
     for a process communicator the id comes from the calling source line instead: it is the same
-    in every process that runs the same code, and differs between call sites."""
+    in every process that runs the same code, and differs between call sites. A collective that
+    a JVP, transpose or batching rule binds for another takes its id from that one's
+    (`derived_from`, with the rule's `role`): those rules run where the program is differentiated
+    or batched (the line that calls `jax.grad`'s function, say), which may differ between ranks
+    that run the same loss."""
     if comm.process_rank is None:
         return next(_op_ids)
-    frame = sys._getframe(1)
-    while frame is not None and frame.f_code.co_filename.startswith(_LIBRARY_DIRS):
-        frame = frame.f_back
-    if frame is None:
-        return 0
-    site = f"{os.path.basename(frame.f_code.co_filename)}:{frame.f_code.co_name}:{frame.f_lineno}"
+    if derived_from is not None:
+        site = f"{derived_from}:{role}"
+    else:
+        frame = sys._getframe(1)
+        while frame is not None and frame.f_code.co_filename.startswith(_LIBRARY_DIRS):
+            frame = frame.f_back
+        if frame is None:
+            return 0
+        code = frame.f_code
+        site = f"{os.path.basename(code.co_filename)}:{code.co_name}:{frame.f_lineno}"
     return int.from_bytes(hashlib.blake2b(site.encode(), digest_size=3).digest(), "little")
 
 
@@ -386,12 +394,14 @@ def point_to_point_communicator(name: str, axis_name) -> AxisCommunicator:
     return communicator(name, axis_name)
 
 
-def bind_collective(primitive, x, comm: AxisCommunicator, **params):
-    """Binds `primitive` to (rank, group, x) for a fresh call site; x becomes varying over the
-    communicator's axes first, as lax collectives do for invariant inputs."""
+def bind_collective(primitive, x, comm: AxisCommunicator, op_id: int | None = None, **params):
+    """Binds `primitive` to (rank, group, x) for a fresh call site, or with `op_id` (a rule's,
+    next_op_id); x becomes varying over the communicator's axes first, as lax collectives do for
+    invariant inputs."""
     rank, group = comm.rank_and_group()
     x = make_varying(x, comm.axes)
-    return primitive.bind(rank, group, x, comm=comm, op_id=next_op_id(comm), **params)
+    return primitive.bind(rank, group, x, comm=comm,
+                          op_id=next_op_id(comm) if op_id is None else op_id, **params)
 
 
 # ---- writing the result over the operand ---------------------------------------------------------

@@ -43,8 +43,8 @@ def ppermute(x, axis_name, perm):
     return jax.tree.map(permute_leaf, x)
 
 
-def _bind(x, comm: common.AxisCommunicator, perm):
-    return common.bind_collective(ppermute_p, x, comm, perm=perm)
+def _bind(x, comm: common.AxisCommunicator, perm, op_id: int | None = None):
+    return common.bind_collective(ppermute_p, x, comm, op_id, perm=perm)
 
 
 # ---- abstract evaluation -----------------------------------------------------------------------
@@ -70,7 +70,7 @@ def _batching(args, dims, *, comm, perm, op_id):
     common.check_unbatched(comm, dims[0], dims[1])
     # The permutation moves whole per-device blocks: the batch dimension rides along.
     return ppermute_p.bind(rank, group, x, comm=comm, perm=perm,
-                           op_id=common.next_op_id(comm)), dims[2]
+                           op_id=common.next_op_id(comm, op_id, "batch")), dims[2]
 
 
 # ---- JVP and transpose -------------------------------------------------------------------------
@@ -81,14 +81,15 @@ def _jvp(primals, tangents, *, comm, perm, op_id):
     out = ppermute_p.bind(rank, group, x, comm=comm, perm=perm, op_id=op_id)
     if type(tangents[2]) is ad.Zero:
         return out, ad.Zero.from_primal_value(out)
-    return out, _bind(tangents[2], comm, perm)
+    return out, _bind(tangents[2], comm, perm, common.next_op_id(comm, op_id, "jvp"))
 
 
 def _transpose(cotangent, rank, group, x, *, comm, perm, op_id):
     if type(cotangent) is ad.Zero:
         return None, None, ad.Zero(x.aval)
     inverse = tuple((d, s) for s, d in perm)
-    return None, None, _bind(cotangent, comm, inverse)
+    return None, None, _bind(cotangent, comm, inverse,
+                             common.next_op_id(comm, op_id, "transpose"))
 
 
 # ---- registration ------------------------------------------------------------------------------

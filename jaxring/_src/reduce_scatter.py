@@ -63,8 +63,8 @@ def _canonical_dimension(dim: int, ndim: int) -> int:
     return index % ndim
 
 
-def _bind(x, comm: common.AxisCommunicator, op: str):
-    return common.bind_collective(reduce_scatter_p, x, comm, op=op)
+def _bind(x, comm: common.AxisCommunicator, op: str, op_id: int | None = None):
+    return common.bind_collective(reduce_scatter_p, x, comm, op_id, op=op)
 
 
 # ---- abstract evaluation -----------------------------------------------------------------------
@@ -94,7 +94,7 @@ def _batching(args, dims, *, comm, op, op_id):
     # The leading dimension is the scattered one, so the batch dimension goes second.
     x = common.move_batch_axis(x, dims[2], 1)
     return reduce_scatter_p.bind(rank, group, x, comm=comm, op=op,
-                                 op_id=common.next_op_id(comm)), 1
+                                 op_id=common.next_op_id(comm, op_id, "batch")), 1
 
 
 # ---- JVP and transpose -------------------------------------------------------------------------
@@ -108,7 +108,7 @@ def _jvp(primals, tangents, *, comm, op, op_id):
         return out, ad.Zero.from_primal_value(out)
     if op not in ("sum", "mean"):
         raise NotImplementedError(f"jaxring.reduce_scatter: no derivative for op={op!r}")
-    return out, _bind(tangent, comm, op)
+    return out, _bind(tangent, comm, op, common.next_op_id(comm, op_id, "jvp"))
 
 
 def _transpose(cotangent, rank, group, x, *, comm, op, op_id):
@@ -116,7 +116,7 @@ def _transpose(cotangent, rank, group, x, *, comm, op, op_id):
 
     if type(cotangent) is ad.Zero:
         return None, None, ad.Zero(x.aval)
-    ct = all_gather._bind(cotangent, comm)
+    ct = all_gather._bind(cotangent, comm, common.next_op_id(comm, op_id, "transpose"))
     if op == "mean":
         ct = ct / np.asarray(comm.size, ct.dtype)
     return None, None, ct

@@ -238,6 +238,45 @@ def test_grad_of_max_and_min_goes_to_the_winning_rank(op, size):
     np.testing.assert_allclose(np.asarray(grad), expected, rtol=1e-12, atol=1e-12)
 
 
+def on_rank_dependent_lines(f, *args):
+    """f(*args), called from one line on even ranks and another on odd ones."""
+    if COMM.rank % 2 == 0:
+        return f(*args)
+    return f(*args)
+
+
+def test_rules_take_their_op_ids_from_the_call_they_derive_from():
+    """Transposes, and JVPs and batching of a function already traced (an inner jit), bind their
+    collectives while the program is differentiated or batched, on the line that started it,
+    which ranks running the same loss may reach from different lines. Their op ids derive from
+    the call they come from (common.next_op_id): taken from that line, they differed between
+    such ranks, which refused each other's calls as mismatched."""
+    rng = np.random.default_rng(COMM.rank + 45)
+    x = rng.standard_normal(3 * COMM.size)
+    w = rng.standard_normal(3 * COMM.size)
+
+    def loss(v):
+        total = jaxring.all_reduce(jnp.sin(v), COMM)
+        part = jaxring.reduce_scatter(total * w, COMM, "mean")
+        whole = jaxring.all_gather(part ** 2, COMM)
+        top = jaxring.all_reduce(v, COMM, "max")
+        return jnp.sum(jaxring.broadcast(whole, COMM, root=COMM.size - 1) * w + top)
+
+    inner = jax.jit(loss)
+    makers = {
+        "grad": lambda: jax.jit(jax.grad(loss)),
+        "jvp of a jitted function": lambda: lambda v: jax.jvp(inner, (v,), (w,)),
+        "vmap of a jitted function": lambda: jax.vmap(jax.jit(jax.grad(loss)), in_axes=1),
+    }
+    arguments = {"vmap of a jitted function": np.stack([x, w], axis=1)}
+    for name, make in makers.items():
+        argument = arguments.get(name, x)
+        apart = jax.tree.map(np.asarray, on_rank_dependent_lines(make(), argument))
+        together = jax.tree.map(np.asarray, make()(argument))
+        for a, b in zip(jax.tree.leaves(apart), jax.tree.leaves(together)):
+            np.testing.assert_array_equal(a, b, err_msg=name)
+
+
 def test_calls_outside_jit():
     """Process communicators' operands are concrete, so calls need no jit (as with mpi4jax):
     each compiles on its own."""
