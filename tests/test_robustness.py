@@ -528,6 +528,62 @@ def test_up_to_32_devices_including_odd_counts():
     assert result.returncode == 0 and "ALL OK" in result.stdout, result.stderr[-3000:]
 
 
+_DISTRIBUTED = textwrap.dedent("""
+    import os, sys
+    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
+    import jax
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(f"localhost:{sys.argv[2]}", num_processes=2,
+                               process_id=int(sys.argv[1]))
+    import numpy as np, jaxring
+    from jax import lax
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+    devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
+    mesh = Mesh(np.array(devices).reshape(2, 2), ("p", "d"))  # "d": the devices of one process
+    values = np.random.default_rng(0).standard_normal((4, 3)).astype(np.float32)
+    x = jax.make_array_from_callback(values.shape, NamedSharding(mesh, P(("p", "d"))),
+                                     lambda index: values[index])
+
+    def run(f, axis):
+        g = jax.jit(jax.shard_map(lambda v: f(v, axis), mesh=mesh, in_specs=P(("p", "d")),
+                                  out_specs=P(("p", "d"))))
+        return {s.device.id: np.asarray(s.data) for s in g(x).addressable_shards}
+
+    try:
+        run(jaxring.all_reduce, ("p", "d"))
+        raise SystemExit("a collective over devices of two processes was not refused")
+    except ValueError as e:
+        assert "spans 2 processes (jax.distributed)" in str(e) and "jaxring.mpi" in str(e), e
+    ours, theirs = run(jaxring.all_reduce, "d"), run(lax.psum, "d")
+    assert ours.keys() == theirs.keys() and len(ours) == 2
+    for device in ours:
+        np.testing.assert_allclose(ours[device], theirs[device], rtol=1e-6)
+    print("ALL OK")
+""")
+
+
+def test_a_mesh_axis_across_jax_distributed_processes_is_refused():
+    """Under jax.distributed a mesh may span processes, and a collective over devices of several
+    of them is refused as it lowers (it once waited for peers that never come to this process,
+    for the whole timeout), while an axis within each process works, as lax.psum."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        port = str(s.getsockname()[1])
+    env = dict(os.environ, JAXRING_TIMEOUT_SECONDS="10")
+    procs = [subprocess.Popen([sys.executable, "-c", _DISTRIBUTED, str(i), port], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for i in range(2)]
+    try:
+        outputs = [proc.communicate(timeout=180) for proc in procs]
+    finally:
+        for proc in procs:
+            proc.kill()
+    for proc, (out, err) in zip(procs, outputs):
+        assert proc.returncode == 0 and "ALL OK" in out, err[-3000:]
+
+
 _ONE_CORE = textwrap.dedent("""
     import os
     os.sched_setaffinity(0, [min(os.sched_getaffinity(0))])  # before XLA starts its threads

@@ -515,6 +515,8 @@ def lower_collective(target: str, ctx, *operands, comm: AxisCommunicator, op_id:
             f"program runs on {devices} devices of this process. Every one of them would act as "
             "the same rank; run one device per process, or use a mesh axis between the devices "
             "of one process")
+    if comm.process_rank is None:
+        _refuse_groups_across_processes(target, ctx, comm)
     token = ctx.tokens_in.get(collective_effect)
     if comm.process_rank is None and _moves_nothing(ctx):
         # A zero-size argument of a shard_map or pmap body must stay unused: jaxlib 0.11.2's SPMD
@@ -572,6 +574,30 @@ def _program_device_count(ctx) -> int:
     if mesh is not None:
         return mesh.size
     return getattr(axis_context, "num_devices", 1)
+
+
+def _refuse_groups_across_processes(target: str, ctx, comm: AxisCommunicator) -> None:
+    """A mesh axis communicates between the devices of one process (its devices meet in this
+    process's memory). Under jax.distributed a mesh may span processes; a collective whose group
+    of devices does is refused as it lowers, where its devices would wait for peers that never
+    come to this process and time out."""
+    if jax.process_count() == 1:
+        return
+    mesh = getattr(ctx.module_context.axis_context, "mesh", None)
+    devices = getattr(mesh, "devices", None)
+    if devices is None:
+        return
+    names = list(mesh.axis_names)
+    order = [names.index(a) for a in names if a not in comm.axes] + [names.index(a)
+                                                                    for a in comm.axes]
+    groups = np.vectorize(lambda d: d.process_index)(np.transpose(devices, order))
+    groups = groups.reshape(-1, comm.size)
+    if (groups != groups[:, :1]).any():
+        raise ValueError(
+            f"{target}: {comm.name} spans {len(np.unique(groups))} processes (jax.distributed), "
+            "but jaxring's mesh-axis collectives run between the devices of one process. Across "
+            "processes use a jaxring.mpi communicator (one device per process under mpiexec), "
+            "or jax.lax collectives; a mesh axis within each process works")
 
 
 def _refuse_nested_shard_maps_jaxlib_cannot_compile() -> None:
