@@ -835,6 +835,16 @@ def test_unsupported_op_and_bad_arguments():
                    lambda v: jaxring.recv(v, "i", [(0, 1)])):
         with pytest.raises(ValueError, match="a vmap axis named like mesh axis 'i' hides it"):
             shmap(jax.vmap(hidden, axis_name="i"), m)(x)
+    # The vmap hides the other mesh axis, which numbers the groups, and is named (it once named
+    # the collective's own axis).
+    grid = jax.make_mesh((2, 2), ("d", "i"), devices=jax.devices()[:4])
+    with pytest.raises(ValueError, match="a vmap axis named like mesh axis 'd' hides it"):
+        shmap(jax.vmap(lambda v: jaxring.all_reduce(v, "i"), axis_name="d"), grid,
+              in_specs=P("d", "i"), out_specs=P("d", "i"))(
+                  shard(np.zeros((2, 2, 6), np.float32), grid, P("d", "i")))
+    with pytest.raises(ValueError, match=r"axis must be an int in \[-1, 1\) for an input of "
+                                         r"rank 0, tiled \(a vector of one\), got 1"):
+        shmap(lambda v: jaxring.all_gather(v[0, 0], "i", axis=1), m)(x)
     with pytest.raises(ValueError, match=r"axis names repeat in \('i', 'i'\)"):
         shmap(lambda v: jaxring.all_reduce(v, ("i", "i")), m)(x)
     with pytest.raises(ValueError, match="algorithm must be"):

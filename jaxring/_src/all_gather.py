@@ -31,14 +31,15 @@ def all_gather(x, axis_name, axis: int = 0, tiled: bool = True):
         leaf = jnp.asarray(leaf)
         common.check_dtype("all_gather", leaf)
         comm = common.communicator("all_gather", axis_name)
-        if tiled and leaf.ndim == 0:
+        given = leaf.ndim
+        if tiled and given == 0:
             leaf = leaf[None]
         index = common.as_index(axis)
         rank = leaf.ndim + (not tiled)  # of the input the ring concatenates
         if index is None or not -rank <= index < rank:
+            how = ", untiled" if not tiled else ", tiled (a vector of one)" if given == 0 else ""
             raise ValueError(f"jaxring.all_gather: axis must be an int in [{-rank}, {rank}) for "
-                             f"an input of rank {leaf.ndim}{'' if tiled else ', untiled'}, got "
-                             f"{axis!r}")
+                             f"an input of rank {given}{how}, got {axis!r}")
         dim = index % rank
         if not tiled:
             leaf = jnp.expand_dims(leaf, dim)

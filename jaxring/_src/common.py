@@ -668,6 +668,9 @@ def check_unbatched(comm: AxisCommunicator, rank_dim, group_dim) -> None:
     vmap axis inside shard_map takes the name of the mesh axis, and then name the vmap's examples,
     not devices."""
     if rank_dim is not None or group_dim is not None:
+        # A batched group: the vmap hides one of the other mesh axes, which number the groups.
+        hidden = (comm.name if rank_dim is not None else
+                  "mesh axis " + " or ".join(map(repr, _other_mesh_axes(comm.axes))))
         raise ValueError(
-            f"jaxring: a vmap axis named like {comm.name} hides it inside shard_map, and jaxring "
+            f"jaxring: a vmap axis named like {hidden} hides it inside shard_map, and jaxring "
             "would take the vmap's examples for devices; give the vmap axis another name")
