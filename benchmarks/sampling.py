@@ -10,7 +10,7 @@ its layers, handing on every step through jaxring's point-to-point mailboxes (1 
 Weights are random: speed does not depend on their values.
 
     python benchmarks/sampling.py            # full run (about 25 minutes on 2 busy cores)
-    python benchmarks/sampling.py --quick    # one config, fewer samples
+    python benchmarks/sampling.py --quick    # one config, fewer samples, no files (but --name)
 
 On a GPU (JAX's default device) it measures the variants that run on one device of any platform:
 (a), the Python loop, (b) and (d) with the CUDA kernel (xla_ffi/cuda/wavenet_sampler.h), and
@@ -123,7 +123,8 @@ def plot(path, rows, names):
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--quick", action="store_true",
+                        help="one config, fewer samples; writes files only with --name")
     parser.add_argument("--configs", nargs="*", default=None, choices=list(CONFIGS))
     parser.add_argument("--batches", nargs="*", type=int, default=None)
     parser.add_argument("--variants", nargs="*", default=None)
@@ -220,6 +221,8 @@ def main() -> None:
                 lines.append(f"- {config_name}, {batch} streams: " + "; ".join(parts))
     markdown = "\n".join(lines) + "\n"
     print(markdown)
+    if args.quick and args.name is None:  # not over the committed full run's results
+        return
     payload = {"environment": common.environment(), "steps": steps, "rows": rows}
     path = common.write_results(results_name, payload, markdown)
     plot(path.with_suffix(".png"), rows, names or [])

@@ -109,6 +109,13 @@ _ACCEPTS = {float: (numbers.Real, "a number"), int: (numbers.Integral, "an int")
             str: (str, "a str")}
 
 
+# The numeric fields' ranges (_validate).
+_POSITIVE = ("timeout_seconds", "pipeline_slice_bytes", "mpi_direct_header_ranks")
+_NON_NEGATIVE = ("spin_iterations", "p2p_eager_bytes", "huge_page_bytes", "copy_input_bytes",
+                 "ring_threshold_bytes", "mpi_ring_threshold_bytes", "scratch_pool_bytes",
+                 "hand_off_after_seconds")
+
+
 def _validate(config: Config) -> Config:
     """`config` with every field of its Python type, or a TypeError/ValueError naming the field."""
     typed = {}
@@ -134,17 +141,12 @@ def _validate(config: Config) -> Config:
         raise ValueError(f"jaxring.config: cpu_kernels must be one of "
                          f"{', '.join(map(repr, kernels))} on this CPU, "
                          f"got {config.cpu_kernels!r}")
-    if not config.timeout_seconds > 0:
-        raise ValueError(f"jaxring.config: timeout_seconds must be > 0, got {config.timeout_seconds}")
-    if (config.pipeline_slice_bytes <= 0 or config.mpi_direct_header_ranks <= 0
-            or config.spin_iterations < 0 or config.p2p_eager_bytes < 0
-            or config.huge_page_bytes < 0 or config.copy_input_bytes < 0
-            or config.ring_threshold_bytes < 0 or config.mpi_ring_threshold_bytes < 0
-            or config.scratch_pool_bytes < 0 or not config.hand_off_after_seconds >= 0):
-        raise ValueError("jaxring.config: pipeline_slice_bytes and mpi_direct_header_ranks must "
-                         "be > 0; spin_iterations, p2p_eager_bytes, huge_page_bytes, "
-                         "copy_input_bytes, ring_threshold_bytes, mpi_ring_threshold_bytes, "
-                         "scratch_pool_bytes and hand_off_after_seconds >= 0")
+    for field in _POSITIVE + _NON_NEGATIVE:
+        value = getattr(config, field)
+        positive = field in _POSITIVE
+        if not (value > 0 if positive else value >= 0):  # NaN is neither
+            raise ValueError(f"jaxring.config: {field} must be {'> 0' if positive else '>= 0'}, "
+                             f"got {value}")
     return config
 
 

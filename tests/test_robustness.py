@@ -1287,8 +1287,14 @@ def test_config_override_restores_and_reaches_native():
         jaxring.config.update(shm_stores="fast")
     with jaxring.config.override(hand_off_after_seconds=0.25):
         assert native.extension.get_config()["hand_off_after_seconds"] == 0.25
-    with pytest.raises(ValueError, match="hand_off_after_seconds >= 0"):
+    with pytest.raises(ValueError, match=r"hand_off_after_seconds must be >= 0, got -1.0"):
         jaxring.config.update(hand_off_after_seconds=-1.0)
+    # Each range error names its field and value (one sentence once listed every range).
+    for field, value, bound in (("copy_input_bytes", -1, ">= 0"),
+                                ("pipeline_slice_bytes", 0, "> 0"),
+                                ("timeout_seconds", float("nan"), "> 0")):
+        with pytest.raises(ValueError, match=f"{field} must be {bound}, got {value}"):
+            jaxring.config.update(**{field: value})
     assert jaxring.config.get() == before
     # A value of the wrong type changes nothing, in Python or in the native library.
     for field, value in (("pipeline_slice_bytes", 1.5), ("spin_iterations", True),
