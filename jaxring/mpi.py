@@ -15,6 +15,8 @@ Three transports carry the data:
 * ``"hierarchical"``: ranks on several nodes, each with the same number of ranks. Large
   all-reduces run as a reduce-scatter within each node (shared memory), an all-reduce of each
   shard between nodes (MPI), and an all-gather within each node; everything else goes over MPI.
+  Asked for on one node it becomes ``"shm"``, over nodes of unequal sizes ``"mpi"`` (the
+  communicator's ``transport`` tells which).
 
 ``"auto"`` (the default, or ``JAXRING_MPI_TRANSPORT``) takes shared memory when every rank is on
 one node, hierarchical when nodes hold equal numbers of ranks, and MPI otherwise.

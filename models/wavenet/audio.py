@@ -58,8 +58,9 @@ def plot_spectrogram(path, audio, sample_rate: int, title: str = "") -> Path:
     wave_axis.plot(times, audio, linewidth=0.4)
     wave_axis.set_ylabel("amplitude")
     wave_axis.set_title(title)
-    spec_axis.specgram(audio, NFFT=256 if sample_rate <= 8000 else 512, Fs=sample_rate,
-                       noverlap=128 if sample_rate <= 8000 else 384, cmap="magma")
+    with np.errstate(divide="ignore"):  # exact silence (a sample's start) has no log power
+        spec_axis.specgram(audio, NFFT=256 if sample_rate <= 8000 else 512, Fs=sample_rate,
+                           noverlap=128 if sample_rate <= 8000 else 384, cmap="magma")
     spec_axis.set_xlabel("seconds")
     spec_axis.set_ylabel("Hz")
     figure.tight_layout()
