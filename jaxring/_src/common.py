@@ -587,11 +587,10 @@ def _refuse_groups_across_processes(target: str, ctx, comm: AxisCommunicator) ->
     devices = getattr(mesh, "devices", None)
     if devices is None:
         return
-    names = list(mesh.axis_names)
-    order = [names.index(a) for a in names if a not in comm.axes] + [names.index(a)
-                                                                    for a in comm.axes]
-    groups = np.vectorize(lambda d: d.process_index)(np.transpose(devices, order))
-    groups = groups.reshape(-1, comm.size)
+    axes = [list(mesh.axis_names).index(a) for a in comm.axes]
+    others = [i for i in range(devices.ndim) if i not in axes]
+    processes = np.vectorize(lambda d: d.process_index)(devices)
+    groups = processes.transpose(others + axes).reshape(-1, comm.size)  # a row per group
     if (groups != groups[:, :1]).any():
         raise ValueError(
             f"{target}: {comm.name} spans {len(np.unique(groups))} processes (jax.distributed), "
