@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import atexit
 import functools
+import hashlib
 import os
 import secrets
 import sys
@@ -94,6 +95,11 @@ def _check_slot_bytes(slot_bytes, size: int) -> None:
         raise ValueError(f"jaxring.mpi: slot_bytes must be an int of at least 8 x {size} ranks = "
                          f"{8 * size} bytes and a multiple of 64 (every rank's slot starts on a "
                          f"cache line), got {slot_bytes!r}")
+    # The segment holds 2 x (size + 1) slots; a size past 2**62 bytes would wrap in the native
+    # library's arithmetic and map a few bytes (a crash on the first call, where it was let by).
+    if 2 * (size + 1) * value > 1 << 62:
+        raise ValueError(f"jaxring.mpi: slot_bytes must be at most 2**62 / (2 x {size + 1}) = "
+                         f"{(1 << 62) // (2 * (size + 1))} bytes, got {slot_bytes!r}")
 
 
 def _done_within(requests: list, seconds: float) -> bool:
@@ -114,7 +120,7 @@ def _done_within(requests: list, seconds: float) -> bool:
 _abandoned_requests: list = []
 
 
-def _meet(mpi_comm, what: str) -> None:
+def _meet(mpi_comm, what: str, kind: str | None = None, error: str | None = None) -> None:
     """Waits, up to jaxring.config's timeout, for every rank of `mpi_comm` to come to `what` (one
     of its collectives, in which mpi4py would wait for a missing rank for ever): a barrier, then
     the maximum of a flag saying whether a rank gave up on it. A rank that times out sets its
@@ -123,22 +129,43 @@ def _meet(mpi_comm, what: str) -> None:
     make MPI progress (are in MPI calls), else when its own timeout passes. Either way every
     rank has made the same two collectives, so the communicator's collectives stay in step.
     Ranks through the barrier give the flag twice the timeout: one that gave up on it alone,
-    while the others found it clear, would leave them waiting in the set-up's next collective."""
+    while the others found it clear, would leave them waiting in the set-up's next collective.
+
+    The same reduction tells whether every rank came for the same `kind` of set-up (default:
+    `what`; ranks making different ones would go on to different MPI collectives and wait in
+    them for ever) and whether a rank's arguments were refused (`error`, this rank's reason):
+    every rank then raises."""
     import numpy as np
 
     seconds = config.get().timeout_seconds
     barrier = mpi_comm.Ibarrier()
     came = _done_within([barrier], seconds)
-    flag, gave_up = np.array([0 if came else 1], np.int32), np.zeros(1, np.int32)
-    agree = mpi_comm.Iallreduce(flag, gave_up, op=_mpi().MAX)
+    digest = int.from_bytes(hashlib.blake2b((kind or what).encode(), digest_size=7).digest(),
+                            "little")
+    # Maxima of: gave up; the kind's digest and its negation (their maximum and minimum); the
+    # highest rank (plus one) whose arguments were refused.
+    mine = np.array([0 if came else 1, digest, -digest,
+                     mpi_comm.Get_rank() + 1 if error else 0], np.int64)
+    agreed = np.zeros_like(mine)
+    agree = mpi_comm.Iallreduce(mine, agreed, op=_mpi().MAX)
     if came and _done_within([agree], 2 * seconds):
-        if gave_up[0]:
+        gave_up, highest, negated_lowest, refused = (int(v) for v in agreed)
+        where = f"an MPI communicator of {mpi_comm.Get_size()} processes"
+        if gave_up:
             raise RuntimeError(
-                f"jaxring.mpi: rank {mpi_comm.Get_rank()} came to {what} on an MPI communicator "
-                f"of {mpi_comm.Get_size()} processes after another rank had given up waiting "
-                "for it (JAXRING_TIMEOUT_SECONDS sets how long ranks wait)")
+                f"jaxring.mpi: rank {mpi_comm.Get_rank()} came to {what} on {where} after "
+                "another rank had given up waiting for it (JAXRING_TIMEOUT_SECONDS sets how "
+                "long ranks wait)")
+        if highest != -negated_lowest:
+            raise RuntimeError(
+                f"jaxring.mpi: the ranks of {where} came to different set-ups at once (rank "
+                f"{mpi_comm.Get_rank()} to {what}): every rank must make the same jaxring.mpi "
+                "calls on it (Communicator, split, world) in the same order")
+        if refused:
+            raise ValueError(error or f"jaxring.mpi: rank {refused - 1}'s arguments to {what} "
+                                      "were refused (its error says why)")
         return
-    _abandoned_requests.append(([barrier, agree], (flag, gave_up)))
+    _abandoned_requests.append(([barrier, agree], (mine, agreed)))
     raise TimeoutError(
         f"jaxring.mpi: rank {mpi_comm.Get_rank()} timed out after {seconds:g} s waiting for the "
         f"other ranks of an MPI communicator of {mpi_comm.Get_size()} processes to {what}: "
@@ -210,7 +237,7 @@ class Communicator:
     def __init__(self, mpi_comm, *, label: str = "", transport: str | None = None,
                  slot_bytes: int = DEFAULT_SLOT_BYTES, ranks_per_node: int | None = None,
                  gpu_transport: str | None = None, gpu_workspace_bytes: int | None = None,
-                 gpu_staging_bytes: int | None = None):
+                 gpu_staging_bytes: int | None = None, _pretend_node: int | None = None):
         MPI = _mpi()
         self._freed = False
         self._owned = []  # MPI communicators this one made, which free() frees
@@ -234,13 +261,21 @@ class Communicator:
         self.mpi_comm = mpi_comm
         self.rank = mpi_comm.Get_rank()
         self.size = mpi_comm.Get_size()
-        self.name = f"MPI communicator {label or hex(id(mpi_comm))} ({self.size} processes)"
+        # The same on every rank (shared memory's name and the native calls' key), and so is
+        # the name, which every rank's errors give.
+        self.key = mpi_comm.bcast(
+            secrets.randbits(62) | common.PROCESS_KEY_BIT if self.rank == 0 else None, root=0)
+        label = label or f"{self.key & 0xFFFFFF:06x}"
+        self.name = f"MPI communicator {label} ({self.size} processes)"
         self.levels = None  # (this node's communicator, the one across nodes) when hierarchical
         self.slot_bytes = slot_bytes
         self._requested = (transport, ranks_per_node)
+        # This rank's pretend node (ranks_per_node > 0): a split's ranks keep their parent's.
+        self._pretend_node = (None if not ranks_per_node else _pretend_node
+                              if _pretend_node is not None else self.rank // ranks_per_node)
         self._gpu_requested = gpu_options
         self._finalizer = None
-        node = _node_communicator(mpi_comm, ranks_per_node)
+        node = _node_communicator(mpi_comm, self._pretend_node)
         self._owned.append(node)  # until the node level takes it over, or the set-up ends
         levels = []  # the levels made so far
         try:
@@ -291,8 +326,6 @@ class Communicator:
                                f"{'' if on_one_node else ' (its ranks are on several nodes)'}"
                                f", but {self.point_to_point_unavailable}")
         self.transport = transport
-        self.key = mpi_comm.bcast(
-            secrets.randbits(62) | common.PROCESS_KEY_BIT if self.rank == 0 else None, root=0)
         self._finalizer = weakref.finalize(self, _detach, self.key)
         if extension is not None:
             try:
@@ -364,19 +397,21 @@ class Communicator:
 
     def split(self, color: int, key: int = 0) -> "Communicator | None":
         """Ranks with the same `color` form a new communicator, ordered by `key` (MPI_Comm_split),
-        asking for what this one asked for (transport, slot_bytes, ranks_per_node, GPU options).
-        Its MPI communicator is its own: free() frees it. A rank whose color is
+        asking for what this one asked for (transport, slot_bytes, ranks_per_node, GPU options;
+        pretend nodes stay as they were here). Its MPI communicator is its own: free() frees it. A rank whose color is
         ``MPI.UNDEFINED`` joins none and gets None, as MPI gives it MPI_COMM_NULL."""
         self._check_not_freed()
         transport, ranks_per_node = self._requested
         options = self._gpu_requested
-        _meet(self.mpi_comm, f"split {self.name}")
+        color, key, problem = _split_arguments(color, key)
+        _meet(self.mpi_comm, f"split {self.name}", kind="split", error=problem)
         split = self.mpi_comm.Split(color, key)
         if split == _mpi().COMM_NULL:
             return None
         return _owning(split, lambda comm: Communicator(
             comm, label=f"split(color={color})", transport=transport,
             slot_bytes=self.slot_bytes, ranks_per_node=ranks_per_node,
+            _pretend_node=self._pretend_node,
             gpu_transport=options.transport,
             gpu_workspace_bytes=options.workspace_bytes, gpu_staging_bytes=options.staging_bytes))
 
@@ -414,7 +449,7 @@ class Communicator:
         """free() once every rank is there (which covers the levels' ranks too)."""
         self._freed = True
         try:
-            if self._finalizer is not None:  # None where the set-up failed before its key
+            if self._finalizer is not None:  # None where the set-up failed before native state
                 self._finalizer()  # _detach, once
             for level in self.levels or ():
                 level._release()
@@ -455,6 +490,18 @@ class Communicator:
                 f"{self.transport}{gpu_part}>")
 
 
+def _split_arguments(color, key) -> tuple[int, int, str | None]:
+    """split's color and key as MPI takes them (a color >= 0 or MPI.UNDEFINED, a key any C int),
+    and why not where they are not. Checked before the split's meeting, which shares the
+    verdict: a rank that raised alone would leave the others in MPI_Comm_split for ever."""
+    c, k = common.as_index(color), common.as_index(key)
+    if (c is None or not (0 <= c < 2**31 or c == _mpi().UNDEFINED)
+            or k is None or not -2**31 <= k < 2**31):
+        return 0, 0, (f"jaxring.mpi: split takes an int color >= 0 (or MPI.UNDEFINED) and an "
+                      f"int key, each a C int, got color {color!r} and key {key!r}")
+    return c, k, None
+
+
 def _ranks_per_node(value: int | None) -> int:
     """`ranks_per_node`, else JAXRING_MPI_RANKS_PER_NODE, else 0 (the real nodes)."""
     if value is None:
@@ -464,26 +511,29 @@ def _ranks_per_node(value: int | None) -> int:
         except ValueError:
             raise ValueError("jaxring.mpi: JAXRING_MPI_RANKS_PER_NODE must be a whole number of "
                              f"ranks (0: the real nodes), got {text!r}") from None
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+    index = common.as_index(value)  # numpy's ints too, as slot_bytes
+    if index is None or index < 0:
         raise ValueError("jaxring.mpi: ranks_per_node must be a whole number of ranks (0: the "
                          f"real nodes), got {value!r}")
-    return value
+    return index
 
 
-def _node_communicator(mpi_comm, pretend: int):
-    """The ranks of `mpi_comm` on this rank's node. `pretend` (from _ranks_per_node) = k > 0
-    pretends that nodes hold k consecutive ranks each, to exercise the paths between nodes on one
-    machine."""
+def _node_communicator(mpi_comm, pretend_node: int | None):
+    """The ranks of `mpi_comm` on this rank's node: its real node, or with `pretend_node` those
+    given the same pretend node, to exercise the paths between nodes on one machine."""
     rank = mpi_comm.Get_rank()
-    if pretend > 0:
-        return mpi_comm.Split(rank // pretend, key=rank)
+    if pretend_node is not None:
+        return mpi_comm.Split(pretend_node, key=rank)
     return mpi_comm.Split_type(_mpi().COMM_TYPE_SHARED, key=rank)
 
 
 def _detach(key: int) -> None:
+    # The MPI transport first: a call finds shared memory before it (cpu/host.cc), so a call made
+    # meanwhile runs on the transport its peers use, or on none ("closed"); shared memory first
+    # let it fall through to MPI, where it waited for peers that were on shared memory.
     gpu.detach(key)
-    native.extension.shm_detach(key)
     native.extension.process_unregister(key)
+    native.extension.shm_detach(key)
     native.extension.unlink_failures(key)
 
 

@@ -329,6 +329,65 @@ def test_transport_follows_the_node_layout():
         assert (node.transport, across.transport) == ("shm", "mpi")
 
 
+def test_a_color_or_key_refused_on_one_rank_fails_the_split_on_every_rank():
+    """mpi4py refuses a color or key that is no C int on that rank alone, once its peers are in
+    MPI_Comm_split for ever; a float color was cut to an int. The split's meeting now shares the
+    refusal, and the communicator goes on working."""
+    last = COMM.size - 1
+    for color, key in ((2**31, 0), (0.5, 0), (-5, 0), (0, 2**31)):
+        start = time.monotonic()
+        mine = (color, key) if COMM.rank == last else (0, 0)
+        with pytest.raises(ValueError, match=r"split takes an int color >= 0" if COMM.rank == last
+                           else rf"rank {last}'s arguments to split .* were refused"):
+            COMM.split(*mine)
+        assert time.monotonic() - start < 10
+    with COMM.split(np.int64(COMM.rank % 2), key=np.int32(-COMM.rank)) as sub:
+        members = [r for r in range(COMM.size) if r % 2 == COMM.rank % 2][::-1]
+        assert (sub.size, sub.rank) == (len(members), members.index(COMM.rank))
+
+
+def test_ranks_making_different_communicators_at_once_all_fail():
+    """The set-up's meeting passed ranks that came to make different communicators of the same
+    MPI communicator (a split on one, a Communicator on another), which then waited for ever in
+    different MPI collectives; now every rank raises, and the next set-up works."""
+    if COMM.size == 1:
+        pytest.skip("needs two ranks")
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match="came to different set-ups at once"):
+        if COMM.rank == 0:
+            COMM.split(0)
+        else:
+            jaxring.mpi.Communicator(COMM.mpi_comm)
+    assert time.monotonic() - start < 10
+    with COMM.split(0, key=COMM.rank) as sub:
+        x = np.full(3, COMM.rank + 1.0)
+        np.testing.assert_array_equal(np.asarray(jaxring.all_reduce(x, sub)),
+                                      np.full(3, COMM.size * (COMM.size + 1) / 2))
+
+
+def test_a_split_keeps_its_parents_pretend_nodes_and_names_agree():
+    """A split of a communicator with pretend nodes (ranks_per_node=2) keeps each rank on its
+    node: the ranks of one parity, on different nodes, make a hierarchical communicator (or a
+    flat MPI one over nodes of unequal sizes), where the split once renumbered its own ranks into
+    new nodes and made them one shared-memory node. An unlabelled communicator's name is the
+    same on every rank (it was each rank's own object address)."""
+    if COMM.size < 3:
+        pytest.skip("needs ranks on two pretend nodes of two")
+    with jaxring.mpi.Communicator(MPI_COMM, ranks_per_node=2) as base:
+        names = MPI_COMM.allgather(base.name)
+        assert len(set(names)) == 1, names
+        with base.split(COMM.rank % 2, key=COMM.rank) as sub:
+            members = [r for r in range(COMM.size) if r % 2 == COMM.rank % 2]
+            sizes = [sum(r // 2 == node for r in members) for node in {r // 2 for r in members}]
+            expected = ("shm" if len(sizes) == 1 else
+                        "hierarchical" if len(set(sizes)) == 1 else "mpi")
+            assert sub.transport == expected, (members, sizes)
+            x = random_array(np.random.default_rng(COMM.rank), (70_001,), np.float64)
+            y = np.asarray(jax.jit(lambda v: jaxring.all_reduce(v, sub))(x))
+            np.testing.assert_allclose(y, np.stack(sub.mpi_comm.allgather(x)).sum(0),
+                                       rtol=1e-12)
+
+
 def test_split_communicators_never_mix():
     color = COMM.rank % 2
     sub = COMM.split(color, key=COMM.rank)
@@ -371,6 +430,9 @@ def test_bad_arguments_are_refused_at_trace_time():
         with pytest.raises(ValueError, match=r"slot_bytes must be an int of at least 8 x \d+ "
                                              r"ranks = \d+ bytes and a multiple of 64"):
             jaxring.mpi.Communicator(MPI_COMM, slot_bytes=slot_bytes)
+    # So large that the segment's size would wrap (it mapped a few bytes, then crashed).
+    with pytest.raises(ValueError, match=r"slot_bytes must be at most 2\*\*62"):
+        jaxring.mpi.Communicator(MPI_COMM, slot_bytes=1 << 61)
 
 
 def test_ranks_meet_at_exit_on_a_communicator_holding_each_gpu_peer_once():
