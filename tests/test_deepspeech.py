@@ -68,6 +68,21 @@ def random_dataset(rng, count=10, feature_dim=5):
         [f"utt{i}" for i in range(count)], ["v"] * count)
 
 
+def test_sentences_conjugate_the_third_person():
+    """A sentence's verb agrees with its subject: "she has", "anna calls", "we have" (the grammar
+    once said "he haves")."""
+    third_person = {"has" if verb == "have" else verb + "s" for verb in data.VERBS}
+    rng = np.random.default_rng(0)
+    sentences = [t.split() for t in (data.random_transcript(rng) for _ in range(3000))]
+    sentences = [words for words in sentences if words[0] in data.SUBJECTS]
+    assert len(sentences) > 500
+    for subject, verb, *_ in sentences:
+        if subject in {"he", "she", *data.NAMES}:
+            assert verb in third_person, (subject, verb)
+        else:
+            assert verb in data.VERBS, (subject, verb)
+
+
 def test_a_transcript_longer_than_max_label_length_is_an_error_not_cut():
     """The labels were cut to max_label_length while the audio was kept whole, so CTC would
     have learned a wrong transcript."""

@@ -66,7 +66,8 @@ def random_transcript(rng: np.random.Generator) -> str:
     if rng.random() < 0.3:
         return f"{rng.choice(COMMANDS)} {rng.choice(WORDS)}"
     subject, verb = rng.choice(SUBJECTS), rng.choice(VERBS)
-    verb = verb + "s" if subject in NAMES + ["she", "he"] else verb
+    if subject in NAMES + ["she", "he"]:
+        verb = "has" if verb == "have" else verb + "s"
     obj = f"{rng.choice(ARTICLES)} {rng.choice(WORDS)}"
     if rng.random() < 0.3:
         obj += f" at {rng.choice(DIGITS)}"
@@ -158,7 +159,7 @@ class Dataset:
         return len(self.features)
 
 
-_CACHE_VERSION = 2  # bump when generation changes, so old caches are not reused
+_CACHE_VERSION = 3  # bump when generation changes, so old caches are not reused
 
 
 def generate(num_utterances: int, variants, seed: int, sample_rate: int,
