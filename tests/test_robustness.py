@@ -870,7 +870,7 @@ def _axis_key(m, axis):
         return v
     jax.eval_shape(jax.shard_map(body, mesh=m, in_specs=P(axis), out_specs=P(axis)),
                    shard(np.zeros(m.shape[axis], np.float32), m))
-    return keys[0]
+    return common.key_on_devices(keys[0], m.devices)
 
 
 @pytest.mark.parametrize("call", ["all_reduce", "barrier"])

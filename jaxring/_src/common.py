@@ -546,7 +546,9 @@ def lower_collective(target: str, ctx, *operands, comm: AxisCommunicator, op_id:
         sub_ctx,
         token,
         *operands,
-        comm=np.int64(comm.key),
+        comm=np.int64(comm.key if comm.process_rank is not None else key_on_devices(
+            comm.key, getattr(getattr(ctx.module_context.axis_context, "mesh", None), "devices",
+                              None))),
         comm_name=comm.native_name,
         size=np.int64(comm.size),
         op_id=np.int64(op_id),
@@ -574,6 +576,19 @@ def _program_device_count(ctx) -> int:
     if mesh is not None:
         return mesh.size
     return getattr(axis_context, "num_devices", 1)
+
+
+def key_on_devices(key: int, devices) -> int:
+    """A mesh axis's key (which names its axes and the mesh's shape), as its calls pass it, made
+    distinct for the `devices` of the program's mesh (None: unknown, the key as it is): two
+    meshes of one shape on other devices then keep their meetings and point-to-point mailboxes
+    apart, where a message one program left unread on devices 0 and 1 reached a program on
+    devices 6 and 7, which refused it as its own stale message."""
+    if devices is None:
+        return key
+    ids = repr((key, tuple(d.id for d in np.asarray(devices).flat)))
+    digest = hashlib.blake2b(ids.encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & (PROCESS_KEY_BIT - 1)
 
 
 def _refuse_groups_across_processes(target: str, ctx, comm: AxisCommunicator) -> None:
