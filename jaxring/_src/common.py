@@ -100,7 +100,8 @@ def reset_after_error() -> None:
     every earlier one), failed or not: the error of one device reaches Python while others may
     still be on their way to a call, or waiting in one for up to ``timeout_seconds``, and a
     message one of them posted after the point-to-point mailboxes were emptied would reach the
-    next program as that program's own.
+    next program as that program's own. Call it where no other thread runs jaxring programs:
+    it empties every program's mailboxes.
     """
     wait_for_dispatched_programs()
     _drop_tokens()
