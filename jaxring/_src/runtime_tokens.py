@@ -49,6 +49,7 @@ from __future__ import annotations
 import functools
 import inspect
 import os
+import weakref
 
 import jax
 import numpy as np
@@ -257,8 +258,9 @@ def _run_with_token(call, token_handler, input_bufs):
 
 
 # How many (traced program, argument placement) pairs _remembered_runs keeps; past that it starts
-# afresh. Its entries hold what JAX's own caches hold too (traces and executables), and
-# jax.clear_caches() empties it with them.
+# afresh. Its entries hold what JAX's own caches hold too (traces and executables, and through
+# the traces the arrays a function closes over); they go with the jitted function, as JAX's do,
+# and jax.clear_caches() empties them with JAX's.
 _REMEMBERED_RUNS = 256
 
 
@@ -300,9 +302,29 @@ class _Remembered:
 
     def __init__(self):
         self.entries: dict = {}
+        # id(function) -> the keys of its entries, dropped when the function is (weakref.finalize)
+        self.owners: dict[int, set] = {}
+
+    def own(self, fun, key) -> bool:
+        """Makes the entry at `key` go when `fun`, the jitted function, does; False where `fun`
+        cannot be referred to weakly, and an entry would keep what it closes over alive."""
+        if id(fun) not in self.owners:
+            try:
+                weakref.finalize(fun, self.forget, id(fun))
+            except TypeError:
+                return False
+            self.owners[id(fun)] = set()
+        self.owners[id(fun)].add(key)
+        return True
+
+    def forget(self, fun_id: int) -> None:
+        for key in self.owners.pop(fun_id, ()):
+            self.entries.pop(key, None)
 
     def cache_clear(self):
         self.entries.clear()
+        for keys in self.owners.values():
+            keys.clear()
 
     def cache_info(self):
         return f"{len(self.entries)} of {_REMEMBERED_RUNS} entries"
@@ -353,8 +375,9 @@ def _remembered_runs(jax_run, effect_type: type):
             except TypeError:  # as in _fast_call, which then leaves the program to JAX
                 return result
             if len(runs) >= _REMEMBERED_RUNS:
-                runs.clear()
-            runs[key] = (p, compiled, result[7], token_handler, None)
+                remembered.cache_clear()
+            if remembered.own(fun, key):
+                runs[key] = (p, compiled, result[7], token_handler, None)
         return result
 
     run.remembered, run.jax_run = remembered, jax_run  # for tests and benchmarks/overhead.py
