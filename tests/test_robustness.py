@@ -287,6 +287,25 @@ def test_remembered_runs_go_with_their_function():
     assert len(remembered) == before
 
 
+def test_a_deleted_token_is_named():
+    """The token among jax.live_arrays(), deleted with them, was reported as an earlier
+    program's failure (a review's repro); reset_after_error starts a fresh one."""
+    from jax._src import dispatch
+
+    if not runtime_tokens.install(common.CollectiveEffect):
+        pytest.skip("JAXRING_FAST_TOKENS=0: JAX's own token path")
+    m = mesh(4)
+    x = shard(np.arange(8, dtype=np.float32), m)
+    f = shmap(lambda v: jaxring.all_reduce(v, "i"), m, out_specs=P())
+    f(x).block_until_ready()
+    dispatch.runtime_tokens.current_tokens[common.collective_effect]._buf.delete()
+    with pytest.raises(RuntimeError, match="the token JAX passes from one jaxring program to the "
+                                           "next was deleted"):
+        f(x)
+    jaxring.reset_after_error()
+    np.testing.assert_array_equal(np.asarray(f(x)), [12, 16])
+
+
 def test_ahead_of_time_compiled_programs_take_the_token_on_every_call():
     """`jax.jit(f).lower(x).compile()` and pmap's equivalent: JAX moved a compiled program's
     second call to its C++ fast path, which passes no token, and the process crashed on it (the

@@ -189,6 +189,13 @@ def install(effect_type: type) -> bool:
     def get_token_input(self, eff, devices):
         if isinstance(eff, effect_type):
             token = self.current_tokens.get(eff)
+            if isinstance(token, core.Token) and token._buf.is_deleted():
+                # No program failed; its error would say one had (and JAX's own, that a buffer
+                # was deleted).
+                raise RuntimeError(
+                    "jaxring: the token JAX passes from one jaxring program to the next was "
+                    "deleted (it is one of jax.live_arrays(), so deleting every live array "
+                    "deletes it); call jaxring.reset_after_error() to start a fresh one")
             if (isinstance(token, core.Token)
                     and token._buf.sharding is _token_layout(tuple(devices))[0]):
                 try:
