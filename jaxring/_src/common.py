@@ -548,8 +548,7 @@ def lower_collective(target: str, ctx, *operands, comm: AxisCommunicator, op_id:
         token,
         *operands,
         comm=np.int64(comm.key if comm.process_rank is not None else key_on_devices(
-            comm.key, getattr(getattr(ctx.module_context.axis_context, "mesh", None), "devices",
-                              None))),
+            comm.key, _program_devices(ctx))),
         comm_name=comm.native_name,
         size=np.int64(comm.size),
         op_id=np.int64(op_id),
@@ -579,6 +578,14 @@ def _program_device_count(ctx) -> int:
     return getattr(axis_context, "num_devices", 1)
 
 
+def _program_devices(ctx):
+    """The devices of the mesh of the program being lowered, as an array over its axes; None
+    where the lowering knows no devices (a shard_map nested in another lowers on an
+    AbstractMesh, whose `devices` raises)."""
+    mesh = getattr(ctx.module_context.axis_context, "mesh", None)
+    return mesh.devices if isinstance(mesh, jax.sharding.Mesh) else None
+
+
 def key_on_devices(key: int, devices) -> int:
     """A mesh axis's key (which names its axes and the mesh's shape), as its calls pass it, made
     distinct for the `devices` of the program's mesh (None: unknown, the key as it is): two
@@ -597,12 +604,10 @@ def _refuse_groups_across_processes(target: str, ctx, comm: AxisCommunicator) ->
     process's memory). Under jax.distributed a mesh may span processes; a collective whose group
     of devices does is refused as it lowers, where its devices would wait for peers that never
     come to this process and time out."""
-    if jax.process_count() == 1:
-        return
-    mesh = getattr(ctx.module_context.axis_context, "mesh", None)
-    devices = getattr(mesh, "devices", None)
+    devices = _program_devices(ctx) if jax.process_count() > 1 else None
     if devices is None:
         return
+    mesh = ctx.module_context.axis_context.mesh
     axes = [list(mesh.axis_names).index(a) for a in comm.axes]
     others = [i for i in range(devices.ndim) if i not in axes]
     processes = np.vectorize(lambda d: d.process_index)(devices)

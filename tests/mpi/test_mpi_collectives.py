@@ -373,7 +373,7 @@ def test_a_split_keeps_its_parents_pretend_nodes_and_names_agree():
     same on every rank (it was each rank's own object address)."""
     if COMM.size < 3:
         pytest.skip("needs ranks on two pretend nodes of two")
-    with jaxring.mpi.Communicator(MPI_COMM, ranks_per_node=2) as base:
+    with jaxring.mpi.Communicator(MPI_COMM, transport="auto", ranks_per_node=2) as base:
         names = MPI_COMM.allgather(base.name)
         assert len(set(names)) == 1, names
         with base.split(COMM.rank % 2, key=COMM.rank) as sub:
