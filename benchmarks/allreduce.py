@@ -210,9 +210,9 @@ def new_sizes(n: int, sizes: list[int]) -> list[tuple[int, frozenset]]:
     elements and all_gather's output to n, so on 4 and 8 devices 4 B and 16 B are one size."""
     seen, plan = set(), []
     for size in sizes:
-        fresh = frozenset(c for c in TWIN if (c, _elements(c, n, size)[1]) not in seen)
-        seen |= {(c, _elements(c, n, size)[1]) for c in fresh}
-        plan.append((size, fresh))
+        measured = {(c, _elements(c, n, size)[1]) for c in TWIN}
+        plan.append((size, frozenset(c for c, _ in measured - seen)))
+        seen |= measured
     return plan
 
 

@@ -22,7 +22,7 @@ Three transports carry the data:
 one node, hierarchical when nodes hold equal numbers of ranks, and MPI otherwise.
 ``ppermute``/``send``/``recv`` always go over MPI. ``JAXRING_MPI_RANKS_PER_NODE`` (or
 `ranks_per_node`) = k pretends that nodes hold k consecutive ranks each, so that one machine runs
-the paths between nodes.
+the paths between nodes (a split keeps its parent's pretend nodes).
 
 Processes with a GPU also get a GPU transport (`gpu_transport`, or ``JAXRING_GPU_TRANSPORT``):
 ``"ipc"`` (GPU memory mapped between the processes of one node), ``"staged"`` (pipelined pinned
@@ -397,8 +397,9 @@ class Communicator:
 
     def split(self, color: int, key: int = 0) -> "Communicator | None":
         """Ranks with the same `color` form a new communicator, ordered by `key` (MPI_Comm_split),
-        asking for what this one asked for (transport, slot_bytes, ranks_per_node, GPU options;
-        pretend nodes stay as they were here). Its MPI communicator is its own: free() frees it. A rank whose color is
+        asking for what this one asked for (transport, slot_bytes, ranks_per_node, GPU
+        options); its ranks keep the pretend nodes they had here, which need not be k
+        consecutive ranks of the split nor equal in size. Its MPI communicator is its own: free() frees it. A rank whose color is
         ``MPI.UNDEFINED`` joins none and gets None, as MPI gives it MPI_COMM_NULL."""
         self._check_not_freed()
         transport, ranks_per_node = self._requested

@@ -270,6 +270,7 @@ def test_remembered_runs_go_with_their_function():
     if not hasattr(jax_pjit._run_python_pjit, "remembered"):
         pytest.skip("JAX's dispatch path differs from what runtime_tokens._remembered_runs expects")
     remembered = jax_pjit._run_python_pjit.remembered.entries
+    gc.collect()  # earlier tests' functions that only the collector frees
     m = mesh(4)
     x = shard(np.ones(8, np.float32), m)
     inner = jax.shard_map(lambda v: jaxring.all_reduce(v, "i"), mesh=m, in_specs=P("i"),
@@ -277,14 +278,15 @@ def test_remembered_runs_go_with_their_function():
     closed = jnp.full((1000,), 3.0)
     alive = weakref.ref(closed)
     f = jax.jit(lambda v: inner(v) + closed[0])
-    before = len(remembered)
+    before = set(remembered)
     for _ in range(3):
         np.testing.assert_array_equal(np.asarray(f(x)), np.full(2, 7.0))
-    assert len(remembered) == before + 1  # remembered, and run from there
+    mine = set(remembered) - before
+    assert len(mine) == 1  # remembered, and run from there
     del f, closed
     gc.collect()
     assert alive() is None
-    assert len(remembered) == before
+    assert not mine & set(remembered)
 
 
 def test_a_deleted_token_is_named():
@@ -918,7 +920,7 @@ def _axis_key(m, axis):
         return v
     jax.eval_shape(jax.shard_map(body, mesh=m, in_specs=P(axis), out_specs=P(axis)),
                    shard(np.zeros(m.shape[axis], np.float32), m))
-    return common.key_on_devices(keys[0], m.devices)
+    return keys[0]
 
 
 @pytest.mark.parametrize("call", ["all_reduce", "barrier"])

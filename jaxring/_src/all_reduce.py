@@ -53,7 +53,7 @@ def all_reduce(x, axis_name, op: str = "sum", *, in_place: bool | None = None):
         levels = getattr(axis_name, "levels", None)
         nbytes = leaf.size * leaf.dtype.itemsize
         if levels is not None and nbytes > axis_name.levels_threshold_bytes:
-            return _hierarchical(leaf, axis_name, op)
+            return _hierarchical(leaf, axis_name, op, common.next_op_id(comm))
         return _bind(leaf, comm, op, in_place)
 
     return jax.tree.map(reduce_leaf, x)
@@ -65,32 +65,37 @@ def _bind(x, comm: common.AxisCommunicator, op: str, in_place: bool | None = Non
     return common.bind_collective(all_reduce_p, x, comm, op_id, op=op, in_place=in_place)
 
 
-@functools.partial(jax.custom_jvp, nondiff_argnums=(1, 2))
-def _hierarchical(x, communicator, op: str):
+@functools.partial(jax.custom_jvp, nondiff_argnums=(1, 2, 3))
+def _hierarchical(x, communicator, op: str, op_id: int):
     """All-reduce over processes on several nodes, as Horovod's and NCCL's hierarchical
     all-reduce: reduce-scatter within each node (shared memory), all-reduce each shard between
     the nodes' ranks of the same local rank (MPI), all-gather within each node. Only 1/L of the
     data crosses the network from each of a node's L ranks. 16-bit floats travel as float32, so
-    they are still rounded once; every rank ends with the same bits."""
+    they are still rounded once; every rank ends with the same bits. The levels' calls take
+    their op ids from `op_id`, the user's call's."""
     node, across = communicator.levels
     accumulate = jnp.float32 if x.dtype in (jnp.float16, jnp.bfloat16) else x.dtype
     flat = x.reshape(-1).astype(accumulate)
     flat = jnp.pad(flat, (0, -flat.size % node.size))  # padding is reduced only with padding
-    shard = all_reduce(reduce_scatter(flat, node, op), across, op)
-    return all_gather(shard, node)[:x.size].reshape(x.shape).astype(x.dtype)
+    with common.op_ids_derived_from(op_id, "levels"):
+        shard = all_reduce(reduce_scatter(flat, node, op), across, op)
+        out = all_gather(shard, node)
+    return out[:x.size].reshape(x.shape).astype(x.dtype)
 
 
 @_hierarchical.defjvp
-def _hierarchical_jvp(communicator, op, primals, tangents):
+def _hierarchical_jvp(communicator, op, op_id, primals, tangents):
     """all_reduce_p's JVP (_jvp below), through the levels: reduce_scatter_p has none for max and
     min, whose gradient is not a reduce-scatter's."""
     (x,), (tangent,) = primals, tangents
-    out = _hierarchical(x, communicator, op)
+    out = _hierarchical(x, communicator, op, op_id)
     if not jnp.issubdtype(x.dtype, jnp.inexact):
         return out, np.zeros(out.shape, jax.dtypes.float0)
+    tangent_id = common.next_op_id(communicator.axis_communicator(), op_id, "jvp")
     if op in ("sum", "mean"):
-        return out, _hierarchical(tangent, communicator, op)
-    return out, _winners_tangent(x, out, tangent, lambda v: _hierarchical(v, communicator, "sum"))
+        return out, _hierarchical(tangent, communicator, op, tangent_id)
+    return out, _winners_tangent(x, out, tangent,
+                                 lambda v: _hierarchical(v, communicator, "sum", tangent_id))
 
 
 def _winners_tangent(x, out, tangent, total):

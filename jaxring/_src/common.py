@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import atexit
 import collections.abc
+import contextlib
+import contextvars
 import dataclasses
 import functools
 import hashlib
@@ -125,6 +127,9 @@ def _report_a_failed_program_at_exit() -> None:
     was not cleared (reset_after_error) is told once, in a line, and its token dropped."""
     token = dispatch.runtime_tokens.current_tokens.get(collective_effect)
     try:
+        if token._buf.is_deleted():  # deleted with jax.live_arrays(), say: no program failed
+            _drop_tokens()
+            return
         token._buf.block_until_ready()
         return
     except AttributeError:  # no token, or a JAX whose token differs: JAX reports as it does
@@ -230,6 +235,8 @@ def set_up_on_every_rank(mpi_comm, step, rank: int, what: str, undo=None):
 # ---- op ids ------------------------------------------------------------------------------------
 
 _op_ids = itertools.count(1)
+# (base id, role, calls so far) while op_ids_derived_from is in force.
+_deriving: contextvars.ContextVar = contextvars.ContextVar("jaxring_deriving", default=None)
 _LIBRARY_DIRS = (os.path.dirname(jax.__file__) + os.sep,
                  os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep)
 
@@ -247,8 +254,12 @@ def next_op_id(comm: "AxisCommunicator", derived_from: int | None = None, role: 
     that run the same loss."""
     if comm.process_rank is None:
         return next(_op_ids)
+    deriving = _deriving.get()
     if derived_from is not None:
         site = f"{derived_from}:{role}"
+    elif deriving is not None:
+        deriving[2] += 1
+        site = f"{deriving[0]}:{deriving[1]}:{deriving[2]}"
     else:
         frame = sys._getframe(1)
         while frame is not None and frame.f_code.co_filename.startswith(_LIBRARY_DIRS):
@@ -393,6 +404,19 @@ def point_to_point_communicator(name: str, axis_name) -> AxisCommunicator:
                     f"with jax.config.update('jax_raise_on_ppermute_sort_diff', False) (then "
                     f"devices are numbered in the tuple's order, as lax.ppermute numbers them)")
     return communicator(name, axis_name)
+
+
+@contextlib.contextmanager
+def op_ids_derived_from(base: int, role: str):
+    """Across processes, the calls made inside take ids derived from `base` with `role`, numbered
+    in the order they are made, instead of their source lines': for calls that a library
+    function makes for one of the user's (a hierarchical all-reduce's levels), whose custom JVP
+    may run where the program is differentiated (next_op_id)."""
+    token = _deriving.set([base, role, 0])
+    try:
+        yield
+    finally:
+        _deriving.reset(token)
 
 
 def bind_collective(primitive, x, comm: AxisCommunicator, op_id: int | None = None, **params):
@@ -547,8 +571,7 @@ def lower_collective(target: str, ctx, *operands, comm: AxisCommunicator, op_id:
         sub_ctx,
         token,
         *operands,
-        comm=np.int64(comm.key if comm.process_rank is not None else key_on_devices(
-            comm.key, _program_devices(ctx))),
+        comm=np.int64(comm.key),
         comm_name=comm.native_name,
         size=np.int64(comm.size),
         op_id=np.int64(op_id),
@@ -586,19 +609,6 @@ def _program_devices(ctx):
     return mesh.devices if isinstance(mesh, jax.sharding.Mesh) else None
 
 
-def key_on_devices(key: int, devices) -> int:
-    """A mesh axis's key (which names its axes and the mesh's shape), as its calls pass it, made
-    distinct for the `devices` of the program's mesh (None: unknown, the key as it is): two
-    meshes of one shape on other devices then keep their meetings and point-to-point mailboxes
-    apart, where a message one program left unread on devices 0 and 1 reached a program on
-    devices 6 and 7, which refused it as its own stale message."""
-    if devices is None:
-        return key
-    ids = repr((key, tuple(d.id for d in np.asarray(devices).flat)))
-    digest = hashlib.blake2b(ids.encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") & (PROCESS_KEY_BIT - 1)
-
-
 def _refuse_groups_across_processes(target: str, ctx, comm: AxisCommunicator) -> None:
     """A mesh axis communicates between the devices of one process (its devices meet in this
     process's memory). Under jax.distributed a mesh may span processes; a collective whose group
@@ -614,10 +624,11 @@ def _refuse_groups_across_processes(target: str, ctx, comm: AxisCommunicator) ->
     groups = processes.transpose(others + axes).reshape(-1, comm.size)  # a row per group
     if (groups != groups[:, :1]).any():
         raise ValueError(
-            f"{target}: {comm.name} spans {len(np.unique(groups))} processes (jax.distributed), "
-            "but jaxring's mesh-axis collectives run between the devices of one process. Across "
-            "processes use a jaxring.mpi communicator (one device per process under mpiexec), "
-            "or jax.lax collectives; a mesh axis within each process works")
+            f"{target}: {comm.name} spans {max(len(set(row)) for row in groups)} processes "
+            "(jax.distributed), but jaxring's mesh-axis collectives run between the devices of "
+            "one process. Across processes use a jaxring.mpi communicator (one device per "
+            "process under mpiexec), or jax.lax collectives; a mesh axis within each process "
+            "works")
 
 
 def _refuse_nested_shard_maps_jaxlib_cannot_compile() -> None:

@@ -245,15 +245,17 @@ def on_rank_dependent_lines(f, *args):
     return f(*args)
 
 
-def test_rules_take_their_op_ids_from_the_call_they_derive_from():
+@pytest.mark.parametrize("per_rank", [3, 20_000])  # 20_000: through a hierarchical one's levels
+def test_rules_take_their_op_ids_from_the_call_they_derive_from(per_rank):
     """Transposes, and JVPs and batching of a function already traced (an inner jit), bind their
     collectives while the program is differentiated or batched, on the line that started it,
     which ranks running the same loss may reach from different lines. Their op ids derive from
     the call they come from (common.next_op_id): taken from that line, they differed between
-    such ranks, which refused each other's calls as mismatched."""
+    such ranks, which refused each other's calls as mismatched. So do the calls of a
+    hierarchical all-reduce's levels, whose custom JVP runs there too."""
     rng = np.random.default_rng(COMM.rank + 45)
-    x = rng.standard_normal(3 * COMM.size)
-    w = rng.standard_normal(3 * COMM.size)
+    x = rng.standard_normal(per_rank * COMM.size)
+    w = rng.standard_normal(per_rank * COMM.size)
 
     def loss(v):
         total = jaxring.all_reduce(jnp.sin(v), COMM)
