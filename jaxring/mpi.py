@@ -138,6 +138,7 @@ def _meet(mpi_comm, what: str, kind: str | None = None, error: str | None = None
     import numpy as np
 
     seconds = config.get().timeout_seconds
+    where = f"an MPI communicator of {mpi_comm.Get_size()} processes"
     barrier = mpi_comm.Ibarrier()
     came = _done_within([barrier], seconds)
     digest = int.from_bytes(hashlib.blake2b((kind or what).encode(), digest_size=7).digest(),
@@ -150,7 +151,6 @@ def _meet(mpi_comm, what: str, kind: str | None = None, error: str | None = None
     agree = mpi_comm.Iallreduce(mine, agreed, op=_mpi().MAX)
     if came and _done_within([agree], 2 * seconds):
         gave_up, highest, negated_lowest, refused = (int(v) for v in agreed)
-        where = f"an MPI communicator of {mpi_comm.Get_size()} processes"
         if gave_up:
             raise RuntimeError(
                 f"jaxring.mpi: rank {mpi_comm.Get_rank()} came to {what} on {where} after "
@@ -168,7 +168,7 @@ def _meet(mpi_comm, what: str, kind: str | None = None, error: str | None = None
     _abandoned_requests.append(([barrier, agree], (mine, agreed)))
     raise TimeoutError(
         f"jaxring.mpi: rank {mpi_comm.Get_rank()} timed out after {seconds:g} s waiting for the "
-        f"other ranks of an MPI communicator of {mpi_comm.Get_size()} processes to {what}: "
+        f"other ranks of {where} to {what}: "
         "every rank must, in the same order as its other collectives on that communicator "
         "(JAXRING_TIMEOUT_SECONDS sets the timeout); a rank that comes later raises too, at "
         "once while this one still makes MPI calls")
@@ -271,8 +271,10 @@ class Communicator:
         self.slot_bytes = slot_bytes
         self._requested = (transport, ranks_per_node)
         # This rank's pretend node (ranks_per_node > 0): a split's ranks keep their parent's.
-        self._pretend_node = (None if not ranks_per_node else _pretend_node
-                              if _pretend_node is not None else self.rank // ranks_per_node)
+        self._pretend_node = None
+        if ranks_per_node:
+            self._pretend_node = (self.rank // ranks_per_node if _pretend_node is None
+                                  else _pretend_node)
         self._gpu_requested = gpu_options
         self._finalizer = None
         node = _node_communicator(mpi_comm, self._pretend_node)
@@ -399,8 +401,9 @@ class Communicator:
         """Ranks with the same `color` form a new communicator, ordered by `key` (MPI_Comm_split),
         asking for what this one asked for (transport, slot_bytes, ranks_per_node, GPU
         options); its ranks keep the pretend nodes they had here, which need not be k
-        consecutive ranks of the split nor equal in size. Its MPI communicator is its own: free() frees it. A rank whose color is
-        ``MPI.UNDEFINED`` joins none and gets None, as MPI gives it MPI_COMM_NULL."""
+        consecutive ranks of the split nor equal in size. Its MPI communicator is its own:
+        free() frees it. A rank whose color is ``MPI.UNDEFINED`` joins none and gets None, as
+        MPI gives it MPI_COMM_NULL."""
         self._check_not_freed()
         transport, ranks_per_node = self._requested
         options = self._gpu_requested

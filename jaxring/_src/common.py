@@ -601,12 +601,11 @@ def _program_device_count(ctx) -> int:
     return getattr(axis_context, "num_devices", 1)
 
 
-def _program_devices(ctx):
-    """The devices of the mesh of the program being lowered, as an array over its axes; None
-    where the lowering knows no devices (a shard_map nested in another lowers on an
-    AbstractMesh, whose `devices` raises)."""
+def _program_mesh(ctx):
+    """The concrete mesh of the program being lowered; None where the lowering knows no devices
+    (a shard_map nested in another lowers on an AbstractMesh, whose `devices` raises)."""
     mesh = getattr(ctx.module_context.axis_context, "mesh", None)
-    return mesh.devices if isinstance(mesh, jax.sharding.Mesh) else None
+    return mesh if isinstance(mesh, jax.sharding.Mesh) else None
 
 
 def _refuse_groups_across_processes(target: str, ctx, comm: AxisCommunicator) -> None:
@@ -614,13 +613,12 @@ def _refuse_groups_across_processes(target: str, ctx, comm: AxisCommunicator) ->
     process's memory). Under jax.distributed a mesh may span processes; a collective whose group
     of devices does is refused as it lowers, where its devices would wait for peers that never
     come to this process and time out."""
-    devices = _program_devices(ctx) if jax.process_count() > 1 else None
-    if devices is None:
+    mesh = _program_mesh(ctx) if jax.process_count() > 1 else None
+    if mesh is None:
         return
-    mesh = ctx.module_context.axis_context.mesh
     axes = [list(mesh.axis_names).index(a) for a in comm.axes]
-    others = [i for i in range(devices.ndim) if i not in axes]
-    processes = np.vectorize(lambda d: d.process_index)(devices)
+    others = [i for i in range(mesh.devices.ndim) if i not in axes]
+    processes = np.vectorize(lambda d: d.process_index)(mesh.devices)
     groups = processes.transpose(others + axes).reshape(-1, comm.size)  # a row per group
     if (groups != groups[:, :1]).any():
         raise ValueError(
