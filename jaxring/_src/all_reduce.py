@@ -91,18 +91,20 @@ def _hierarchical_jvp(communicator, op, op_id, primals, tangents):
     out = _hierarchical(x, communicator, op, op_id)
     if not jnp.issubdtype(x.dtype, jnp.inexact):
         return out, np.zeros(out.shape, jax.dtypes.float0)
-    tangent_id = common.next_op_id(communicator.axis_communicator(), op_id, "jvp")
+    def tangent_id(role):
+        return common.next_op_id(communicator.axis_communicator(), op_id, role)
     if op in ("sum", "mean"):
-        return out, _hierarchical(tangent, communicator, op, tangent_id)
-    return out, _winners_tangent(x, out, tangent,
-                                 lambda v: _hierarchical(v, communicator, "sum", tangent_id))
+        return out, _hierarchical(tangent, communicator, op, tangent_id("jvp"))
+    return out, _winners_tangent(
+        x, out, tangent, lambda v, role: _hierarchical(v, communicator, "sum", tangent_id(role)))
 
 
 def _winners_tangent(x, out, tangent, total):
     """max/min's tangent: the tangent of the winning element, which ties share equally (as
-    jnp.max does); `total` sums over the devices."""
+    jnp.max does); `total(value, role)` sums over the devices, in a call whose op id derives
+    from the primal's with `role`, so that the two sums' ids differ."""
     winner = (x == out).astype(tangent.dtype)
-    return total(tangent * winner) / total(winner)
+    return total(tangent * winner, "jvp") / total(winner, "jvp-ties")
 
 
 # ---- abstract evaluation -----------------------------------------------------------------------
@@ -142,11 +144,11 @@ def _jvp(primals, tangents, *, comm, op, op_id, in_place):
     tangent = tangents[2]
     if type(tangent) is ad.Zero:
         return out, ad.Zero.from_primal_value(out)
-    tangent_id = common.next_op_id(comm, op_id, "jvp")
     if op in ("sum", "mean"):
-        return out, _bind(tangent, comm, op, op_id=tangent_id)
-    return out, _winners_tangent(x, out, tangent,
-                                 lambda v: _bind(v, comm, "sum", op_id=tangent_id))
+        return out, _bind(tangent, comm, op, op_id=common.next_op_id(comm, op_id, "jvp"))
+    return out, _winners_tangent(
+        x, out, tangent,
+        lambda v, role: _bind(v, comm, "sum", op_id=common.next_op_id(comm, op_id, role)))
 
 
 def _transpose(cotangent, rank, group, x, *, comm, op, op_id, in_place):

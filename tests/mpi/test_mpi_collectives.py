@@ -9,6 +9,7 @@ import re
 import time
 
 import jax
+import jax.extend.core
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -236,6 +237,28 @@ def test_grad_of_max_and_min_goes_to_the_winning_rank(op, size):
     winner = xs.argmax(0) if op == "max" else xs.argmin(0)
     expected = np.where(winner == COMM.rank, gathered(w).sum(0), 0.0)
     np.testing.assert_allclose(np.asarray(grad), expected, rtol=1e-12, atol=1e-12)
+
+
+def op_ids(jaxpr):
+    """The op ids of every jaxring call in `jaxpr`, nested jaxprs included, in program order."""
+    ids = []
+    for eqn in jaxpr.eqns:
+        if "op_id" in eqn.params:
+            ids.append(eqn.params["op_id"])
+        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+            ids.extend(op_ids(sub))
+    return ids
+
+
+@pytest.mark.parametrize("op", ["max", "min"])
+def test_the_two_tangent_sums_of_max_and_min_take_different_op_ids(op):
+    """max/min's tangent sums the winners' tangents and then the winners (_winners_tangent); the
+    two calls derive their ids from the primal's with different roles, so that a mismatch error
+    can tell them apart."""
+    x = np.arange(9.0) + COMM.rank
+    ids = op_ids(jax.make_jaxpr(
+        lambda v, t: jax.jvp(lambda u: jaxring.all_reduce(u, COMM, op), (v,), (t,)))(x, x).jaxpr)
+    assert len(ids) == 3 and len(set(ids)) == 3, ids
 
 
 def on_rank_dependent_lines(f, *args):
