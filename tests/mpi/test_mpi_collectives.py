@@ -976,6 +976,48 @@ def test_a_rank_that_takes_a_broadcast_after_its_sender_gave_up_raises(size):
     MPI_COMM.Barrier()
 
 
+STALLED_CALLS = {
+    "all_reduce": (lambda v, c: jaxring.all_reduce(v, c), 9),  # recursive doubling over MPI
+    "all_gather": (lambda v, c: jaxring.all_gather(v, c), 12),
+    "reduce_scatter": (lambda v, c: jaxring.reduce_scatter(v, c), 12 * COMM.size),
+}
+
+
+@pytest.mark.skipif(COMM.size < 2, reason="needs two ranks")
+@pytest.mark.parametrize("call", list(STALLED_CALLS))
+def test_a_rank_that_takes_small_messages_after_its_peers_gave_up_raises(call):
+    """The last rank stalls once its header exchange is done, past its peers' 1 s timeout. Its
+    peers had sent their small messages eagerly before they gave up, so over MPI it found them
+    waiting when it woke and returned a result its peers had reported failed (its next call
+    failed). Now every call that received data looks for its peers' notices before it returns."""
+    body, size = STALLED_CALLS[call]
+    sub = COMM.split(0, key=COMM.rank)  # a fresh communicator: an error leaves it unusable
+    if sub.transport == "shm":
+        pytest.skip("the stall is the MPI transport's; in shared memory a late rank finds its "
+                    "peers' flags marked (test_a_rank_that_comes_after_its_peers_gave_up_...)")
+    late = COMM.size - 1
+    f = jax.jit(lambda v: body(v, sub))
+    x = np.arange(size, dtype=np.float32) + COMM.rank
+    f.lower(x).compile()
+    ext, _ = jaxring.mpi._mpi_extension()
+    MPI_COMM.Barrier()
+    if COMM.rank == late:
+        ext.stall_next_data(2.5)
+    error = None
+    try:
+        with jaxring.config.override(timeout_seconds=30.0 if COMM.rank == late else 1.0):
+            np.asarray(f(x))
+    except Exception as raised:  # noqa: BLE001 - checked below, on every rank
+        error = str(raised)
+        jaxring.reset_after_error()
+    finally:
+        ext.stall_next_data(0)
+    errors = MPI_COMM.allgather(error)  # every rank gets here, whatever it saw
+    for rank, text in enumerate(errors):
+        assert text is not None, f"rank {rank} returned a call its peers reported failed"
+        assert re.search(r"timed out after 1 s", text), (rank, text)
+
+
 @pytest.mark.skipif(COMM.transport != "hierarchical", reason="a hierarchical communicator")
 def test_a_failure_on_one_node_reaches_the_other_nodes_at_once():
     """The ranks of node 0 disagree on a large all-reduce, which fails at once in its node-level

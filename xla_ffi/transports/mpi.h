@@ -100,15 +100,17 @@ class MpiTransport final : public ProcessTransport {
   bool PeerGaveUpLooking(const Header& h, int source, Status* error, double seconds = 0);
   int LooksForNotice() const;
   // After every receive of a call has completed: the error of PeerGaveUp if `source` (any rank
-  // by default) gave up, where the largest message received was large enough for MPI to read it
-  // out of its sender's buffer only as this rank took it (kRendezvousBytes). A sender gives up,
+  // by default) gave up, looking LooksForNotice() times. Its data, sent before it did,
+  // completed this rank's receives, but the call failed on that rank, so it must fail here too
+  // (as a late rank's does in shared memory): a rank stalled past its peers' timeout once its
+  // headers were exchanged found their small messages waiting and returned a result they had
+  // reported failed. Worse, MPI reads a large message (8 KiB or more, with MPICH 5 from PyPI on
+  // one node) out of its sender's buffer only as its receiver takes it, and a sender gives up,
   // frees its sends (they cannot be cancelled) and sends its notice before its call returns and
-  // XLA frees the buffers those sends read, so a receiver that took such a message late (stalled
-  // past its sender's timeout) may have read freed memory, and then finds the notice here
-  // instead of returning those bytes. Messages that came from memory the transport owns (the
-  // recursive doubling's, kept allocated after a failure even when the transport is destroyed)
-  // need no look, nor do smaller ones, which MPI copies as they are sent.
-  Status SendersStayed(const Header& h, size_t largest_received, int source = MPI_ANY_SOURCE);
+  // XLA frees the buffers those sends read: a receiver that took such a message late may have
+  // read freed memory, and finds the notice here instead of returning those bytes. A peer that
+  // gives up just as this rank finishes can still go unseen.
+  Status SendersStayed(const Header& h, int source = MPI_ANY_SOURCE);
   Status Broken(const Header& h) const;
   // Frees eager sends that have been received; with `block`, first waits for the oldest.
   Status ReapEager(const Header& h, bool block);
