@@ -633,6 +633,35 @@ def test_send_and_recv_refuse_vmap_at_trace_time():
         shmap(jax.vmap(stage), m)(x)
 
 
+@pytest.mark.parametrize("call", ["send", "recv"])
+def test_send_and_recv_in_a_shard_map_without_jit_are_refused_at_trace_time(call):
+    """A shard_map not under jit runs each call as a program of its own, so a recv never met
+    its send in one program: it refused the message as an earlier program's and left jaxring
+    failed. Both are refused before anything runs, and the same body under jit then works."""
+    m = mesh(2)
+    rng = np.random.default_rng(7)
+    x = shard(rng.standard_normal((4, 3)).astype(np.float32), m)
+
+    def stage(u):
+        if call == "send":
+            jaxring.send(u, "i", [(0, 1)])
+            return u
+        return jaxring.recv(u, "i", [(0, 1)])
+
+    with pytest.raises(RuntimeError, match=rf"jaxring.{call} over .* not under jax.jit"):
+        jax.shard_map(stage, mesh=m, in_specs=P("i"), out_specs=P("i"))(x)
+
+    def both(u):
+        jaxring.send(u, "i", [(0, 1)])
+        return jaxring.recv(u, "i", [(0, 1)])
+
+    expected = np.asarray(shmap(lambda u: lax.ppermute(u, "i", [(0, 1)]), m)(x))
+    np.testing.assert_array_equal(np.asarray(shmap(both, m)(x)), expected)
+    np.testing.assert_array_equal(
+        np.asarray(jax.shard_map(jax.jit(both), mesh=m, in_specs=P("i"), out_specs=P("i"))(x)),
+        expected)
+
+
 def test_mailbox_overrun_times_out_instead_of_hanging():
     """Nine sends to a device that never receives: the first eight wait in its mailbox, the ninth
     must wait for room and gives up, naming the receiver."""

@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax._src import core
+from jax._src.shard_map import ShardMapTrace
 from jax.interpreters import ad, batching
 
 from jaxring._src import common
@@ -28,7 +29,9 @@ def send(x, axis_name, perm) -> None:
     destination's mailbox, which holds 8 messages from each sender; a ninth send before the
     receiver takes one waits for room (and times out naming the receiver). The matching
     ``recv`` (same `perm`, dtype and element count; shapes are not compared) receives it, in the
-    same program; sends and receives between two devices are matched in program order. Neither
+    same program (so under ``jax.jit``: a ``shard_map`` not under it runs each call as a program
+    of its own, and is refused); sends and receives between two devices are matched in program
+    order. Neither
     differentiable nor batchable: use ``ppermute``, whose transpose is the inverse permutation,
     in code you take gradients of or vmap.
     """
@@ -39,6 +42,7 @@ def send(x, axis_name, perm) -> None:
         leaf = jnp.asarray(leaf)
         common.check_dtype("send", leaf)
         comm = common.point_to_point_communicator("send", axis_name)
+        _refuse_eager_shard_map("send", comm)
         pairs = common.check_perm("send", perm, comm.size, comm.name)
         common.bind_collective(send_p, leaf, comm, perm=pairs)
 
@@ -65,12 +69,24 @@ def recv(like, axis_name, perm):
         # As send's jnp.asarray does: float64 and int64 become 32-bit unless x64 is on.
         aval = core.ShapedArray(np.shape(leaf), jax.dtypes.canonicalize_dtype(dtype))
         comm = common.point_to_point_communicator("recv", axis_name)
+        _refuse_eager_shard_map("recv", comm)
         pairs = common.check_perm("recv", perm, comm.size, comm.name)
         rank, group = comm.rank_and_group()
         return recv_p.bind(rank, group, aval=aval, comm=comm, perm=pairs,
                            op_id=common.next_op_id(comm), varying=_result_varying(comm))
 
     return jax.tree.map(recv_leaf, like)
+
+
+def _refuse_eager_shard_map(name, comm):
+    """A ``jax.shard_map`` not under ``jax.jit`` runs each call in its body as a program of its
+    own, so a send and its recv could never be in one program: the recv found the message of
+    an earlier program, refused it, and left jaxring failed until reset_after_error."""
+    if comm.process_rank is None and isinstance(core.trace_ctx.trace, ShardMapTrace):
+        raise RuntimeError(
+            f"jaxring.{name} over {comm.name} is inside a jax.shard_map that is not under "
+            f"jax.jit, which runs each call of its body as a program of its own; a send and its "
+            f"recv must be in one program: wrap the shard_map (or its body) in jax.jit")
 
 
 def _result_varying(comm):
