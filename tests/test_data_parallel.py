@@ -307,6 +307,38 @@ def test_distributed_optimizer_sees_the_global_gradient(make_optimizer):
             np.testing.assert_allclose(got[name][replica], expected[name], rtol=1e-5, atol=1e-6)
 
 
+def test_gradients_jax_already_reduced_under_vma_checking_are_refused():
+    """Under shard_map's default check_vma=True the gradient of a replicated parameter comes
+    back summed over the replicas by JAX itself; a "mean" of it then gave N times the global
+    gradient, and SGD N-fold steps (a review's repro). It is refused, naming check_vma=False;
+    parameters cast to varying before differentiating keep their gradients per replica, and then
+    give the global batch's gradient, as check_vma=False does."""
+    n = 4
+    rng = np.random.default_rng(12)
+    w = rng.standard_normal(3).astype(np.float32)
+    x = rng.standard_normal((4 * n, 3)).astype(np.float32)
+    m = mesh(n)
+
+    def loss(w, x):
+        return jnp.mean(jnp.tanh(x @ w) ** 2)
+
+    def grads(w, x, cast=False):
+        if cast:
+            w = lax.pcast(w, ("i",), to="varying")
+        return data_parallel.all_reduce_gradients(jax.grad(loss)(w, x), "i")
+
+    def run(f, **options):
+        return np.asarray(jax.jit(jax.shard_map(f, mesh=m, in_specs=(P(), P("i")),
+                                                out_specs=P(), **options))(w, shard(x, m)))
+
+    with pytest.raises(ValueError, match=r"invariant over \('i',\).*check_vma=False"):
+        run(grads)
+    xs, ws = x.astype(np.float64), w.astype(np.float64)
+    expected = (2 * np.tanh(xs @ ws) * (1 - np.tanh(xs @ ws) ** 2)) @ xs / len(xs)
+    for got in (run(grads, check_vma=False), run(lambda w, x: grads(w, x, cast=True))):
+        np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
+
+
 # ---- one Deep Speech 2 step: N replicas against one device --------------------------------------
 
 
