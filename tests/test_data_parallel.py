@@ -269,6 +269,43 @@ def test_masked_moments_per_feature_masks_and_16_bit_inputs():
             np.testing.assert_allclose(float(var[f]), selected.var(), rtol=2e-2)
 
 
+@pytest.mark.parametrize("n", [1, 3, 5])
+def test_masked_moments_of_a_large_mean_keep_the_variance_without_the_fast_variance(n):
+    """Inputs 10000 + N(0, 1) in float32: the fast variance from summed squares (E[x^2] -
+    E[x]^2) loses it to cancellation (a review's repro: 0 to 30 where the truth is about 1);
+    two passes, deviations from the global mean, match the float64 reference."""
+    rng = np.random.default_rng(n + 20)
+    x = (rng.standard_normal((n * 7, 9, 4)) + 10000).astype(np.float32)
+    mask = (rng.random((n * 7, 9, 1)) < 0.8).astype(np.float32)
+    mask[:7] = 0 if n > 1 else mask[:7]  # the first replica holds no element at all
+    m = mesh(n)
+    replicas = jax.tree.map(every_device, jax.jit(jax.shard_map(
+        lambda x, mask: data_parallel.masked_moments(x, mask, "i", use_fast_variance=False),
+        mesh=m, in_specs=(P("i"), P("i")), out_specs=P()))(shard(x, m), shard(mask, m)))
+    selected = np.asarray(x, np.float64).reshape(-1, 4)[mask.reshape(-1) > 0]
+    for mean, var in zip(*replicas):
+        np.testing.assert_allclose(mean, selected.mean(0), rtol=1e-6)  # float32: 1 ulp 6e-8
+        np.testing.assert_allclose(var, selected.var(0), rtol=2e-3)
+    # The gradient through both passes equals one device's on the global batch.
+    weights = rng.standard_normal((2, 4)).astype(np.float32)
+
+    def loss(x, mask, axis_name):
+        mean, var = data_parallel.masked_moments(x - 10000, mask, axis_name,
+                                                 use_fast_variance=False)
+        return jnp.sum(mean * weights[0] + var * weights[1])
+
+    sharded = jax.jit(jax.shard_map(jax.grad(lambda x, mask: loss(x, mask, "i")), mesh=m,
+                                    in_specs=(P("i"), P("i")), out_specs=P("i")))
+    np.testing.assert_allclose(np.asarray(sharded(shard(x, m), shard(mask, m))),
+                               np.asarray(jax.grad(loss)(x, mask, None)), rtol=1e-4, atol=1e-6)
+
+
+def test_masked_moments_refuse_an_x_without_a_floating_feature_axis():
+    for x in (jnp.float32(1.0), jnp.ones((3, 2), jnp.int32)):
+        with pytest.raises(TypeError, match="floating-point x with a feature axis"):
+            data_parallel.masked_moments(x, 1.0)
+
+
 @pytest.mark.parametrize("make_optimizer", [
     lambda: optax.sgd(0.1),
     lambda: optax.chain(optax.clip_by_global_norm(0.5), optax.sgd(0.1, 0.9, nesterov=True)),

@@ -192,25 +192,42 @@ def broadcast_parameters(params, axis_name, root: int = 0,
                         params, bucket_bytes, fuse_below_bytes, axis_name)
 
 
-def masked_moments(x, mask, axis_name=None):
+def masked_moments(x, mask, axis_name=None, use_fast_variance: bool = True):
     """Mean and (biased) variance over every axis of `x` but the last, counting only elements
     where `mask` (broadcastable to `x`) is 1, over all replicas of `axis_name` (None: this
-    device only). Sums, sums of squares and counts travel in one all-reduce, so N replicas get
-    exactly the statistics of one device holding the global batch. A mask shaped like `x` masks
-    each feature on its own. 16-bit inputs are summed in float32 (counts past 256 are not exact
-    in bfloat16); the statistics come back in the dtype of `x`."""
+    device only), as one device holding the global batch would compute them. A mask shaped like
+    `x` masks each feature on its own. 16-bit inputs are summed in float32 (counts past 256 are
+    not exact in bfloat16); the statistics come back in the dtype of `x`.
+
+    `use_fast_variance` (as flax's BatchNorm has it, and with its default): sums, sums of
+    squares and counts travel in one all-reduce, and the variance is E[x^2] - E[x]^2, which
+    loses precision to cancellation where the mean is large against the spread (in float32,
+    inputs 10000 + N(0, 1) gave variances from 0 to 30). False: the global mean first, then the
+    squared deviations from it, in a second all-reduce (two passes, as numpy's var)."""
+    if x.ndim == 0 or not jnp.issubdtype(x.dtype, jnp.floating):
+        raise TypeError(f"masked_moments takes a floating-point x with a feature axis (its "
+                        f"last), got {x.dtype}{list(x.shape)}")
     acc = jnp.promote_types(x.dtype, jnp.float32)
     xs = x.astype(acc)
     mask = jnp.broadcast_to(mask, x.shape).astype(acc)
     axes = tuple(range(x.ndim - 1))
-    sums = jnp.concatenate([jnp.sum(xs * mask, axes), jnp.sum(xs * xs * mask, axes),
-                            jnp.sum(mask, axes)])
-    if axis_name is not None:
-        sums = jaxring.all_reduce(sums, axis_name, "sum")
-    features = x.shape[-1]
-    count = jnp.maximum(sums[2 * features:], 1.0)
-    mean = sums[:features] / count
-    var = jnp.maximum(sums[features:2 * features] / count - mean * mean, 0.0)
+
+    def total(parts):  # per-feature sums over this device's elements, then over the replicas
+        sums = jnp.concatenate([jnp.sum(part, axes) for part in parts])
+        sums = sums if axis_name is None else jaxring.all_reduce(sums, axis_name, "sum")
+        return jnp.split(sums, len(parts))
+
+    if use_fast_variance:
+        sums, squares, count = total([xs * mask, xs * xs * mask, mask])
+        count = jnp.maximum(count, 1.0)
+        mean = sums / count
+        var = jnp.maximum(squares / count - mean * mean, 0.0)
+    else:
+        sums, count = total([xs * mask, mask])
+        count = jnp.maximum(count, 1.0)
+        mean = sums / count
+        (squares,) = total([jnp.square(xs - mean) * mask])
+        var = squares / count
     return mean.astype(x.dtype), var.astype(x.dtype)
 
 
