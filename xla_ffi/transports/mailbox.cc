@@ -137,7 +137,9 @@ Status LocalPointToPoint::Post(int dest, const Header& header, const void* data,
     std::ostringstream s;
     s << Where(header) << ": timed out after " << deadline_.seconds() << " s waiting for rank "
       << dest << " to receive message " << sequence + 1 - kSlots << " (this rank is " << kSlots
-      << " messages ahead of it: does rank " << dest << " make the matching calls?)";
+      << " messages ahead of it, as many as its mailbox holds from one sender: does rank " << dest
+      << " make the matching calls, and does it make them before this rank's next send to it "
+         "must wait for room?)";
     return Status::Error(s.str());
   }
   if (slot.read.Load() & Flag::kAbandoned)
