@@ -215,9 +215,9 @@ HostResult RunPointToPointCall(const JaxringHostCall& c, const Header& header,
       processes->Configure(config);
       return {LeaveIfFailed(c, processes.get(), run(*processes))};
     }
-    if (auto processes = ShmCommunicator::Find(c.comm))
-      return {Status::Error(processes->Where(header) + ": this process communicator has no "
-                            "point-to-point transport (jaxring was built without MPI)")};
+    // Tracing refuses point-to-point where there is no MPI transport (jaxring.mpi's
+    // point_to_point_unavailable), so here the communicator is gone, or being freed: its
+    // shared memory may outlive its process transport for a moment (jaxring.mpi's _detach).
     return {ProcessCommunicatorGone(c, header)};
   }
   auto transport = std::make_shared<LocalPointToPoint>(
