@@ -22,6 +22,8 @@ constexpr int kP2PTag = 0x6a74;     // point-to-point messages (matched in order
 constexpr int kPayloadTag = 0x6a75; // ... the payloads sent straight from the caller's buffer
 constexpr int kReadyTag = 0x6a76;   // ... and their receivers' word that they may come
 constexpr int kGaveUpTag = 0x6a77;  // a rank's notice that it gave up on the communicator
+// What a collective's header exchange waits for (TimedOut).
+constexpr char kArriveAtCollective[] = "arrive at this collective";
 
 // Waits look for a gave-up notice once every this many polls (a wait that ends sooner never
 // looks).
@@ -355,9 +357,17 @@ Status MpiTransport::TimedOut(const Header& h, const Deadline& deadline,
                               const std::set<int>& missing, const char* what) const {
   std::ostringstream s;
   s << Where(h) << ": timed out after " << deadline.seconds() << " s waiting for rank(s) "
-    << Ranks(missing) << " to " << what
-    << " (a rank that never makes this call, has died, or is itself waiting for one that "
-       "does not; raise jaxring.config timeout_seconds if it is only slow)";
+    << Ranks(missing) << " to " << what;
+  // Past a collective's header exchange every rank has made the call, so a rank waited for
+  // there is stalled or waits for another (in a ring or recursive doubling, a rank's peer may
+  // be the one waiting for the rank that stalled).
+  const bool collective = h.kind != Collective::kPermute && h.kind != Collective::kSendRecv;
+  if (collective && std::strcmp(what, kArriveAtCollective) != 0)
+    s << " (every rank made this call, so it is stalled, has died, or is itself waiting for "
+         "another; raise jaxring.config timeout_seconds if it is only slow)";
+  else
+    s << " (a rank that never makes this call, has died, or is itself waiting for one that "
+         "does not; raise jaxring.config timeout_seconds if it is only slow)";
   return Status::Error(s.str());
 }
 
@@ -508,7 +518,7 @@ Status MpiTransport::ExchangeHeaders(const Header& h, const Deadline& deadline) 
   std::vector<Header>& known = headers_;  // known[i]: rank (rank_ + i) % size_
   known.assign(size_, Header{});
   known[0] = h;
-  const char* what = "arrive at this collective";
+  const char* what = kArriveAtCollective;
   if (direct_headers_) {
     recvs_.Clear();
     Status status;
