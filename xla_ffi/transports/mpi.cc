@@ -36,6 +36,11 @@ constexpr int64_t kPollsPerNoticeProbe = 64;
 constexpr int kLooksForNotice = 3;
 // How long a wait whose requests MPI failed looks for a notice that explains why.
 constexpr double kNoticeAfterFailureSeconds = 0.1;
+// How long DropRequests lets requests complete after a failure, and then how long more a
+// receive under way (matched, so not cancelled) may take: 1 GiB at this VM's 10 GB/s from
+// process to process took 0.1 s, and one sent by a stalled or preempted peer more.
+constexpr double kDropGraceSeconds = 0.1;
+constexpr double kReceiveUnderWaySeconds = 10;
 
 // The test hooks' stalls: StallNextDataForTest's and StallNextReceiveForTest's (one each, once
 // armed), StallNextRingSlicesForTest's.
@@ -998,16 +1003,22 @@ Status MpiTransport::Receive(int source, const Header& expected, void* out, size
 bool DropRequests(std::vector<MPI_Request>* requests, const std::vector<bool>& sending) {
   for (size_t i = 0; i < requests->size(); ++i)
     if ((*requests)[i] != MPI_REQUEST_NULL && !sending[i]) MPI_Cancel(&(*requests)[i]);
-  const Deadline grace(0.1);
-  Poll([&] {
+  // Done when every request (with `sends`) or every receive has completed or is cancelled.
+  auto completed = [&](bool sends) {
     bool done = true;
-    for (MPI_Request& request : *requests) {
+    for (size_t i = 0; i < requests->size(); ++i) {
       int flag = 1;
-      if (request != MPI_REQUEST_NULL) MPI_Test(&request, &flag, MPI_STATUS_IGNORE);
+      if ((*requests)[i] != MPI_REQUEST_NULL && (sends || !sending[i]))
+        MPI_Test(&(*requests)[i], &flag, MPI_STATUS_IGNORE);
       done = done && flag;
     }
     return done;
-  }, grace, 0);
+  };
+  Poll([&] { return completed(true); }, Deadline(kDropGraceSeconds), 0);
+  // A cancelled receive completes at once, so one still running was matched and is being
+  // written: a large one (up to MaxPiece()) can take longer than the grace, and would write on
+  // into a buffer XLA is about to reuse, so it gets longer.
+  Poll([&] { return completed(false); }, Deadline(kReceiveUnderWaySeconds), 0);
   bool receiving = false;
   for (size_t i = 0; i < requests->size(); ++i) {
     if ((*requests)[i] == MPI_REQUEST_NULL) continue;

@@ -176,10 +176,11 @@ void StallNextRingSlicesForTest(double seconds, int64_t slices);
 // before it looks for its message (after its own call's sends were posted); 0 disarms it.
 void StallNextReceiveForTest(double seconds);
 // Gives up on `requests` (sending[i]: whether request i is a send): cancels the receives, gives
-// every request 0.1 s to complete (a cancelled receive that had not matched does at once, one
-// under way finishes), then frees what is still active, which leaves it running. Sends are never
-// cancelled (MpiTransport::Fail says why). Receives under way past that may still write into
-// their buffers. Returns whether it left a receive running.
+// every request 0.1 s to complete (a cancelled receive that had not matched does at once), and a
+// receive under way up to 10 s more to finish, then frees what is still active, which leaves it
+// running. Sends are never cancelled (MpiTransport::Fail says why). A receive under way past that
+// (its sender stalled mid-message) may still write into its buffer. Returns whether it left a
+// receive running.
 bool DropRequests(std::vector<MPI_Request>* requests, const std::vector<bool>& sending);
 
 // The slices, in bytes, that the ring's steps and the broadcast chain cut `bytes` into:
