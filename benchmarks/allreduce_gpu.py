@@ -1,6 +1,6 @@
 """All-reduce between GPU processes: jaxring's GPU transports against mpi4jax, in one run.
 
-    mpiexec -n 2 python benchmarks/allreduce_gpu.py      # then -n 4; --quick for a short run
+    mpiexec -n 2 python benchmarks/allreduce_gpu.py      # then -n 4; --quick: short, no files
 
 Every process uses its first visible GPU, as jaxring's GPU communicators do: on a node with
 several, give each rank its own with CUDA_VISIBLE_DEVICES (a wrapper that sets it from the local
@@ -200,7 +200,8 @@ def mps_is_running() -> bool:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--quick", action="store_true",
+                        help="three sizes; writes no files unless --name")
     parser.add_argument("--sizes", type=int, nargs="*", help="bytes per rank (default 4 KiB..256 MiB)")
     parser.add_argument("--name", default=None,
                         help="results file (default allreduce_gpu-<gpu>-n{N}[-mps])")
@@ -232,7 +233,7 @@ def main() -> None:
             line = "  ".join(f"{r['impl']} {r['seconds'] * 1e6:.0f} us"
                              for r in rows if r["bytes"] == nbytes)
             print(f"n={n} {human_bytes(nbytes):>9s}: {line}", flush=True)
-    if rank == 0:
+    if rank == 0 and not (args.quick and args.name is None):  # not over the committed runs
         env = environment(MPI)
         env["device"] = GPU.device_kind
         env["cuda_aware_mpi"] = [COMMS["jaxring[staged]"].cuda_aware_mpi,

@@ -371,6 +371,13 @@ def parse_bytes(text: str) -> int:
             f"not a size: {text!r} (bytes, or with B, KiB, MiB or GiB)") from None
 
 
+def takes_no_arguments(doc: str) -> None:
+    """For a script that takes no options: --help prints its docstring, and anything else given
+    is refused, instead of the script running in full (and overwriting its committed results)."""
+    argparse.ArgumentParser(description=doc,
+                            formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
+
+
 def write_results(name: str, payload: dict, markdown: str) -> Path:
     json_path = RESULTS / f"{name}.json"
     json_path.parent.mkdir(parents=True, exist_ok=True)  # a name may hold a folder: runs/...

@@ -31,7 +31,7 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import jaxring  # noqa: E402
 from common import (environment, human_bytes, keep_freed_memory, medians_in_turns,  # noqa: E402
-                    steal_sentence, write_results)
+                    steal_sentence, takes_no_arguments, write_results)
 from allreduce import donated_loop, loop_repeats  # noqa: E402
 from jaxring._src import native  # noqa: E402
 
@@ -118,6 +118,7 @@ def markdown(env: dict, builds: list[str], rows: list[dict]) -> str:
 
 
 def main() -> None:
+    takes_no_arguments(__doc__)
     keep_freed_memory()
     builds = native.extension.cpu_kernels_supported()[1:]  # without "auto"
     rows = []

@@ -32,7 +32,7 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import jaxring  # noqa: E402
 from common import (environment, median_seconds, steal_sentence,  # noqa: E402
-                    with_jaxring_effect, write_results)
+                    takes_no_arguments, with_jaxring_effect, write_results)
 from jaxring._src import common as jr  # noqa: E402
 from jaxring._src import native  # noqa: E402
 
@@ -176,6 +176,7 @@ def summary(rows: list[dict], n: int) -> list[str]:
 
 
 def main() -> None:
+    takes_no_arguments(__doc__)
     rows = measure(2) + measure(8)
     floor = one_device_floor()
     env = environment()

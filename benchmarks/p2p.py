@@ -1,7 +1,7 @@
 """Point-to-point latency and bandwidth: jaxring.ppermute against lax.ppermute, measured in one run.
 
     python benchmarks/p2p.py            # 2, 4, 8 devices, 4 B .. 64 MiB per device
-    python benchmarks/p2p.py --quick
+    python benchmarks/p2p.py --quick    # 2 and 8 devices, three sizes, no files (but --name)
 
 Every measurement runs 16 to 200 steps inside one compiled lax.scan, so that the program launch
 is spread over many hops, and the time per step is the time of one hop:
@@ -36,7 +36,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import jaxring  # noqa: E402
 from jaxring.parallel import pipeline  # noqa: E402
 from common import (PIPELINE_LAYERS, PIPELINE_ROWS, PIPELINE_TICKS,  # noqa: E402
-                    PIPELINE_WIDTH, dense_layer, environment, human_bytes, keep_freed_memory,
+                    PIPELINE_WIDTH, RESULTS, dense_layer, environment, human_bytes, keep_freed_memory,
                     medians_in_turns, memory_bandwidth_gbps, pipeline_workload, steal_sentence,
                     write_results)
 
@@ -124,7 +124,9 @@ def pipeline_rows(n: int) -> list[dict]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--quick", action="store_true",
+                        help="fewer device counts and sizes; writes no files unless --name")
+    parser.add_argument("--name", default=None, help="results file (default p2p-cpu)")
     args = parser.parse_args()
     device_counts = [2, 8] if args.quick else [2, 4, 8]
     sizes = [4, 4096, 1 << 20] if args.quick else [4 ** k for k in range(1, 14)]
@@ -146,11 +148,13 @@ def main() -> None:
                       f"{ours * 1e6:9.2f} us  lax {theirs * 1e6:9.2f} us  "
                       f"ratio {ours / theirs:5.2f}", flush=True)
     pipeline_results = [row for n in device_counts for row in pipeline_rows(n)]
+    if args.quick and args.name is None:  # not over the committed full run's results
+        return
     env = environment()
-    write_results("p2p-cpu", {"environment": env, "copy_bandwidth_gbps": ceiling, "rows": rows,
-                              "pipeline": pipeline_results},
+    write_results(args.name or "p2p-cpu", {"environment": env, "copy_bandwidth_gbps": ceiling,
+                                           "rows": rows, "pipeline": pipeline_results},
                   markdown(rows, env, ceiling) + pipeline_markdown(pipeline_results))
-    plot(rows)
+    plot(rows, args.name or "p2p-cpu")
 
 
 def markdown(rows, env, ceiling) -> str:
@@ -189,7 +193,7 @@ def pipeline_markdown(rows) -> str:
     return "\n".join(lines) + "\n"
 
 
-def plot(rows) -> None:
+def plot(rows, name: str) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -207,10 +211,9 @@ def plot(rows) -> None:
         ax.grid(True, which="both", alpha=0.3)
         ax.legend()
     fig.tight_layout()
-    fig.savefig(RESULTS_PNG, dpi=120)
+    fig.savefig(RESULTS / f"{name}.png", dpi=120)
 
 
-RESULTS_PNG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "p2p-cpu.png")
 
 if __name__ == "__main__":
     main()

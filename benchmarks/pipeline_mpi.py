@@ -39,7 +39,8 @@ import jaxring.mpi  # noqa: E402
 from jaxring.parallel import pipeline  # noqa: E402
 from common import (PIPELINE_LAYERS, PIPELINE_ROWS, PIPELINE_TICKS,  # noqa: E402
                     PIPELINE_WIDTH, dense_layer, environment, medians_in_turns,
-                    pipeline_workload, rank_binding, steal_sentence, write_results)
+                    pipeline_workload, rank_binding, steal_sentence, takes_no_arguments,
+                    write_results)
 
 COMM = jaxring.mpi.world()
 WORLD = MPI.COMM_WORLD
@@ -91,6 +92,7 @@ def cases(n: int, rank: int) -> dict:
 
 
 def main() -> None:
+    takes_no_arguments(__doc__)
     n, rank = COMM.size, COMM.rank
     table = cases(n, rank)
     medians = medians_in_turns({name: run for name, (run, _) in table.items()}, world=WORLD,

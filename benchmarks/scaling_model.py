@@ -31,7 +31,7 @@ import sys
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import RESULTS, write_results  # noqa: E402
+from common import RESULTS, takes_no_arguments, write_results  # noqa: E402
 
 # Deep Speech 2, about 38M float32 parameters (the size).
 GRADIENT_BYTES = 38e6 * 4
@@ -68,6 +68,7 @@ def ring_seconds(nbytes, p, c, alpha, beta):
 
 
 def main() -> None:
+    takes_no_arguments(__doc__)
     path = RESULTS / f"allreduce_mpi-cpu-n{N}.json"
     if not path.exists():
         sys.exit(f"missing {path}: run `mpiexec -n {N} python benchmarks/allreduce_mpi.py`")

@@ -63,7 +63,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (EFFECT_FLOOR, RESULTS, exchange_reads, human_bytes,  # noqa: E402
-                    issue2_target, issue3_target, launch_floors, looped_floor, output_bytes)
+                    issue2_target, issue3_target, launch_floors, looped_floor, output_bytes,
+                    takes_no_arguments)
 
 # jaxring's case in allreduce.py -> (its collective, the lax twin's case)
 TWINS = {"jaxring.all_reduce": ("all_reduce", "lax.psum"),
@@ -438,6 +439,7 @@ def markdown(issue2: list[dict], n_in_process: int, issue3: dict, n_mpi: dict,
 
 
 def main() -> None:
+    takes_no_arguments(__doc__)
     in_process = runs("allreduce-cpu")
     issue2 = judge([in_process_rows(run) for _, run in in_process]) if in_process else []
     recent = [run for number, run in in_process
