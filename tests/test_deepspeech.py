@@ -325,3 +325,32 @@ def test_configs_from_tiny_to_paper():
     assert from_python.conv_kernels == ((3, 5),)
     with pytest.raises(ValueError, match="unknown config key"):
         configs.get_config("tiny", nonsense=1)
+
+
+@pytest.mark.parametrize("key, value, message", [
+    ("epochs", "abc", "'epochs' takes an int"), ("epochs", "", "'epochs' takes an int"),
+    ("sortagrad", "maybe", "'sortagrad' takes true or false"),
+    ("conv_channels", "16", "'conv_channels' takes a JSON list"),
+    ("learning_rate", "fast", "'learning_rate' takes a number"),
+    ("train_utterances", "0", "'train_utterances' must be at least 1"),
+    ("num_devices", "0", "'num_devices' must be at least 1")])
+def test_a_bad_override_names_its_key(key, value, message):
+    """--set values that failed deep in parsing, data loading or training (int()'s message, a
+    JSON decode error, a modulo by zero) without naming the key, or (a bare 16 for a tuple
+    field) were taken and broke the model later."""
+    with pytest.raises(ValueError, match=message):
+        configs.get_config("tiny", **{key: value})
+
+
+def test_resuming_with_another_model_is_refused_and_leaves_the_run_alone(tmp_path):
+    """A checkpoint of one model resumed with a config of another: the restore failed in orbax
+    after config.json had been overwritten, so every later command on the directory (transcribe,
+    a resume with the old settings) failed too. It is refused before anything is written."""
+    config = configs.get_config("tiny", train_utterances=4, test_utterances=2)
+    tmp_path.mkdir(exist_ok=True)
+    (tmp_path / "config.json").write_text(config.to_json())
+    training.save_checkpoint(training.checkpoint_manager(tmp_path), 0, {"w": np.zeros(2)}, [])
+    before = (tmp_path / "config.json").read_text()
+    with pytest.raises(ValueError, match=r"another model \(rnn_hidden: 128 there, 64 here\)"):
+        training.train(config.replace(rnn_hidden=64, epochs=5), tmp_path)
+    assert (tmp_path / "config.json").read_text() == before

@@ -54,22 +54,57 @@ class Config:
         for key, value in overrides.items():
             if key not in fields:
                 raise ValueError(f"unknown config key {key!r}; known: {sorted(fields)}")
+            default = getattr(self, key)
             if isinstance(value, str):
-                default = getattr(self, key)
-                value = (json.loads(value.lower()) if isinstance(default, bool)
-                         else _as_tuples(json.loads(value)) if isinstance(default, tuple)
-                         else type(default)(value) if not isinstance(default, str) else value)
-            elif isinstance(getattr(self, key), tuple):
-                value = _as_tuples(list(value))  # hashable, as the training functions' cache needs
+                try:
+                    value = (json.loads(value.lower()) if isinstance(default, bool)
+                             else json.loads(value) if isinstance(default, tuple)
+                             else type(default)(value) if not isinstance(default, str) else value)
+                except ValueError:  # json's errors too
+                    value = None  # refused below, naming the key
+            if isinstance(default, tuple):
+                value = _as_tuples(list(value)) if isinstance(value, (list, tuple)) else value
+            if not _same_kind(value, default):
+                raise ValueError(f"config key {key!r} takes {_kind(default)} (its default is "
+                                 f"{json.dumps(_lists(default))}), got {overrides[key]!r}")
             parsed[key] = value
-        return dataclasses.replace(self, **parsed)
+        config = dataclasses.replace(self, **parsed)
+        for key in _POSITIVE:
+            if getattr(config, key) < 1:
+                raise ValueError(f"config key {key!r} must be at least 1, got "
+                                 f"{getattr(config, key)}")
+        return config
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), indent=1)
 
 
 def _as_tuples(value):
-    return tuple(_as_tuples(v) for v in value) if isinstance(value, list) else value
+    return tuple(_as_tuples(v) for v in value) if isinstance(value, (list, tuple)) else value
+
+
+def _lists(value):
+    return [_lists(v) for v in value] if isinstance(value, tuple) else value
+
+
+def _kind(default) -> str:
+    return {tuple: "a JSON list", int: "an int", float: "a number", bool: "true or false",
+            str: "a string"}[type(default)]
+
+
+def _same_kind(value, default) -> bool:
+    if isinstance(default, bool) or isinstance(value, bool):
+        return type(value) is type(default)
+    if isinstance(default, float):
+        return isinstance(value, (int, float))
+    return isinstance(value, type(default))
+
+
+# Counts and sizes below 1 failed deep in data loading or training (no arrays to concatenate, a
+# modulo by zero) instead of naming the key.
+_POSITIVE = ("train_utterances", "test_utterances", "sample_rate", "frame_multiple",
+             "max_label_length", "rnn_layers", "rnn_hidden", "dense", "batch_size", "num_devices",
+             "bucket_bytes", "beam_width")
 
 
 CONFIGS = {

@@ -62,6 +62,7 @@ def train(args):
         traceback.print_exc()
         sys.stderr.flush()
         MPI.COMM_WORLD.Abort(1)
+        raise SystemExit(1)  # Abort may return before the launcher ends this process
     if MPI.COMM_WORLD.Get_rank() == 0:
         print(json.dumps(history[-1] if history else {}, indent=1))
 
@@ -75,6 +76,8 @@ def transcribe(args):
     from models.deepspeech import train as training
 
     workdir = Path(args.workdir)
+    if not (workdir / "config.json").exists():
+        raise SystemExit(f"no training run in {workdir} (it has no config.json)")
     config = configs.Config().replace(**{
         k: json.dumps(v) if isinstance(v, list) else str(v)
         for k, v in json.loads((workdir / "config.json").read_text()).items()})
@@ -89,7 +92,7 @@ def transcribe(args):
     model = training.create_model(config, seed=0)
     graphdef, params, batch_stats = nnx_split(model)
     template = {"params": params, "batch_stats": batch_stats}
-    manager = training.checkpoint_manager(workdir)
+    manager = training.checkpoint_manager(workdir, read_only=True)
     restored = training.restore_checkpoint(manager, _with_opt_state(config, template))
     if restored is None:
         raise SystemExit(f"no checkpoint in {workdir / 'checkpoints'}")

@@ -297,6 +297,28 @@ def evaluate(graphdef, params, batch_stats, dataset, config: Config, beam: bool 
     return metrics
 
 
+# Fields a run cannot change when it resumes from a checkpoint: they shape the parameters, the
+# optimizer's state or the features.
+_SHAPING_FIELDS = ("sample_rate", "conv_channels", "conv_kernels", "conv_strides", "rnn_layers",
+                   "rnn_hidden", "dense", "optimizer")
+
+
+def _check_resumable(config: Config, workdir: Path) -> None:
+    """Refuses to resume the checkpoint in `workdir` with a config that shapes the model or its
+    optimizer differently: the restore failed deep in orbax, after config.json had been
+    overwritten with the new config, so every later command on the directory failed too."""
+    path = workdir / "config.json"
+    if not path.exists():
+        return
+    stored = json.loads(path.read_text())
+    ours = json.loads(config.to_json())
+    differ = [f"{key}: {stored[key]} there, {ours[key]} here" for key in _SHAPING_FIELDS
+              if key in stored and stored[key] != ours[key]]
+    if differ:
+        raise ValueError(f"{workdir} holds a checkpoint of another model ({'; '.join(differ)}): "
+                         f"resume it with its own settings, or train in a fresh work directory")
+
+
 def checkpoint_manager(workdir: Path, read_only: bool = False) -> ocp.CheckpointManager:
     """Keeps the last two epochs. `read_only` (the non-main ranks under mpiexec): restores only,
     creates and deletes nothing."""
@@ -356,8 +378,10 @@ def train(config: Config, workdir: str | Path, cache_dir: str | Path | None = No
     workdir = Path(workdir)
     if replicas.is_main:
         workdir.mkdir(parents=True, exist_ok=True)
-        (workdir / "config.json").write_text(config.to_json())
         manager = checkpoint_manager(workdir)
+        if manager.latest_step() is not None:
+            _check_resumable(config, workdir)
+        (workdir / "config.json").write_text(config.to_json())
         train_set = data.load("train", config.train_utterances, config.data_seed,
                               config.sample_rate, cache_dir)
         test_set = data.load("test", config.test_utterances, config.data_seed,
@@ -382,6 +406,8 @@ def train(config: Config, workdir: str | Path, cache_dir: str | Path | None = No
         last_epoch, state, history = restored
         state = replicas.place_state(state)
         first_epoch = last_epoch + 1
+        if replicas.is_main and progress:
+            print(f"resumed from the checkpoint of epoch {first_epoch}", flush=True)
     else:
         state["params"] = broadcast(state["params"])
 
