@@ -152,6 +152,10 @@ def main() -> None:
         weights = model.init_weights(config)
         for batch in batches:
             table = variants(weights, config, key, batch, steps, mesh1, mesh2)
+            unknown = sorted(set(args.variants or ()) - set(table))
+            if unknown:  # measuring none of them printed an empty table
+                parser.error(f"--variants {' '.join(unknown)}: not a variant of this run "
+                             f"({', '.join(table)})")
             names = names or list(table)
             table = {name: v for name, v in table.items()
                      if not args.variants or name in args.variants}

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import re
 import shutil
 import sys
 from pathlib import Path
@@ -505,6 +506,31 @@ def test_the_command_line_trains_and_every_sampler_draws_the_same_samples(tmp_pa
     main.main(["train", "--config", "tiny", "--workdir", str(tmp_path / "unfinished"),
                "--set", "num_epochs=1", "steps_per_epoch=1"])
     assert train.stored_config(tmp_path / "unfinished").model == get_config("tiny").model
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--set", "num_epochs=three", "train"], r"--set num_epochs=three: num_epochs takes a value "
+                                             r"of type int"),
+    (["train", "--set", "nofield=1"], r"--set nofield=1: takes FIELD=VALUE for one of"),
+    (["train", "--set", "model=1"], r"--set model=1: takes FIELD=VALUE for one of"),
+    (["sample", "--seconds", "-1"], r"--seconds must be positive"),
+    (["sample", "--streams", "0"], r"--streams and --stages at least 1"),
+    (["--config", "nosuch", "train"], r"invalid choice: 'nosuch'"),
+    (["sample"], r"no checkpoint under")])
+def test_bad_command_lines_are_refused_before_anything_is_written(tmp_path, capsys, argv,
+                                                                   message):
+    """A --set value of another kind (num_epochs=three) was saved in config.json and failed every
+    later resume; an unknown field, a bad --config, --seconds or --streams failed deep inside or
+    wrote empty WAVs; a --set before the command swallowed it; sampling from a mistyped work
+    directory created it. Each is refused naming what is wrong, and the work directory stays
+    unmade."""
+    from models.wavenet import main
+
+    workdir = tmp_path / "run"
+    with pytest.raises((SystemExit, FileNotFoundError)) as error:
+        main.main([*argv, "--workdir", str(workdir)])
+    assert re.search(message, str(error.value) + capsys.readouterr().err), error.value
+    assert not workdir.exists()
 
 
 def test_training_loss_falls_and_resumes(tmp_path, monkeypatch):

@@ -1,4 +1,4 @@
-"""Command line: train, or sample from a trained checkpoint.
+r"""Command line: train, or sample from a trained checkpoint.
 
     python -m models.wavenet.main train --config small --workdir workdir/wavenet-small
     python -m models.wavenet.main sample --config small --workdir workdir/wavenet-small \
@@ -18,19 +18,36 @@ import dataclasses
 import time
 from pathlib import Path
 
+from models.wavenet.configs import NAMES as CONFIG_NAMES
+
 SAMPLERS = ("naive", "incremental", "python_loop", "fused", "fused_f16", "layer_sharded",
             "layer_sharded_fused")
 
 
-def parse_overrides(pairs: list[str]) -> dict:
+def apply_overrides(config, pairs: list[str]):
+    """`config` with each FIELD=VALUE of `pairs` set, VALUE a Python literal (else a string) of
+    the field's kind. A value of another kind (num_epochs=three) was saved in config.json and
+    failed every later resume; an unknown field failed with dataclasses' message."""
+    fields = {f.name: getattr(config, f.name) for f in dataclasses.fields(config)}
     overrides = {}
     for pair in pairs:
-        key, _, value = pair.partition("=")
+        key, equals, text = pair.partition("=")
+        if not equals or key not in fields or dataclasses.is_dataclass(fields[key]):
+            known = ", ".join(k for k, v in fields.items() if not dataclasses.is_dataclass(v))
+            raise SystemExit(f"--set {pair}: takes FIELD=VALUE for one of {known}")
         try:
-            overrides[key] = ast.literal_eval(value)
+            value = ast.literal_eval(text)
         except (ValueError, SyntaxError):
-            overrides[key] = value
-    return overrides
+            value = text
+        default = fields[key]
+        fits = (type(value) is type(default) if isinstance(default, bool) or isinstance(value, bool)
+                else isinstance(value, (int, float)) if isinstance(default, float)
+                else isinstance(value, type(default)))
+        if not fits:
+            raise SystemExit(f"--set {pair}: {key} takes a value of type "
+                             f"{type(default).__name__} (it is {default!r})")
+        overrides[key] = value
+    return dataclasses.replace(config, **overrides)
 
 
 def sample_command(config, args) -> None:
@@ -89,12 +106,12 @@ def sample_command(config, args) -> None:
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("command", choices=("train", "sample"))
-    parser.add_argument("--config", default=None,
+    parser.add_argument("command", nargs="?", choices=("train", "sample"))
+    parser.add_argument("--config", default=None, choices=CONFIG_NAMES,
                         help="a module of models/wavenet/configs; by default the run's in "
                              "WORKDIR/config.json, else small")
     parser.add_argument("--workdir", default="workdir/wavenet")
-    parser.add_argument("--set", nargs="*", default=[], metavar="FIELD=VALUE",
+    parser.add_argument("--set", nargs="+", action="extend", default=[], metavar="FIELD=VALUE",
                         help="override top-level config fields, e.g. num_epochs=3")
     parser.add_argument("--seconds", type=float, default=1.0)
     parser.add_argument("--streams", type=int, default=1)
@@ -104,6 +121,13 @@ def main(argv=None) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default=None, help="folder for WAV + PNG (default: WORKDIR/samples)")
     args = parser.parse_args(argv)
+    # `--set a=1 train` hands the command to --set.
+    if args.command is None and args.set and args.set[-1] in ("train", "sample"):
+        args.command = args.set.pop()
+    if args.command is None:
+        parser.error("the command (train or sample) is required")
+    if args.seconds <= 0 or args.streams < 1 or args.stages < 1:
+        parser.error("--seconds must be positive, --streams and --stages at least 1")
 
     from models.wavenet import configs, train
 
@@ -117,7 +141,7 @@ def main(argv=None) -> None:
             raise SystemExit(f"--config {args.config}: the run in {args.workdir} trained another "
                              f"model ({stored.model}); leave --config out to sample from it")
         config = stored
-    config = dataclasses.replace(config, **parse_overrides(args.set))
+    config = apply_overrides(config, args.set)
     if args.command == "train":
         train.train_and_evaluate(config, args.workdir)
     else:

@@ -82,10 +82,12 @@ def training_state(net, optimizer) -> nnx.State:
     return nnx.State({"model": nnx.state(net), "optimizer": nnx.state(optimizer)})
 
 
-def checkpoint_manager(workdir) -> ocp.CheckpointManager:
-    return ocp.CheckpointManager(
-        Path(workdir).resolve() / "checkpoints",
-        options=ocp.CheckpointManagerOptions(max_to_keep=2, create=True))
+def checkpoint_manager(workdir, read_only: bool = False) -> ocp.CheckpointManager:
+    """Keeps the last two epochs; `read_only` (sampling) creates and deletes nothing, so that a
+    mistyped work directory is not made."""
+    options = (ocp.CheckpointManagerOptions(read_only=True, create=False, save_interval_steps=0)
+               if read_only else ocp.CheckpointManagerOptions(max_to_keep=2, create=True))
+    return ocp.CheckpointManager(Path(workdir).resolve() / "checkpoints", options=options)
 
 
 def restore(manager: ocp.CheckpointManager, net, optimizer) -> int:
@@ -106,7 +108,7 @@ def restore(manager: ocp.CheckpointManager, net, optimizer) -> int:
 def load_weights(workdir, config: Config) -> dict:
     """The newest checkpoint's weights as the samplers' plain dictionary."""
     net, optimizer = create_model(config)
-    if restore(checkpoint_manager(workdir), net, optimizer) == 0:
+    if restore(checkpoint_manager(workdir, read_only=True), net, optimizer) == 0:
         raise FileNotFoundError(f"no checkpoint under {Path(workdir) / 'checkpoints'}")
     return net.weights()
 
