@@ -932,6 +932,24 @@ def test_a_rank_that_comes_after_its_peers_gave_up_raises_too(call):
     MPI_COMM.Barrier()
 
 
+def with_the_last_rank_stalled(f, x):
+    """(f(x), None), or (None, its error) on this rank, where the last rank stalls 2.5 s (the MPI
+    transport's test hook) once its header exchange is done, past its peers' 1 s timeout."""
+    f.lower(x).compile()
+    ext, _ = jaxring.mpi._mpi_extension()
+    MPI_COMM.Barrier()
+    if COMM.rank == COMM.size - 1:
+        ext.stall_next_data(2.5)
+    try:
+        with jaxring.config.override(timeout_seconds=30.0 if COMM.rank == COMM.size - 1 else 1.0):
+            return np.asarray(f(x)), None
+    except Exception as raised:  # noqa: BLE001 - the caller checks it, on every rank
+        jaxring.reset_after_error()
+        return None, str(raised)
+    finally:
+        ext.stall_next_data(0)
+
+
 @pytest.mark.skipif(COMM.size < 2, reason="needs two ranks")
 @pytest.mark.parametrize("size", [4096, 300_001], ids=["tree", "chain"])
 def test_a_rank_that_takes_a_broadcast_after_its_sender_gave_up_raises(size):
@@ -947,23 +965,8 @@ def test_a_rank_that_takes_a_broadcast_after_its_sender_gave_up_raises(size):
         pytest.skip("shared memory stages every message in its own segment, which outlives a "
                     "rank's call")
     late = COMM.size - 1
-    f = jax.jit(lambda v: jaxring.broadcast(v, sub, 0))
-    x = np.arange(size, dtype=np.float32) + COMM.rank
-    f.lower(x).compile()
-    ext, _ = jaxring.mpi._mpi_extension()
-    MPI_COMM.Barrier()
-    if COMM.rank == late:
-        ext.stall_next_data(2.5)
-    try:
-        with jaxring.config.override(timeout_seconds=30.0 if COMM.rank == late else 1.0):
-            try:
-                y = np.asarray(f(x))
-                error = None
-            except Exception as raised:  # noqa: BLE001 - checked below, on every rank
-                error = str(raised)
-                jaxring.reset_after_error()
-    finally:
-        ext.stall_next_data(0)
+    y, error = with_the_last_rank_stalled(jax.jit(lambda v: jaxring.broadcast(v, sub, 0)),
+                                          np.arange(size, dtype=np.float32) + COMM.rank)
     if COMM.rank == late:
         assert error is not None, "the stalled rank returned a broadcast its sender gave up on"
         assert re.search(r"rank \d+ gave up on this communicator .* The error on rank \d+: "
@@ -996,22 +999,8 @@ def test_a_rank_that_takes_small_messages_after_its_peers_gave_up_raises(call):
         pytest.skip("the stall is the MPI transport's; in shared memory a late rank finds its "
                     "peers' flags marked (test_a_rank_that_comes_after_its_peers_gave_up_...)")
     late = COMM.size - 1
-    f = jax.jit(lambda v: body(v, sub))
-    x = np.arange(size, dtype=np.float32) + COMM.rank
-    f.lower(x).compile()
-    ext, _ = jaxring.mpi._mpi_extension()
-    MPI_COMM.Barrier()
-    if COMM.rank == late:
-        ext.stall_next_data(2.5)
-    error = None
-    try:
-        with jaxring.config.override(timeout_seconds=30.0 if COMM.rank == late else 1.0):
-            np.asarray(f(x))
-    except Exception as raised:  # noqa: BLE001 - checked below, on every rank
-        error = str(raised)
-        jaxring.reset_after_error()
-    finally:
-        ext.stall_next_data(0)
+    _, error = with_the_last_rank_stalled(jax.jit(lambda v: body(v, sub)),
+                                          np.arange(size, dtype=np.float32) + COMM.rank)
     errors = MPI_COMM.allgather(error)  # every rank gets here, whatever it saw
     for rank, text in enumerate(errors):
         assert text is not None, f"rank {rank} returned a call its peers reported failed"
