@@ -66,7 +66,7 @@ class Config:
                 value = _as_tuples(list(value)) if isinstance(value, (list, tuple)) else value
             if not _same_kind(value, default):
                 raise ValueError(f"config key {key!r} takes {_kind(default)} (its default is "
-                                 f"{json.dumps(_lists(default))}), got {overrides[key]!r}")
+                                 f"{json.dumps(default)}), got {overrides[key]!r}")
             parsed[key] = value
         config = dataclasses.replace(self, **parsed)
         for key in _POSITIVE:
@@ -81,10 +81,6 @@ class Config:
 
 def _as_tuples(value):
     return tuple(_as_tuples(v) for v in value) if isinstance(value, (list, tuple)) else value
-
-
-def _lists(value):
-    return [_lists(v) for v in value] if isinstance(value, tuple) else value
 
 
 def _kind(default) -> str:
