@@ -36,9 +36,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import jaxring  # noqa: E402
 from jaxring.parallel import pipeline  # noqa: E402
 from common import (PIPELINE_LAYERS, PIPELINE_ROWS, PIPELINE_TICKS,  # noqa: E402
-                    PIPELINE_WIDTH, RESULTS, dense_layer, environment, human_bytes, keep_freed_memory,
-                    medians_in_turns, memory_bandwidth_gbps, pipeline_workload, steal_sentence,
-                    write_results)
+                    PIPELINE_WIDTH, RESULTS, dense_layer, environment, human_bytes,
+                    keep_freed_memory, medians_in_turns, memory_bandwidth_gbps, pipeline_workload,
+                    steal_sentence, write_results)
 
 IMPLEMENTATIONS = {"jaxring.ppermute": jaxring.ppermute, "lax.ppermute": lax.ppermute}
 
@@ -212,7 +212,6 @@ def plot(rows, name: str) -> None:
         ax.legend()
     fig.tight_layout()
     fig.savefig(RESULTS / f"{name}.png", dpi=120)
-
 
 
 if __name__ == "__main__":
