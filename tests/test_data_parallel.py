@@ -370,6 +370,16 @@ def test_gradients_jax_already_reduced_under_vma_checking_are_refused():
 
     with pytest.raises(ValueError, match=r"invariant over \('i',\).*check_vma=False"):
         run(grads)
+    # Over one device JAX's sum changed nothing, and max or min of equal copies is refused by
+    # neither lax.pmax nor jaxring.
+    one = jax.jit(jax.shard_map(grads, mesh=mesh(1), in_specs=(P(), P("i")), out_specs=P()))
+    np.testing.assert_allclose(np.asarray(one(w, shard(x, mesh(1)))),
+                               np.asarray(jax.grad(loss)(w, x)), rtol=1e-6)
+    maxed = jax.jit(jax.shard_map(
+        lambda w, x: data_parallel.all_reduce_gradients(jax.grad(loss)(w, x), "i", "max"),
+        mesh=m, in_specs=(P(), P("i")), out_specs=P()))(w, shard(x, m))
+    np.testing.assert_allclose(np.asarray(maxed), np.asarray(run(grads, check_vma=False)) * n,
+                               rtol=1e-5)
     xs, ws = x.astype(np.float64), w.astype(np.float64)
     expected = (2 * np.tanh(xs @ ws) * (1 - np.tanh(xs @ ws) ** 2)) @ xs / len(xs)
     for got in (run(grads, check_vma=False), run(lambda w, x: grads(w, x, cast=True))):

@@ -533,6 +533,16 @@ def test_bad_command_lines_are_refused_before_anything_is_written(tmp_path, caps
     assert not workdir.exists()
 
 
+def test_an_int_for_a_float_field_is_stored_as_a_float():
+    """--set learning_rate=1 was stored as the int 1, after which the run's own config refused
+    every float for it (a review of the type check)."""
+    from models.wavenet import main
+
+    config = main.apply_overrides(get_config("tiny"), ["learning_rate=1"])
+    assert type(config.learning_rate) is float and config.learning_rate == 1.0
+    assert main.apply_overrides(config, ["learning_rate=0.001"]).learning_rate == 0.001
+
+
 def test_training_loss_falls_and_resumes(tmp_path, monkeypatch):
     """Two epochs, the second stopped as it saves its checkpoint, then a run of three resumed
     from the first epoch's checkpoint, against three epochs in one go on the same data: the

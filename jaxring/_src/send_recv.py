@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax._src import core
-from jax._src.shard_map import ShardMapTrace
+from jax._src import shard_map as jax_shard_map
 from jax.interpreters import ad, batching
 
 from jaxring._src import common
@@ -82,7 +82,8 @@ def _refuse_eager_shard_map(name, comm):
     """A ``jax.shard_map`` not under ``jax.jit`` runs each call in its body as a program of its
     own, so a send and its recv could never be in one program: the recv found the message of
     an earlier program, refused it, and left jaxring failed until reset_after_error."""
-    if comm.process_rank is None and isinstance(core.trace_ctx.trace, ShardMapTrace):
+    eager = getattr(jax_shard_map, "ShardMapTrace", None)  # None: a jax that renamed it
+    if comm.process_rank is None and eager is not None and isinstance(core.trace_ctx.trace, eager):
         raise RuntimeError(
             f"jaxring.{name} over {comm.name} is inside a jax.shard_map that is not under "
             f"jax.jit, which runs each call of its body as a program of its own; a send and its "

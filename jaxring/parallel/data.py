@@ -149,38 +149,41 @@ def all_reduce_gradients(grads, axis_name, op: str = "mean",
     own. Equal to ``jaxring.all_reduce(grads, axis_name, op)`` (whose `op` defaults to "sum";
     this one's to "mean", Horovod's), which refuses a sum or mean of a
     leaf that varies over some of the axes but not all (packed into a bucket with others, it
-    would pass unseen). Inside ``jax.shard_map`` the gradients must be each replica's own:
-    run it with ``check_vma=False``, under which JAX leaves the gradients of replicated
-    parameters per replica. With vma checking JAX sums them itself, and a leaf that comes back
-    invariant over the axes is refused."""
+    would pass unseen), but for one refusal more: inside ``jax.shard_map`` the gradients must
+    be each replica's own, so run it with ``check_vma=False``, under which JAX leaves the
+    gradients of replicated parameters per replica. With vma checking JAX reduces them itself,
+    and a sum or mean of a leaf that comes back invariant over the axes (of more than one
+    device) is refused."""
     leaves = jax.tree.leaves(grads)
     if leaves:
         comm = common.communicator("all_reduce_gradients", axis_name)
         for leaf in leaves:
-            _refuse_reduced_by_jax(leaf, comm)
+            _refuse_reduced_by_jax(leaf, comm, op)
             common.refuse_partly_varying("all_reduce_gradients", leaf, comm, op)
     return _apply_fused("all_reduce_gradients", lambda b: jaxring.all_reduce(b, axis_name, op),
                         grads, bucket_bytes, fuse_below_bytes, axis_name)
 
 
-def _refuse_reduced_by_jax(leaf, comm) -> None:
+def _refuse_reduced_by_jax(leaf, comm, op: str) -> None:
     """Under shard_map's vma checking (check_vma=True, its default) a parameter replicated over
     the mesh axes is cast to varying where it meets the batch, and that cast's transpose sums its
-    gradient over the axes: the gradient comes back invariant, already summed over the replicas
-    by JAX itself (lax.psum), so reducing it again moves nothing, and a "mean" of that sum
+    gradient over the axes: the gradient comes back invariant, already reduced over the replicas
+    by JAX itself (lax.psum), so a sum or mean of it moves nothing, and a "mean" of that sum
     gave replicas N times the global gradient (a review's repro, N-fold SGD updates; lax.pmean
-    gives the same)."""
-    if (comm.axes and common.vma_checking() and isinstance(leaf, core.Tracer)
-            and not _varying(leaf) & set(comm.axes)):
+    gives the same). Over one device there is nothing to reduce, and max and min of equal
+    copies are those copies, as lax.pmax has them."""
+    if (op in ("sum", "mean") and comm.axes and comm.size > 1 and common.vma_checking()
+            and isinstance(leaf, core.Tracer) and not _varying(leaf) & set(comm.axes)):
         raise ValueError(
             f"jaxring.all_reduce_gradients: a gradient leaf ({core.typeof(leaf).str_short()}) "
             f"is invariant over {comm.axes!r}: under jax.shard_map's check_vma=True (its "
-            f"default), JAX has already summed the gradients of parameters replicated over "
+            f"default), JAX has already reduced the gradients of parameters replicated over "
             f"those axes in the backward pass, with lax.psum, so there is nothing left for "
-            f"jaxring to reduce, and a mean of that sum would be N times the mean. Run the "
-            f"shard_map with check_vma=False, so that each replica's own gradients reach "
-            f"jaxring, or make the parameters varying before differentiating (jax.lax.pcast(p, "
-            f"{comm.axes!r}, to='varying'))")
+            f"jaxring to reduce (a {op} of a sum over the replicas would be wrong by their "
+            f"number unless the loss itself was a mean over them). Run the shard_map with "
+            f"check_vma=False, so that each replica's own gradients reach jaxring, or make the "
+            f"parameters varying before differentiating (jax.lax.pcast(p, {comm.axes!r}, "
+            f"to='varying'))")
 
 
 def broadcast_parameters(params, axis_name, root: int = 0,

@@ -16,6 +16,7 @@ import argparse
 import ast
 import dataclasses
 import time
+import typing
 from pathlib import Path
 
 from models.wavenet.configs import NAMES as CONFIG_NAMES
@@ -29,6 +30,7 @@ def apply_overrides(config, pairs: list[str]):
     the field's kind. A value of another kind (num_epochs=three) was saved in config.json and
     failed every later resume; an unknown field failed with dataclasses' message."""
     fields = {f.name: getattr(config, f.name) for f in dataclasses.fields(config)}
+    types = typing.get_type_hints(type(config))  # declared: a stored config may hold 1 for 1.0
     overrides = {}
     for pair in pairs:
         key, equals, text = pair.partition("=")
@@ -39,13 +41,12 @@ def apply_overrides(config, pairs: list[str]):
             value = ast.literal_eval(text)
         except (ValueError, SyntaxError):
             value = text
-        default = fields[key]
-        fits = (type(value) is type(default) if isinstance(default, bool) or isinstance(value, bool)
-                else isinstance(value, (int, float)) if isinstance(default, float)
-                else isinstance(value, type(default)))
-        if not fits:
-            raise SystemExit(f"--set {pair}: {key} takes a value of type "
-                             f"{type(default).__name__} (it is {default!r})")
+        kind = types[key]
+        if kind is float and type(value) is int:
+            value = float(value)
+        if type(value) is not kind:
+            raise SystemExit(f"--set {pair}: {key} takes a value of type {kind.__name__} (it is "
+                             f"{fields[key]!r})")
         overrides[key] = value
     return dataclasses.replace(config, **overrides)
 

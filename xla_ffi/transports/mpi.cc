@@ -28,6 +28,18 @@ constexpr char kArriveAtCollective[] = "arrive at this collective";
 // Waits look for a gave-up notice once every this many polls (a wait that ends sooner never
 // looks).
 constexpr int64_t kPollsPerNoticeProbe = 64;
+// A message of at least this many bytes may be read out of its sender's buffer only as its
+// receiver takes it (MPI's rendezvous), so after its sender has given up and XLA has freed that
+// buffer. With MPICH 5 from PyPI on one node (whose shared-memory path then reads the sender's
+// memory with process_vm_readv), a send of 8192 bytes waited for its receiver and one of 8100
+// completed without it. Other MPIs get the lowest eager limit known to us (Open MPI's shared
+// memory, 4 KiB by default), unmeasured: a lower value costs a look for notices on receipt of
+// messages between it and the true limit, a higher one could read a freed buffer.
+#if defined(MPICH_VERSION)
+constexpr size_t kRendezvousBytes = 8192;
+#else
+constexpr size_t kRendezvousBytes = 4096;
+#endif
 // MPI_Improbe looks at what MPI has already taken in before it makes progress, one message at a
 // time, so a notice that came while this rank was out of MPI shows only on a later look: in
 // tests/mpi, the second with 2 ranks, the third with 3 and 4 (one message more came first). So
@@ -38,9 +50,11 @@ constexpr int kLooksForNotice = 3;
 constexpr double kNoticeAfterFailureSeconds = 0.1;
 // How long DropRequests lets requests complete after a failure, and then how long more a
 // receive under way (matched, so not cancelled) may take: 1 GiB at this VM's 10 GB/s from
-// process to process took 0.1 s, and one sent by a stalled or preempted peer more.
+// process to process took 0.1 s. Longer would buy little: a receive that has not finished by
+// then has a sender that stalled mid-message, and each failure waits it out (after its notices
+// went out: MpiTransport::Fail, mpi_messages.cc's DropAndFail).
 constexpr double kDropGraceSeconds = 0.1;
-constexpr double kReceiveUnderWaySeconds = 10;
+constexpr double kReceiveUnderWaySeconds = 1;
 
 // The test hooks' stalls: StallNextDataForTest's and StallNextReceiveForTest's (one each, once
 // armed), StallNextRingSlicesForTest's.
@@ -408,9 +422,14 @@ bool MpiTransport::PeerGaveUpLooking(const Header& h, int source, Status* error,
   return false;
 }
 
-Status MpiTransport::SendersStayed(const Header& h, int source) {
+Status MpiTransport::SendersStayed(const Header& h, size_t largest_received, int source) {
   Status error;
-  if (PeerGaveUpLooking(h, source, &error)) return error;
+  if (largest_received >= kRendezvousBytes) {
+    if (PeerGaveUpLooking(h, source, &error)) return error;
+  } else {
+    for (int look = 0; look < kLooksForNotice; ++look)
+      if (PeerGaveUp(h, source, &error)) return error;
+  }
   return Status();
 }
 
@@ -607,7 +626,7 @@ Status MpiTransport::RecursiveDoubling(const Header& h, const CollectiveBuffers&
     status = exchange(folded ? rank_ + 1 : rank_ - 1, !folded, folded, mine);
     if (!status.ok()) return status;
   }
-  status = SendersStayed(h);
+  status = SendersStayed(h, 0);  // its messages come from scratch, kept after a failure
   if (!status.ok()) return status;
   Operand result{mine, true};
   Target out{b.output};
@@ -743,7 +762,11 @@ Status MpiTransport::Ring(const Header& h, const CollectiveBuffers& b) {
   }
   if (status.ok()) status = Wait(h, &sends_, -1, EachWait(), "receive this rank's data");
   // Left sends from its output (the all-gather's slices), which XLA frees once left gives up.
-  if (status.ok()) status = SendersStayed(h);
+  size_t received = 0;  // bytes of the largest slice received
+  for (const RingStep& s : mine)
+    if (s.from_left)
+      received = std::max<size_t>(received, std::min(slice, s.count) * element(s.source));
+  if (status.ok()) status = SendersStayed(h, received);
   if (status.ok()) {
     sends_.Clear();
     recvs_.Clear();
@@ -761,6 +784,7 @@ Status MpiTransport::Broadcast(const Header& h, const CollectiveBuffers& b, bool
   char* out = static_cast<char*>(b.output);
   if (v == 0 && bytes > 0 && b.input != b.output) std::memcpy(out, b.input, bytes);
   Status status;
+  size_t received = bytes;  // the largest message a rank other than the root receives
   if (tree) {
     int mask = 1;
     for (; mask < n; mask <<= 1) {
@@ -778,6 +802,7 @@ Status MpiTransport::Broadcast(const Header& h, const CollectiveBuffers& b, bool
     const size_t slice =
         static_cast<size_t>(SliceBytes(static_cast<int64_t>(bytes), config_.pipeline_slice_bytes));
     const size_t pieces = (bytes + slice - 1) / slice;
+    received = std::min(slice, bytes);
     for (size_t k = 0; v > 0 && k < pieces && status.ok(); ++k)
       status = Irecv(h, out + k * slice, std::min(slice, bytes - k * slice), (rank_ + n - 1) % n,
                      kDataTag, &recvs_);
@@ -790,7 +815,7 @@ Status MpiTransport::Broadcast(const Header& h, const CollectiveBuffers& b, bool
   }
   if (status.ok()) status = Wait(h, &sends_, -1, EachWait(), "receive the broadcast");
   // Every rank sends from its output, which XLA frees once that rank gives up.
-  if (status.ok() && v > 0) status = SendersStayed(h);
+  if (status.ok() && v > 0) status = SendersStayed(h, received);
   if (status.ok()) {
     sends_.Clear();
     recvs_.Clear();
@@ -984,7 +1009,7 @@ Status MpiTransport::Receive(int source, const Header& expected, void* out, size
     if (status.ok()) status = Wait(expected, &recvs_, -1, EachWait(), "send its data", source);
     // An in-place payload came straight from the caller's buffer, which XLA frees once the
     // sender gives up.
-    if (status.ok() && in_place) status = SendersStayed(expected, source);
+    if (status.ok() && in_place) status = SendersStayed(expected, bytes, source);
     if (!status.ok()) return Fail(status);  // which cancels the receive
     recvs_.Clear();
     if (!in_place && bytes > 0) std::memcpy(out, message_.data(), bytes);

@@ -100,17 +100,18 @@ class MpiTransport final : public ProcessTransport {
   bool PeerGaveUpLooking(const Header& h, int source, Status* error, double seconds = 0);
   int LooksForNotice() const;
   // After every receive of a call has completed: the error of PeerGaveUp if `source` (any rank
-  // by default) gave up, looking LooksForNotice() times. Its data, sent before it did,
-  // completed this rank's receives, but the call failed on that rank, so it must fail here too
-  // (as a late rank's does in shared memory): a rank stalled past its peers' timeout once its
-  // headers were exchanged found their small messages waiting and returned a result they had
-  // reported failed. Worse, MPI reads a large message (8 KiB or more, with MPICH 5 from PyPI on
-  // one node) out of its sender's buffer only as its receiver takes it, and a sender gives up,
-  // frees its sends (they cannot be cancelled) and sends its notice before its call returns and
-  // XLA frees the buffers those sends read: a receiver that took such a message late may have
-  // read freed memory, and finds the notice here instead of returning those bytes. A peer that
-  // gives up just as this rank finishes can still go unseen.
-  Status SendersStayed(const Header& h, int source = MPI_ANY_SOURCE);
+  // by default) gave up. Its data, sent before it did, completed this rank's receives, but the
+  // call failed on that rank, so it must fail here too (as a late rank's does in shared
+  // memory): a rank stalled past its peers' timeout once its headers were exchanged found their
+  // small messages waiting and returned a result they had reported failed. For that, a few
+  // looks (kLooksForNotice, whatever the communicator's size). Where the largest message
+  // received was large enough for MPI to read it out of its sender's buffer only as this rank
+  // took it (kRendezvousBytes), LooksForNotice() looks: a sender gives up, frees its sends
+  // (they cannot be cancelled) and sends its notice before its call returns and XLA frees the
+  // buffers those sends read, so a receiver that took such a message late may have read freed
+  // memory, and finds the notice here instead of returning those bytes. A peer that gives up
+  // just as this rank finishes can still go unseen.
+  Status SendersStayed(const Header& h, size_t largest_received, int source = MPI_ANY_SOURCE);
   Status Broken(const Header& h) const;
   // Frees eager sends that have been received; with `block`, first waits for the oldest.
   Status ReapEager(const Header& h, bool block);
@@ -177,7 +178,7 @@ void StallNextRingSlicesForTest(double seconds, int64_t slices);
 void StallNextReceiveForTest(double seconds);
 // Gives up on `requests` (sending[i]: whether request i is a send): cancels the receives, gives
 // every request 0.1 s to complete (a cancelled receive that had not matched does at once), and a
-// receive under way up to 10 s more to finish, then frees what is still active, which leaves it
+// receive under way up to 1 s more to finish, then frees what is still active, which leaves it
 // running. Sends are never cancelled (MpiTransport::Fail says why). A receive under way past that
 // (its sender stalled mid-message) may still write into its buffer. Returns whether it left a
 // receive running.

@@ -145,6 +145,14 @@ void Drop(MpiMessages* m) {
   m->Clear();
 }
 
+// Gives up (its peers learn why at once), then drops this wait's requests, which may take a
+// while (a receive under way is given time to finish), and fails with `why`.
+int DropAndFail(MpiMessages* m, const std::string& why, char* error, size_t error_bytes) {
+  const std::string message = GiveUp(m, why);
+  Drop(m);
+  return Fail(error, error_bytes, message);
+}
+
 // The peers this rank exchanges with in the current wait (those it receives from with `only_from`).
 std::set<int> Peers(const MpiMessages& m, bool only_from) {
   std::set<int> peers;
@@ -174,8 +182,7 @@ int WaitAll(void* context, double timeout_seconds, char* error, size_t error_byt
       if (peers.empty()) peers = Peers(*m, false);
       for (int peer : peers) {
         if (!PeerGaveUp(m, peer, &why, 1)) continue;  // one look per pass
-        Drop(m);
-        return Fail(error, error_bytes, GiveUp(m, why));
+        return DropAndFail(m, why, error, error_bytes);
       }
     }
     if (deadline.Expired()) {
@@ -185,7 +192,6 @@ int WaitAll(void* context, double timeout_seconds, char* error, size_t error_byt
         MPI_Test(&m->requests[i], &flag, MPI_STATUS_IGNORE);
         if (!flag) missing.insert(m->peers[i]);
       }
-      Drop(m);
       std::ostringstream s;
       s << "timed out after " << timeout_seconds << " s waiting for rank(s) [";
       bool first = true;
@@ -194,14 +200,15 @@ int WaitAll(void* context, double timeout_seconds, char* error, size_t error_byt
         first = false;
       }
       s << "] to exchange data on " << m->name;
-      return Fail(error, error_bytes, GiveUp(m, s.str()));
+      return DropAndFail(m, s.str(), error, error_bytes);
     }
     std::this_thread::sleep_for(nap);
     nap = std::min(nap * 2, std::chrono::microseconds(50));
   }
   if (code != MPI_SUCCESS) {
+    const int failed = FailMpi(m, code, "exchange data", error, error_bytes);
     Drop(m);
-    return FailMpi(m, code, "exchange data", error, error_bytes);
+    return failed;
   }
   // What came from a peer that gave up may have been read from a buffer it has since freed.
   for (int peer : Peers(*m, true)) {
