@@ -52,7 +52,7 @@ constexpr double kNoticeAfterFailureSeconds = 0.1;
 // receive under way (matched, so not cancelled) may take: 1 GiB at this VM's 10 GB/s from
 // process to process took 0.1 s. Longer would buy little: a receive that has not finished by
 // then has a sender that stalled mid-message, and each failure waits it out (after its notices
-// went out: MpiTransport::Fail, mpi_messages.cc's DropAndFail).
+// went out: MpiTransport::Fail, mpi_messages.cc's GiveUpThenDrop).
 constexpr double kDropGraceSeconds = 0.1;
 constexpr double kReceiveUnderWaySeconds = 1;
 

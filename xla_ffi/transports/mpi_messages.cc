@@ -147,7 +147,7 @@ void Drop(MpiMessages* m) {
 
 // Gives up (its peers learn why at once), then drops this wait's requests, which may take a
 // while (a receive under way is given time to finish), and fails with `why`.
-int DropAndFail(MpiMessages* m, const std::string& why, char* error, size_t error_bytes) {
+int GiveUpThenDrop(MpiMessages* m, const std::string& why, char* error, size_t error_bytes) {
   const std::string message = GiveUp(m, why);
   Drop(m);
   return Fail(error, error_bytes, message);
@@ -182,7 +182,7 @@ int WaitAll(void* context, double timeout_seconds, char* error, size_t error_byt
       if (peers.empty()) peers = Peers(*m, false);
       for (int peer : peers) {
         if (!PeerGaveUp(m, peer, &why, 1)) continue;  // one look per pass
-        return DropAndFail(m, why, error, error_bytes);
+        return GiveUpThenDrop(m, why, error, error_bytes);
       }
     }
     if (deadline.Expired()) {
@@ -200,7 +200,7 @@ int WaitAll(void* context, double timeout_seconds, char* error, size_t error_byt
         first = false;
       }
       s << "] to exchange data on " << m->name;
-      return DropAndFail(m, s.str(), error, error_bytes);
+      return GiveUpThenDrop(m, s.str(), error, error_bytes);
     }
     std::this_thread::sleep_for(nap);
     nap = std::min(nap * 2, std::chrono::microseconds(50));
