@@ -21,6 +21,7 @@ from pathlib import Path
 
 from models.wavenet.configs import NAMES as CONFIG_NAMES
 
+COMMANDS = ("train", "sample")
 SAMPLERS = ("naive", "incremental", "python_loop", "fused", "fused_f16", "layer_sharded",
             "layer_sharded_fused")
 
@@ -107,7 +108,7 @@ def sample_command(config, args) -> None:
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("command", nargs="?", choices=("train", "sample"))
+    parser.add_argument("command", nargs="?", choices=COMMANDS)
     parser.add_argument("--config", default=None, choices=CONFIG_NAMES,
                         help="a module of models/wavenet/configs; by default the run's in "
                              "WORKDIR/config.json, else small")
@@ -123,7 +124,7 @@ def main(argv=None) -> None:
     parser.add_argument("--out", default=None, help="folder for WAV + PNG (default: WORKDIR/samples)")
     args = parser.parse_args(argv)
     # `--set a=1 train` hands the command to --set.
-    if args.command is None and args.set and args.set[-1] in ("train", "sample"):
+    if args.command is None and args.set and args.set[-1] in COMMANDS:
         args.command = args.set.pop()
     if args.command is None:
         parser.error("the command (train or sample) is required")

@@ -424,12 +424,9 @@ bool MpiTransport::PeerGaveUpLooking(const Header& h, int source, Status* error,
 
 Status MpiTransport::SendersStayed(const Header& h, size_t largest_received, int source) {
   Status error;
-  if (largest_received >= kRendezvousBytes) {
-    if (PeerGaveUpLooking(h, source, &error)) return error;
-  } else {
-    for (int look = 0; look < kLooksForNotice; ++look)
-      if (PeerGaveUp(h, source, &error)) return error;
-  }
+  const int looks = largest_received >= kRendezvousBytes ? LooksForNotice() : kLooksForNotice;
+  for (int look = 0; look < looks; ++look)
+    if (PeerGaveUp(h, source, &error)) return error;
   return Status();
 }
 
