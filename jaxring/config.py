@@ -80,9 +80,9 @@ class Config:
     # bottleneck: float16/bfloat16 sums, and sums whose data sits in the cache.
     cpu_kernels: str = "auto"
     # Scratch memory that calls reuse from one to the next instead of allocating and faulting in
-    # fresh pages (the ring's float32 partial sums; copies of sent messages larger than a mailbox
-    # slot): at most this many bytes stay pooled between calls, the largest buffers beyond it are
-    # freed; 0 pools none. Lowering it frees the excess at once.
+    # fresh pages (the ring's partial sums, float32 for 16-bit dtypes; copies of sent messages
+    # larger than a mailbox slot): at most this many bytes stay pooled between calls, the largest
+    # buffers beyond it are freed; 0 pools none. Lowering it frees the excess at once.
     scratch_pool_bytes: int = 1 << 30
 
 
@@ -192,14 +192,22 @@ def update(**changes) -> Config:
         return _update(changes)
 
 
+def _keeps(field: str, value) -> bool:
+    """Whether setting `field` to `value` leaves the configuration as it is: an equal value of a
+    type _validate takes for that field (an int for seconds, say; never a bool, nor a float for a
+    count, which _validate refuses)."""
+    accepts, _ = _ACCEPTS[_ENV[field][1]]
+    return (not isinstance(value, bool) and isinstance(value, accepts)
+            and value == getattr(_current, field))
+
+
 def _update(changes: dict) -> Config:
     global _current
     unknown = sorted(set(changes) - set(_ENV))
     if unknown:
         raise TypeError(f"jaxring.config: no field {', '.join(map(repr, unknown))}; the fields are "
                         f"{', '.join(_ENV)}")
-    if all(type(value) is type(getattr(_current, field, None)) and value == getattr(_current, field)
-           for field, value in changes.items()):
+    if all(_keeps(field, value) for field, value in changes.items()):
         # Nothing changes (an override of a field to its value, or its restoring): no programs to
         # wait for, nothing to hand on. Such an override cost 40-100 us around each timed call
         # of benchmarks/allreduce.py, in which the devices' threads fell asleep.

@@ -1245,13 +1245,17 @@ def test_a_config_update_that_changes_nothing_does_not_wait():
     """Setting fields to the values they have changes nothing, so it waits for no program: a
     program whose last device is held on the host is still running after such an override is
     entered and left (it once waited for it, about 100 us of Python around every timed call of
-    benchmarks/allreduce.py even with nothing running). A value of another type is no such
-    update: it is validated (and refused) as ever."""
+    benchmarks/allreduce.py even with nothing running). Nor does an int equal to a field of
+    seconds, which _validate would take. A float for a count is no such update: it is validated
+    (and refused) as ever."""
     m = mesh(4)
     x = shard(random_array(np.random.default_rng(6), (4 * 1001,), np.float32), m)
     held = HeldDevices({3})
     f = late_devices(m, held, lambda v: jaxring.all_reduce(v, "i"))
     expected = np.asarray(x, np.float64).reshape(4, -1).sum(0)
+    before = jaxring.config.get()
+    # A whole number of seconds, so that an int can equal it.
+    jaxring.config.update(timeout_seconds=float(max(1, round(before.timeout_seconds))))
     current = jaxring.config.get()
     y = f(x)
     try:
@@ -1259,9 +1263,12 @@ def test_a_config_update_that_changes_nothing_does_not_wait():
                                      timeout_seconds=current.timeout_seconds):
             assert not y.is_ready(), "entering an override that changes nothing waited"
         assert not y.is_ready(), "leaving an override that changes nothing waited"
+        with jaxring.config.override(timeout_seconds=int(current.timeout_seconds)):
+            assert not y.is_ready(), "an int equal to a field of seconds waited"
         assert jaxring.config.get() is current
     finally:
         held.release()
+        jaxring.config.update(timeout_seconds=before.timeout_seconds)
     out = np.asarray(y).reshape(4, -1)
     for device in range(4):
         assert_close(out[device], expected, np.float32, count=4)
