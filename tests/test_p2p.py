@@ -173,6 +173,34 @@ def test_send_compute_recv_equals_ppermute(dtype, n):
                                   np.asarray(shmap(theirs, m, out_specs=out_specs)(x)))
 
 
+@pytest.mark.parametrize("eager_bytes", [1 << 30, 0], ids=["eager", "in_place"])
+@pytest.mark.parametrize("n", [2, 3])
+def test_a_ppermute_between_a_send_and_its_recv_takes_its_own_message(n, eager_bytes):
+    """send and ppermute once shared one mailbox per pair, so a ppermute over the send's pairs,
+    made before the recv, found the send's message and refused it as a mismatch, though every
+    device made the same calls (lax gives them channels of their own). Each now has its own
+    mailbox; the ppermute sends eagerly or lends its buffer."""
+    rng = np.random.default_rng([n, 11])
+    m = mesh(n)
+    ring = [(i, (i + 1) % n) for i in range(n)]
+    x = shard(random_array(rng, (n * 3001,), np.float32), m)
+
+    def ours(v):
+        jaxring.send(v, "i", ring)
+        between = jaxring.ppermute(v * 10, "i", ring)
+        jaxring.send(v + 1, "i", ring)
+        return jnp.stack([between, jaxring.recv(v, "i", ring), jaxring.recv(v, "i", ring),
+                          jaxring.ppermute(v - 1, "i", ring)])
+
+    def theirs(v):
+        return jnp.stack([lax.ppermute(u, "i", ring) for u in (v * 10, v, v + 1, v - 1)])
+
+    out_specs = P(None, "i")
+    with jaxring.config.override(p2p_eager_bytes=eager_bytes):
+        got = np.asarray(shmap(ours, m, out_specs=out_specs)(x))
+    np.testing.assert_array_equal(got, np.asarray(shmap(theirs, m, out_specs=out_specs)(x)))
+
+
 def test_send_recv_large_message_and_in_scan():
     n = 3
     m = mesh(n)
@@ -631,6 +659,30 @@ def test_send_and_recv_refuse_vmap_at_trace_time():
 
     with pytest.raises(NotImplementedError, match="do not work under vmap"):
         shmap(jax.vmap(stage), m)(x)
+
+
+def test_a_recv_under_vmap_receives_one_message_for_every_example():
+    """recv has no batched operand, so vmap runs it once and every example shares what it
+    received (the README says so; send, whose operand is batched, is refused)."""
+    m = mesh(2)
+    x = shard(np.random.default_rng(8).standard_normal((4, 3)).astype(np.float32), m)
+
+    def stage(v):
+        jaxring.send(v[0], "i", [(0, 1)])
+        return jax.vmap(lambda u: jaxring.recv(u, "i", [(0, 1)]))(v)
+
+    got = np.asarray(shmap(stage, m)(x)).reshape(2, 2, 3)
+    sent = np.asarray(x).reshape(2, 2, 3)[0, 0]
+    np.testing.assert_array_equal(got[1], np.stack([sent, sent]))
+    np.testing.assert_array_equal(got[0], np.zeros((2, 3), np.float32))
+
+
+@pytest.mark.parametrize("like", ["abc", object()], ids=["str", "object"])
+def test_recv_refuses_a_like_that_is_no_array(like):
+    m = mesh(2)
+    x = shard(np.ones((4,), np.float32), m)
+    with pytest.raises(TypeError, match=r"jaxring.recv: `like` must hold arrays"):
+        shmap(lambda v: v + jaxring.recv(like, "i", [(0, 1)]), m)(x)
 
 
 @pytest.mark.parametrize("call", ["send", "recv"])

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import jaxring
 from helpers import mesh
 
 # `models` is not an installed package: import it from the repository root.
@@ -380,6 +381,58 @@ def test_layer_sharded_fused_float16_groups_equal_naive(devices, groups):
         weights, config, key, NUM_SAMPLES, batch, mesh(devices, "stage"), "stage", speaker,
         local, return_logits=True, weight_dtype=jnp.float16, stream_groups=groups)
     assert_same_samples(sharded, naive)
+
+
+@pytest.mark.parametrize("devices", [2, 3])
+def test_layer_sharded_fused_more_groups_than_its_mailboxes_hold_equal_naive(devices):
+    """A group per stream, more groups than the ring of mailboxes between the stages holds (8
+    messages each, and one in each stage's hands: 9 x stages - 1). Every stage sends on before
+    it receives, so with every mailbox full each waited for room in the next stage's until the
+    timeout; at most that many groups now circulate, the same samples."""
+    config, batch = TINY, 9 * devices + 2
+    weights, key, speaker, local, naive = reference(config, batch, seed=23,
+                                                    reference_sampler=sampler.sample_incremental)
+    with jaxring.config.override(timeout_seconds=10.0):
+        sharded = pipeline_sampler.sample_layer_sharded_fused(
+            weights, config, key, NUM_SAMPLES, batch, mesh(devices, "stage"), "stage", speaker,
+            local, return_logits=True, stream_groups=batch)
+    assert_same_samples(sharded, naive)
+
+
+def test_layer_sharded_fused_chunks_may_take_longer_than_the_timeout():
+    """The timeout bounds each wait for a message between the stages, not a whole chunk: one
+    chunk of 80000 steps (about a second here) failed after timeout_seconds with a timeout
+    naming a stage that had sent tens of thousands of messages."""
+    weights, key, steps = model.init_weights(TINY, 5), jax.random.key(6), 80_000
+    stages = mesh(2, "stage")
+    whole = pipeline_sampler.sample_layer_sharded_fused(weights, TINY, key, steps, 2, stages,
+                                                        "stage", chunk_steps=steps)
+    chunked = pipeline_sampler.sample_layer_sharded_fused(weights, TINY, key, steps, 2, stages,
+                                                          "stage", chunk_steps=4000)
+    with jaxring.config.override(timeout_seconds=0.25):
+        again = pipeline_sampler.sample_layer_sharded_fused(weights, TINY, key, steps, 2, stages,
+                                                            "stage", chunk_steps=steps)
+        again = np.asarray(again)
+    np.testing.assert_array_equal(again, np.asarray(whole))
+    np.testing.assert_array_equal(again, np.asarray(chunked))
+
+
+@pytest.mark.parametrize("field,value", [("stream_groups", 0), ("stream_groups", -3),
+                                         ("stream_groups", 1.5), ("stream_groups", True),
+                                         ("chunk_steps", 0), ("chunk_steps", -3)])
+def test_layer_sharded_fused_refuses_counts_below_one(field, value):
+    """0, -3 and 1.5 groups ran as one group; 0 steps a chunk divided by zero, -3 failed in a
+    slice."""
+    with pytest.raises(ValueError, match=rf"{field} must be an int of at least 1, got {value}"):
+        pipeline_sampler.sample_layer_sharded_fused(
+            model.init_weights(TINY), TINY, jax.random.key(0), 4, 2, mesh(2, "stage"), "stage",
+            **{field: value})
+
+
+def test_fused_refuses_a_chunk_of_no_steps():
+    with pytest.raises(ValueError, match=r"chunk_steps must be an int of at least 1, got 0"):
+        fused_sampler.sample_fused(model.init_weights(TINY), TINY, jax.random.key(0), 4, 2,
+                                   chunk_steps=0)
 
 
 def test_layer_sharded_fused_needs_a_layer_per_stage():

@@ -31,9 +31,11 @@ def send(x, axis_name, perm) -> None:
     ``recv`` (same `perm`, dtype and element count; shapes are not compared) receives it, in the
     same program (so under ``jax.jit``: a ``shard_map`` not under it runs each call as a program
     of its own, and is refused); sends and receives between two devices are matched in program
-    order. Neither
-    differentiable nor batchable: use ``ppermute``, whose transpose is the inverse permutation,
-    in code you take gradients of or vmap.
+    order, and apart from ``ppermute``'s messages (a ppermute between a send and its recv over
+    the same pairs takes its own). Neither differentiable nor batchable (a ``recv`` under vmap
+    has no batched operand: it receives one message, which every example shares): use
+    ``ppermute``, whose transpose is the inverse permutation, in code you take gradients of or
+    vmap.
     """
 
     perm = common.read_once(perm)
@@ -64,6 +66,9 @@ def recv(like, axis_name, perm):
     perm = common.read_once(perm)
 
     def recv_leaf(leaf):
+        if not hasattr(leaf, "dtype") and not isinstance(leaf, (bool, int, float, complex)):
+            raise TypeError(f"jaxring.recv: `like` must hold arrays, jax.ShapeDtypeStruct or "
+                            f"Python numbers (a pytree of them), got {leaf!r}")
         dtype = leaf.dtype if hasattr(leaf, "dtype") else jnp.result_type(leaf)  # Python scalars
         common.check_dtype("recv", core.ShapedArray((), dtype))
         # As send's jnp.asarray does: float64 and int64 become 32-bit unless x64 is on.

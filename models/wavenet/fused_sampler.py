@@ -136,12 +136,19 @@ def stage_steps(packed, config: ModelConfig, gate_bias, local, noise, token, que
         stream_groups=np.int64(stream_groups))
 
 
+def check_positive(name: str, value) -> None:
+    """Refuses a sampler's count argument that is not an int of at least 1 (a bool is none)."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)) or value < 1:
+        raise ValueError(f"{name} must be an int of at least 1, got {value!r}")
+
+
 def run_chunks(steps_fn, config: ModelConfig, key, num_samples: int, batch: int, local,
                chunk_steps: int):
     """The sampling loop of the fused samplers: a `lax.scan` over chunks of steps, each chunk's
     uniform numbers generated just before it. `steps_fn(local, noise, token, queues,
     first_step) -> (tokens, queues, logits)` runs one chunk. Returns tokens `[batch, samples]`
     and logits `[batch, samples, levels]`."""
+    check_positive("chunk_steps", chunk_steps)
     channels = config.local_channels
     local = jnp.zeros((batch, num_samples, channels), jnp.float32) if local is None else local
     local = sampler.time_major(local.astype(jnp.float32))

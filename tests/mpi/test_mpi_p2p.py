@@ -73,6 +73,32 @@ def test_sends_on_both_sides_of_64_kib_arrive_whole():
                                           err_msg=f"{name} perm, {size} elements")
 
 
+def test_a_ppermute_between_a_send_and_its_recv_takes_its_own_message():
+    """send/recv and ppermute once shared one MPI tag, so a ppermute over the send's pairs, made
+    before the recv, received the send's message and refused it as a mismatch, though every rank
+    made the same calls. Each now has a tag of its own (the pieces of a long copy follow its
+    header under it), at sizes sent in the header's message, as pieces after it, and (ppermute
+    above 64 KiB) in place."""
+    rng = np.random.default_rng([COMM.rank, 29])
+    for name, perm in permutations().items():
+        for size in (5, 16_400, 40_000):
+            x = rng.standard_normal(size).astype(np.float32)
+            inputs = gathered(x)
+
+            def calls(v, perm=perm):
+                jaxring.send(v, COMM, perm)
+                between = jaxring.ppermute(v * 10, COMM, perm)
+                jaxring.send(v + 1, COMM, perm)
+                return jnp.stack([between, jaxring.recv(v, COMM, perm),
+                                  jaxring.recv(v, COMM, perm), jaxring.ppermute(v - 1, COMM, perm)])
+
+            want = np.stack([expected_permute(f(inputs), perm, COMM.rank)
+                             for f in (lambda u: u * 10, lambda u: u, lambda u: u + 1,
+                                       lambda u: u - 1)])
+            np.testing.assert_array_equal(np.asarray(jax.jit(calls)(x)), want,
+                                          err_msg=f"{name} perm, {size} elements")
+
+
 def test_send_compute_recv_scan_vmap_and_pytrees():
     shift = permutations()["shift"]
     x = np.arange(12.0, dtype=np.float32).reshape(3, 4) + 100 * COMM.rank

@@ -221,7 +221,7 @@ HostResult RunPointToPointCall(const JaxringHostCall& c, const Header& header,
     return {ProcessCommunicatorGone(c, header)};
   }
   auto transport = std::make_shared<LocalPointToPoint>(
-      CommunicatorId{c.comm, c.group, c.size, CommName(c)}, c.rank, c.run_id,
+      CommunicatorId{c.comm, c.group, c.size, CommName(c)}, c.rank, c.run_id, header.kind,
       config.timeout_seconds, config.spin_iterations);
   if (complete == nullptr) return {run(*transport)};
   // As for collectives (cpu/handoff.h): each step that waits (for a free mailbox slot, for the

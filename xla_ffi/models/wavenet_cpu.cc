@@ -940,7 +940,8 @@ ffi::Error Run(const W* weights, bool allow_simd, int64_t threads, const Call& c
 // j sends the residual stream and the skip sum to j + 1; the last stage runs the output layers,
 // samples, and sends the tokens back to stage 0 for the next step. The streams are cut into
 // `stream_groups` groups that follow each other through the stages, so with as many groups as
-// stages every stage is busy. Only the last stage's tokens and logits are the samples.
+// stages every stage is busy; at most StageGroups() of them, as many as the ring of mailboxes
+// between the stages can hold. Only the last stage's tokens and logits are the samples.
 // The layers [begin, end) of stage `rank`: contiguous groups of about equal work, counting
 // multiply-adds per stream and step. The last stage also runs the output layers (about three
 // layers' worth at 64/256/20), so it gets fewer layers. Every stage has at least one layer.
@@ -966,6 +967,18 @@ std::pair<int64_t, int64_t> StageLayers(const Sizes& s, int64_t stages, int64_t 
   return {boundary(rank), boundary(rank + 1)};
 }
 
+// How many groups of streams circulate: `stream_groups`, but at least 1, at most one per stream,
+// and, with more than one stage, at most (kMailboxSlots + 1) * stages - 1. Every group is a
+// message in a mailbox or in a stage's hands, and each stage sends on before it receives the
+// next; with every mailbox of the ring full and every stage holding one more, each would wait
+// for room in the next stage's mailbox, and none would receive (the timeout, 9 * stages groups
+// up).
+int64_t StageGroups(int64_t stream_groups, int64_t streams, int64_t stages) {
+  int64_t groups = std::min(stream_groups, streams);
+  if (stages > 1) groups = std::min(groups, (kMailboxSlots + 1) * stages - 1);
+  return std::max<int64_t>(1, groups);
+}
+
 template <typename W>
 ffi::Error RunStage(const W* weights, bool allow_simd, const Call& c, PointToPoint& transport,
                     int64_t op_id, int64_t stream_groups) {
@@ -974,7 +987,7 @@ ffi::Error RunStage(const W* weights, bool allow_simd, const Call& c, PointToPoi
   const int64_t stages = transport.size(), rank = transport.rank(), b = sizes.batch;
   const auto [begin, end] = StageLayers(sizes, stages, rank);
   const bool first_stage = rank == 0, last_stage = rank + 1 == stages;
-  const int64_t groups = std::max<int64_t>(1, std::min(stream_groups, b));
+  const int64_t groups = StageGroups(stream_groups, b, stages);
   std::vector<Sampler<W>> samplers;
   samplers.reserve(groups);
   for (int64_t g = 0; g < groups; ++g) {
@@ -997,7 +1010,11 @@ ffi::Error RunStage(const W* weights, bool allow_simd, const Call& c, PointToPoi
     h.count = count;
     return h;
   };
-  auto fail = [&](const Status& status) { return ffi::Error::Internal(status.message()); };
+  auto fail = [&](const Status& status) {
+    return ffi::Error::Internal("the layer-sharded WaveNet sampler's messages between stages (" +
+                                std::to_string(groups) + " groups of streams a step): " +
+                                status.message());
+  };
   for (int64_t step = 0; step < c.steps; ++step) {
     const int64_t t = c.first_step + step;
     const float* local = c.local + step * b * sizes.local_channels;
@@ -1093,7 +1110,8 @@ ffi::Error WaveNetStageImpl(ffi::RunId run_id, ffi::AnyBuffer weights,
   LocalPointToPoint transport(
       CommunicatorId{static_cast<uint64_t>(comm), group.typed_data()[0], static_cast<int>(size),
                      NameInGroup(comm_name, group.typed_data()[0])},
-      stage, run_id.run_id, config.timeout_seconds, config.spin_iterations);
+      stage, run_id.run_id, Collective::kPermute, config.timeout_seconds,
+      config.spin_iterations);
   return WithWeights(weights, [&](const auto* w) {
     return RunStage(w, !portable, call, transport, op_id, stream_groups);
   });

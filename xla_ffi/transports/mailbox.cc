@@ -11,8 +11,7 @@ namespace jaxring {
 
 namespace {
 
-// Slots per mailbox: how many messages a sender may run ahead of its receiver.
-constexpr uint64_t kSlots = 8;
+constexpr uint64_t kSlots = kMailboxSlots;
 // Payload stored inside the slot; larger eager messages go to a pooled buffer.
 constexpr size_t kInlineBytes = 4096;
 constexpr uint32_t kRoundMask = ~Flag::kAbandoned;
@@ -86,7 +85,8 @@ class Mailbox {
 
 namespace {
 
-using MailboxKey = std::tuple<uint64_t, int64_t, int, int>;  // comm, group, source, destination
+// comm, group, source, destination, send/recv's channel (or ppermute's)
+using MailboxKey = std::tuple<uint64_t, int64_t, int, int, bool>;
 
 class MailboxRegistry {
  public:
@@ -94,9 +94,9 @@ class MailboxRegistry {
     static MailboxRegistry* registry = new MailboxRegistry();  // outlives device threads
     return *registry;
   }
-  Mailbox* Find(const CommunicatorId& comm, int source, int dest) {
+  Mailbox* Find(const CommunicatorId& comm, int source, int dest, bool send_recv) {
     std::lock_guard<std::mutex> lock(mutex_);
-    auto& slot = mailboxes_[MailboxKey{comm.comm, comm.group, source, dest}];
+    auto& slot = mailboxes_[MailboxKey{comm.comm, comm.group, source, dest, send_recv}];
     if (!slot) slot = std::make_unique<Mailbox>();
     return slot.get();
   }
@@ -113,11 +113,13 @@ class MailboxRegistry {
 }  // namespace
 
 LocalPointToPoint::LocalPointToPoint(CommunicatorId comm, int rank, int64_t run_id,
-                                     double timeout_seconds, int64_t spin_iterations)
+                                     Collective kind, double timeout_seconds,
+                                     int64_t spin_iterations)
     : comm_(std::move(comm)),
       rank_(rank),
       run_id_(run_id),
-      deadline_(timeout_seconds),
+      send_recv_(kind == Collective::kSendRecv),
+      timeout_seconds_(timeout_seconds),
       spin_iterations_(spin_iterations) {}
 
 void LocalPointToPoint::ResetAll() { MailboxRegistry::Get().ResetAll(); }
@@ -128,14 +130,15 @@ std::string LocalPointToPoint::Where(const Header& header) const {
 
 Status LocalPointToPoint::Post(int dest, const Header& header, const void* data, size_t bytes,
                                bool in_place) {
-  Mailbox* mailbox = MailboxRegistry::Get().Find(comm_, rank_, dest);
+  Mailbox* mailbox = MailboxRegistry::Get().Find(comm_, rank_, dest, send_recv_);
   const uint64_t sequence = mailbox->sent++;
   const uint64_t round = sequence / kSlots;
   Slot& slot = mailbox->slots[sequence % kSlots];
   // The slot is free once the receiver has read what was sent into it one round earlier.
-  if (!slot.read.WaitUntilEqual(RoundFlag(round - 1), deadline_, spin_iterations_)) {
+  if (!slot.read.WaitUntilEqual(RoundFlag(round - 1), Deadline(timeout_seconds_),
+                                spin_iterations_)) {
     std::ostringstream s;
-    s << Where(header) << ": timed out after " << deadline_.seconds() << " s waiting for rank "
+    s << Where(header) << ": timed out after " << timeout_seconds_ << " s waiting for rank "
       << dest << " to receive message " << sequence + 1 - kSlots << " (this rank is " << kSlots
       << " messages ahead of it, as many as its mailbox holds from one sender: does rank " << dest
       << " make the matching calls, and does it make them before this rank's next send to it "
@@ -200,9 +203,9 @@ void LocalPointToPoint::WithdrawSent(int, const std::string& why) { TakeBack(why
 Status LocalPointToPoint::WaitSent(int dest) {
   Slot& slot = in_place_mailbox_->slots[in_place_sequence_ % kSlots];
   const uint32_t done = RoundFlag(in_place_sequence_ / kSlots);
-  if (!slot.read.WaitUntilEqual(done, deadline_, spin_iterations_)) {
+  if (!slot.read.WaitUntilEqual(done, Deadline(timeout_seconds_), spin_iterations_)) {
     std::ostringstream s;
-    s << Where(slot.header) << ": timed out after " << deadline_.seconds()
+    s << Where(slot.header) << ": timed out after " << timeout_seconds_
       << " s waiting for rank [" << dest << "] to receive this rank's message";
     if (TakeBack(s.str())) return Status();
     return Status::Error(s.str());
@@ -214,13 +217,13 @@ Status LocalPointToPoint::WaitSent(int dest) {
 }
 
 bool LocalPointToPoint::SlotFree(int dest, const Deadline& by) const {
-  const Mailbox* mailbox = MailboxRegistry::Get().Find(comm_, rank_, dest);
+  const Mailbox* mailbox = MailboxRegistry::Get().Find(comm_, rank_, dest, send_recv_);
   const Slot& slot = mailbox->slots[mailbox->sent % kSlots];
   return slot.read.WaitUntilEqual(RoundFlag(mailbox->sent / kSlots - 1), by, spin_iterations_);
 }
 
 bool LocalPointToPoint::MessageReady(int source, const Deadline& by) const {
-  const Mailbox* mailbox = MailboxRegistry::Get().Find(comm_, source, rank_);
+  const Mailbox* mailbox = MailboxRegistry::Get().Find(comm_, source, rank_, send_recv_);
   const Slot& slot = mailbox->slots[mailbox->received % kSlots];
   return slot.ready.WaitUntilEqual(RoundFlag(mailbox->received / kSlots), by, spin_iterations_);
 }
@@ -231,13 +234,14 @@ bool LocalPointToPoint::SentRead(const Deadline& by) const {
 }
 
 Status LocalPointToPoint::Receive(int source, const Header& expected, void* out, size_t bytes) {
-  Mailbox* mailbox = MailboxRegistry::Get().Find(comm_, source, rank_);
+  Mailbox* mailbox = MailboxRegistry::Get().Find(comm_, source, rank_, send_recv_);
   const uint64_t sequence = mailbox->received++;
   const uint64_t round = sequence / kSlots;
   Slot& slot = mailbox->slots[sequence % kSlots];
-  if (!slot.ready.WaitUntilEqual(RoundFlag(round), deadline_, spin_iterations_)) {
+  if (!slot.ready.WaitUntilEqual(RoundFlag(round), Deadline(timeout_seconds_),
+                                 spin_iterations_)) {
     std::ostringstream s;
-    s << Where(expected) << ": timed out after " << deadline_.seconds()
+    s << Where(expected) << ": timed out after " << timeout_seconds_
       << " s waiting for rank [" << source << "] to send (message " << sequence
       << " from it). A peer that never makes the matching call (a rank-dependent branch, or a "
          "crashed device) cannot be waited for; raise jaxring.config timeout_seconds if it is "

@@ -1,5 +1,8 @@
 // The in-process point-to-point transport: one mailbox per (communicator, group, source,
-// destination), a ring of slots written by the source device and read by the destination device.
+// destination, channel), a ring of slots written by the source device and read by the destination
+// device. ppermute (and the WaveNet stages' messages) and send/recv have a channel each, as XLA
+// gives its ppermute and its send/recv channels of their own: a ppermute between a send and its
+// recv over the same pairs takes its own message, not the send's.
 //
 // Low latency follows NCCL's LL protocol: the flag that says "round r is here" sits in the slot
 // beside the header and the payload and is written after them, so the receiver polls the slot
@@ -19,12 +22,16 @@ namespace jaxring {
 
 class Mailbox;
 
+// Slots per mailbox: how many messages a sender may run ahead of its receiver.
+constexpr int kMailboxSlots = 8;
+
 class LocalPointToPoint final : public PointToPoint {
  public:
   // `run_id`: XLA's id of the program run making the call; a message is received only by the
-  // run that sent it.
-  LocalPointToPoint(CommunicatorId comm, int rank, int64_t run_id, double timeout_seconds,
-                    int64_t spin_iterations);
+  // run that sent it. `kind`: the calls served, Collective::kSendRecv or (any other) ppermute's,
+  // which choose the channel.
+  LocalPointToPoint(CommunicatorId comm, int rank, int64_t run_id, Collective kind,
+                    double timeout_seconds, int64_t spin_iterations);
 
   int rank() const override { return rank_; }
   int size() const override { return comm_.size; }
@@ -55,7 +62,10 @@ class LocalPointToPoint final : public PointToPoint {
   CommunicatorId comm_;
   int rank_;
   int64_t run_id_;
-  Deadline deadline_;
+  bool send_recv_;  // the channel: send/recv's, or ppermute's
+  // Each wait gives up after this long without what it waits for, so that a call that keeps
+  // exchanging messages (the WaveNet stage kernel's, a whole chunk of steps long) may take longer.
+  double timeout_seconds_;
   int64_t spin_iterations_;
   // The slot of the last in-place send, per call (a ppermute sends at most one message).
   Mailbox* in_place_mailbox_ = nullptr;

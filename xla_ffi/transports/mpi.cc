@@ -18,10 +18,19 @@ namespace {
 
 constexpr int kHeaderTag = 0x6a72;  // the header all-gather that opens every collective
 constexpr int kDataTag = 0x6a73;    // collective payloads
-constexpr int kP2PTag = 0x6a74;     // point-to-point messages (matched in order per pair)
+constexpr int kP2PTag = 0x6a74;     // ppermute's messages (matched in order per pair)
 constexpr int kPayloadTag = 0x6a75; // ... the payloads sent straight from the caller's buffer
 constexpr int kReadyTag = 0x6a76;   // ... and their receivers' word that they may come
 constexpr int kGaveUpTag = 0x6a77;  // a rank's notice that it gave up on the communicator
+constexpr int kSendRecvTag = 0x6a78;  // send/recv's messages, a channel apart from ppermute's
+
+// The tag of a point-to-point message and of the pieces that follow it: send/recv and ppermute
+// each have their own channel (as their in-process mailboxes do, transports/mailbox.h). Only
+// ppermute lends its buffer (kPayloadInPlace), so the in-place tags serve it alone.
+int PointToPointTag(const Header& h) {
+  return h.kind == Collective::kSendRecv ? kSendRecvTag : kP2PTag;
+}
+
 // What a collective's header exchange waits for (TimedOut).
 constexpr char kArriveAtCollective[] = "arrive at this collective";
 
@@ -858,9 +867,10 @@ Status MpiTransport::Post(int dest, const Header& header, const void* data, size
   std::memcpy(message.bytes.data(), &wire, sizeof(wire));
   if (!in_place && bytes > 0) std::memcpy(message.bytes.data() + sizeof(wire), data, bytes);
   const size_t first = payload == kPayloadInline ? message.bytes.size() : sizeof(wire);
-  status = Isend(header, message.bytes.data(), first, dest, kP2PTag, &message.requests);
+  const int tag = PointToPointTag(header);
+  status = Isend(header, message.bytes.data(), first, dest, tag, &message.requests);
   if (status.ok() && payload == kPayloadSeparate)
-    status = Isend(header, message.bytes.data() + sizeof(wire), bytes, dest, kP2PTag,
+    status = Isend(header, message.bytes.data() + sizeof(wire), bytes, dest, tag,
                    &message.requests);
   if (status.ok() && in_place) {
     InPlace& slot = in_place_[dest];
@@ -956,7 +966,7 @@ Status MpiTransport::Receive(int source, const Header& expected, void* out, size
   auto arrived = [&] {
     if (in_place_pending_ > 0 && !(sending = SendReadyPayloads()).ok()) return true;
     int flag = 0;
-    code = MPI_Improbe(source, kP2PTag, comm_, &flag, &message, &probe);
+    code = MPI_Improbe(source, PointToPointTag(expected), comm_, &flag, &message, &probe);
     return code != MPI_SUCCESS || flag != 0 ||
            PeerGaveUpEvery(&polls, expected, source, &sending);
   };
@@ -999,7 +1009,8 @@ Status MpiTransport::Receive(int source, const Header& expected, void* out, size
     if (!in_place && message_.size() < bytes) message_.resize(bytes);
     void* into = in_place ? out : message_.data();
     recvs_.Clear();
-    status = Irecv(expected, into, bytes, source, in_place ? kPayloadTag : kP2PTag, &recvs_);
+    const int tag = in_place ? kPayloadTag : PointToPointTag(expected);
+    status = Irecv(expected, into, bytes, source, tag, &recvs_);
     if (status.ok() && in_place) status = Isend(expected, &ready_, 1, source, kReadyTag, &recvs_);
     if (status.ok()) data_stall.TakeIfArmed();
     // The header's arrival was one wait; the payload is another, with the whole timeout.
