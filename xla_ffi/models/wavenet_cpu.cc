@@ -971,8 +971,8 @@ std::pair<int64_t, int64_t> StageLayers(const Sizes& s, int64_t stages, int64_t 
 // and, with more than one stage, at most (kMailboxSlots + 1) * stages - 1. Every group is a
 // message in a mailbox or in a stage's hands, and each stage sends on before it receives the
 // next; with every mailbox of the ring full and every stage holding one more, each would wait
-// for room in the next stage's mailbox, and none would receive (the timeout, 9 * stages groups
-// up).
+// for room in the next stage's mailbox and none would receive: from 9 x stages groups on, the
+// stages waited so until their timeout.
 int64_t StageGroups(int64_t stream_groups, int64_t streams, int64_t stages) {
   int64_t groups = std::min(stream_groups, streams);
   if (stages > 1) groups = std::min(groups, (kMailboxSlots + 1) * stages - 1);
