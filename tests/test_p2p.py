@@ -201,6 +201,26 @@ def test_a_ppermute_between_a_send_and_its_recv_takes_its_own_message(n, eager_b
     np.testing.assert_array_equal(got, np.asarray(shmap(theirs, m, out_specs=out_specs)(x)))
 
 
+def test_a_ppermute_that_meets_a_send_times_out_naming_the_send():
+    """With a channel each, a ppermute whose peer called send instead waits for a ppermute
+    message that never comes; its timeout says that a send/recv message from that peer waits."""
+    m = mesh(2)
+    x = shard(np.arange(8, dtype=np.float32), m)
+    perm = [(0, 1)]
+
+    def on_rank0(v):
+        jaxring.send(v, "i", perm)
+        return v
+
+    f = _rank_dependent(m, on_rank0, lambda v: jaxring.ppermute(v, "i", perm))
+    with jaxring.config.override(timeout_seconds=2.0):
+        with pytest.raises(Exception, match=r"rank \[0\] to send .* Rank 0 has sent this rank a "
+                                            r"send/recv message that nothing took: did it call "
+                                            r"send where this rank calls ppermute\?"):
+            np.asarray(f(x))
+    _check_recovery(m, x)
+
+
 def test_send_recv_large_message_and_in_scan():
     n = 3
     m = mesh(n)
@@ -649,7 +669,7 @@ def test_recv_is_typed_as_varying_over_every_manual_axis(shape):
     assert types and all(t == {"data", "pipe"} for t in types), types
 
 
-def test_send_and_recv_refuse_vmap_at_trace_time():
+def test_a_send_under_vmap_is_refused_at_trace_time():
     m = mesh(2)
     x = shard(np.ones((4, 3), np.float32), m)
 

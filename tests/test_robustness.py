@@ -2,6 +2,7 @@
 the kernels' 16-bit rounding."""
 
 import dataclasses
+import math
 import os
 import re
 import subprocess
@@ -1253,22 +1254,22 @@ def test_a_config_update_that_changes_nothing_does_not_wait():
     held = HeldDevices({3})
     f = late_devices(m, held, lambda v: jaxring.all_reduce(v, "i"))
     expected = np.asarray(x, np.float64).reshape(4, -1).sum(0)
-    before = jaxring.config.get()
+    seconds = jaxring.config.get().timeout_seconds
     # A whole number of seconds, so that an int can equal it.
-    jaxring.config.update(timeout_seconds=float(max(1, round(before.timeout_seconds))))
-    current = jaxring.config.get()
-    y = f(x)
-    try:
-        with jaxring.config.override(algorithm=current.algorithm,
-                                     timeout_seconds=current.timeout_seconds):
-            assert not y.is_ready(), "entering an override that changes nothing waited"
-        assert not y.is_ready(), "leaving an override that changes nothing waited"
-        with jaxring.config.override(timeout_seconds=int(current.timeout_seconds)):
-            assert not y.is_ready(), "an int equal to a field of seconds waited"
-        assert jaxring.config.get() is current
-    finally:
-        held.release()
-        jaxring.config.update(timeout_seconds=before.timeout_seconds)
+    whole = float(round(seconds)) if math.isfinite(seconds) and seconds >= 1 else 60.0
+    with jaxring.config.override(timeout_seconds=whole):
+        current = jaxring.config.get()
+        y = f(x)
+        try:
+            with jaxring.config.override(algorithm=current.algorithm,
+                                         timeout_seconds=current.timeout_seconds):
+                assert not y.is_ready(), "entering an override that changes nothing waited"
+            assert not y.is_ready(), "leaving an override that changes nothing waited"
+            with jaxring.config.override(timeout_seconds=int(current.timeout_seconds)):
+                assert not y.is_ready(), "an int equal to a field of seconds waited"
+            assert jaxring.config.get() is current
+        finally:
+            held.release()
     out = np.asarray(y).reshape(4, -1)
     for device in range(4):
         assert_close(out[device], expected, np.float32, count=4)

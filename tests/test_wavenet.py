@@ -9,6 +9,7 @@ import json
 import re
 import shutil
 import sys
+import time
 from pathlib import Path
 
 import jax
@@ -401,20 +402,28 @@ def test_layer_sharded_fused_more_groups_than_its_mailboxes_hold_equal_naive(dev
 
 def test_layer_sharded_fused_chunks_may_take_longer_than_the_timeout():
     """The timeout bounds each wait for a message between the stages, not a whole chunk: one
-    chunk of 80000 steps (about a second here) failed after timeout_seconds with a timeout
-    naming a stage that had sent tens of thousands of messages."""
+    chunk of 80000 steps failed after timeout_seconds with a timeout naming a stage that had
+    sent tens of thousands of messages. The timeout here is a quarter of the chunk's time (a
+    wait takes microseconds), and the chunk must take longer than it for the test to count."""
     weights, key, steps = model.init_weights(TINY, 5), jax.random.key(6), 80_000
     stages = mesh(2, "stage")
-    whole = pipeline_sampler.sample_layer_sharded_fused(weights, TINY, key, steps, 2, stages,
-                                                        "stage", chunk_steps=steps)
-    chunked = pipeline_sampler.sample_layer_sharded_fused(weights, TINY, key, steps, 2, stages,
-                                                          "stage", chunk_steps=4000)
-    with jaxring.config.override(timeout_seconds=0.25):
-        again = pipeline_sampler.sample_layer_sharded_fused(weights, TINY, key, steps, 2, stages,
-                                                            "stage", chunk_steps=steps)
-        again = np.asarray(again)
-    np.testing.assert_array_equal(again, np.asarray(whole))
-    np.testing.assert_array_equal(again, np.asarray(chunked))
+
+    def sample(chunk_steps):
+        return np.asarray(pipeline_sampler.sample_layer_sharded_fused(
+            weights, TINY, key, steps, 2, stages, "stage", chunk_steps=chunk_steps))
+
+    chunked = sample(4000)
+    sample(steps)  # compiled
+    start = time.perf_counter()
+    whole = sample(steps)
+    timeout = (time.perf_counter() - start) / 4
+    with jaxring.config.override(timeout_seconds=timeout):
+        start = time.perf_counter()
+        again = sample(steps)
+        took = time.perf_counter() - start
+    assert took > timeout, (took, timeout)
+    np.testing.assert_array_equal(again, whole)
+    np.testing.assert_array_equal(again, chunked)
 
 
 @pytest.mark.parametrize("field,value", [("stream_groups", 0), ("stream_groups", -3),

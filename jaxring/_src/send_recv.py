@@ -32,8 +32,8 @@ def send(x, axis_name, perm) -> None:
     same program (so under ``jax.jit``: a ``shard_map`` not under it runs each call as a program
     of its own, and is refused); sends and receives between two devices are matched in program
     order, and apart from ``ppermute``'s messages (a ppermute between a send and its recv over
-    the same pairs takes its own). Neither differentiable nor batchable (a ``recv`` under vmap
-    has no batched operand: it receives one message, which every example shares): use
+    the same pairs takes its own). Neither is differentiable, and send refuses vmap (a ``recv``
+    under vmap has no batched operand: it receives one message, which every example shares): use
     ``ppermute``, whose transpose is the inverse permutation, in code you take gradients of or
     vmap.
     """

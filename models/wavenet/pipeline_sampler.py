@@ -165,9 +165,10 @@ def sample_layer_sharded_fused(weights, config: ModelConfig, key, num_samples: i
     layers for a whole chunk of steps, handing each step to device j + 1 (and the sampled tokens
     from the last device back to device 0) through jaxring's point-to-point mailboxes. The
     streams go through in `stream_groups` groups (default: one per stage), so with at least as
-    many streams as stages every stage is busy. At most one group per stream and 9 x stages - 1
-    groups circulate (the ring of mailboxes between the stages, 8 messages each, and a group in
-    each stage's hands, holds no more); a larger `stream_groups` means that many. The same
+    many streams as stages every stage is busy. At most one group per stream circulates, and
+    with several stages at most 9 x stages - 1 groups (the ring of mailboxes between the stages,
+    8 messages each, and a group in each stage's hands, holds no more); a larger
+    `stream_groups` means that many. The same
     samples as `sampler.sample_incremental` (and `fused_sampler.sample_fused`) for the same
     weights, weight dtype and key, whatever the groups."""
     n = mesh.shape[axis]

@@ -99,6 +99,24 @@ def test_a_ppermute_between_a_send_and_its_recv_takes_its_own_message():
                                           err_msg=f"{name} perm, {size} elements")
 
 
+@pytest.mark.skipif(N < 2, reason="needs two ranks")
+def test_a_ppermute_that_meets_a_send_times_out_naming_the_send():
+    """As in process: rank 0 sends where rank 1 calls ppermute, on a channel of its own, so
+    rank 1 times out, and says that a send/recv message from rank 0 waits."""
+    sub = COMM.split(0, key=COMM.rank)  # a fresh communicator: an error leaves it unusable
+    x = np.ones(3, np.float32)
+    with jaxring.config.override(timeout_seconds=2.0):
+        if COMM.rank == 0:
+            jax.jit(lambda v: jaxring.send(v, sub, [(0, 1)]))(x)
+        elif COMM.rank == 1:
+            with pytest.raises(Exception, match=r"Rank 0 has sent this rank a send/recv message "
+                                                r"that nothing took: did it call send where "
+                                                r"this rank calls ppermute\?"):
+                np.asarray(jax.jit(lambda v: jaxring.ppermute(v, sub, [(0, 1)]))(x))
+    MPI_COMM.Barrier()
+    jaxring.reset_after_error()
+
+
 def test_send_compute_recv_scan_vmap_and_pytrees():
     shift = permutations()["shift"]
     x = np.arange(12.0, dtype=np.float32).reshape(3, 4) + 100 * COMM.rank

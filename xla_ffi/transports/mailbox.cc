@@ -246,6 +246,10 @@ Status LocalPointToPoint::Receive(int source, const Header& expected, void* out,
       << " from it). A peer that never makes the matching call (a rank-dependent branch, or a "
          "crashed device) cannot be waited for; raise jaxring.config timeout_seconds if it is "
          "just slow.";
+    const Mailbox* other = MailboxRegistry::Get().Find(comm_, source, rank_, !send_recv_);
+    if (other->slots[other->received % kSlots].ready.Load() ==
+        RoundFlag(other->received / kSlots))  // this rank's reads of `other` are its own
+      s << OtherChannelHint(source, send_recv_);
     GiveUp(slot, s.str());  // a late sender fails instead of waiting for this rank
     return Status::Error(s.str());
   }

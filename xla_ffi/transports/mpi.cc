@@ -97,7 +97,8 @@ enum Payload : uint32_t {
   kPayloadInline = 0,    // in the header's message
   kPayloadInPlace = 1,   // from the sender's buffer once the receiver is ready (kReadyTag, then
                          // kPayloadTag)
-  kPayloadSeparate = 2,  // a copy over kMaxInlineBytes: its pieces follow the header (kP2PTag)
+  kPayloadSeparate = 2,  // a copy over kMaxInlineBytes: its pieces follow the header, under its
+                         // tag (PointToPointTag)
 };
 
 // Prefix of every point-to-point message.
@@ -974,6 +975,11 @@ Status MpiTransport::Receive(int source, const Header& expected, void* out, size
     std::ostringstream s;
     s << Where(expected) << ": timed out after " << deadline.seconds()
       << " s waiting for rank(s) [" << source << "] to send (a rank that never makes the matching send, or has died)";
+    const bool send_recv = expected.kind == Collective::kSendRecv;
+    int other = 0;
+    if (MPI_Iprobe(source, send_recv ? kP2PTag : kSendRecvTag, comm_, &other,
+                   MPI_STATUS_IGNORE) == MPI_SUCCESS && other)
+      s << "." << OtherChannelHint(source, send_recv);
     return Fail(Status::Error(s.str()));
   }
   if (!sending.ok()) return Fail(sending);

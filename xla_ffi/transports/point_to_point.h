@@ -3,8 +3,9 @@
 // has read it (rendezvous). The in-process mailbox implements it today; the MPI/shm and CUDA
 // transports implement the same four calls.
 //
-// Messages between one (source, destination) pair are matched in the order they were sent, and
-// the receiver checks each message's header against the one it expects.
+// Messages between one (source, destination) pair are matched in the order they were sent, apart
+// for ppermute's and for send/recv's (a channel each), and the receiver checks each message's
+// header against the one it expects.
 #pragma once
 
 #include <cstddef>
@@ -14,6 +15,15 @@
 #include "common/types.h"
 
 namespace jaxring {
+
+// For a receive that timed out while the other channel from `source` had a message waiting:
+// why the calls may not have met. `send_recv`: the channel of the receive.
+inline std::string OtherChannelHint(int source, bool send_recv) {
+  return std::string(" Rank ") + std::to_string(source) + " has sent this rank a " +
+         (send_recv ? "ppermute" : "send/recv") + " message that nothing took: did it call " +
+         (send_recv ? "ppermute" : "send") + " where this rank calls " +
+         (send_recv ? "recv" : "ppermute") + "? Every rank must make the same calls.";
+}
 
 class PointToPoint {
  public:
