@@ -116,15 +116,19 @@ _NON_NEGATIVE = ("spin_iterations", "p2p_eager_bytes", "huge_page_bytes", "copy_
                  "hand_off_after_seconds")
 
 
+def _takes(kind: type, value) -> bool:
+    """Whether a field of `kind` takes `value` (converted to `kind` by _validate)."""
+    # A bool is an int to Python but no count of bytes or seconds.
+    return not isinstance(value, bool) and isinstance(value, _ACCEPTS[kind][0])
+
+
 def _validate(config: Config) -> Config:
     """`config` with every field of its Python type, or a TypeError/ValueError naming the field."""
     typed = {}
     for field, (_, kind) in _ENV.items():
         value = getattr(config, field)
-        accepts, name = _ACCEPTS[kind]
-        # A bool is an int to Python but no count of bytes or seconds.
-        if isinstance(value, bool) or not isinstance(value, accepts):
-            raise TypeError(f"jaxring.config: {field} must be {name}, got {value!r}")
+        if not _takes(kind, value):
+            raise TypeError(f"jaxring.config: {field} must be {_ACCEPTS[kind][1]}, got {value!r}")
         if kind is int and not -2**63 <= value < 2**63:  # the native library's int64_t
             raise ValueError(f"jaxring.config: {field} must be in [-2**63, 2**63), got {value}")
         typed[field] = kind(value)
@@ -196,9 +200,7 @@ def _keeps(field: str, value) -> bool:
     """Whether setting `field` to `value` leaves the configuration as it is: an equal value of a
     type _validate takes for that field (an int for seconds, say; never a bool, nor a float for a
     count, which _validate refuses)."""
-    accepts, _ = _ACCEPTS[_ENV[field][1]]
-    return (not isinstance(value, bool) and isinstance(value, accepts)
-            and value == getattr(_current, field))
+    return _takes(_ENV[field][1], value) and value == getattr(_current, field)
 
 
 def _update(changes: dict) -> Config:

@@ -87,12 +87,16 @@ bool PeerGaveUp(MpiMessages* m, int peer, std::string* why, int looks = 3) {
 }
 
 // An MPI error: this rank gives up on the messages, and the error says what failed.
-int FailMpi(MpiMessages* m, int code, const char* what, char* error, size_t error_bytes) {
+// "MPI failed to <what>: <MPI's text for code>".
+std::string MpiFailure(int code, const char* what) {
   char text[MPI_MAX_ERROR_STRING];
   int length = 0;
   MPI_Error_string(code, text, &length);
-  return Fail(error, error_bytes,
-              GiveUp(m, std::string("MPI failed to ") + what + ": " + std::string(text, length)));
+  return std::string("MPI failed to ") + what + ": " + std::string(text, length);
+}
+
+int FailMpi(MpiMessages* m, int code, const char* what, char* error, size_t error_bytes) {
+  return Fail(error, error_bytes, GiveUp(m, MpiFailure(code, what)));
 }
 
 template <typename Start>
@@ -205,11 +209,8 @@ int WaitAll(void* context, double timeout_seconds, char* error, size_t error_byt
     std::this_thread::sleep_for(nap);
     nap = std::min(nap * 2, std::chrono::microseconds(50));
   }
-  if (code != MPI_SUCCESS) {
-    const int failed = FailMpi(m, code, "exchange data", error, error_bytes);
-    Drop(m);
-    return failed;
-  }
+  if (code != MPI_SUCCESS)
+    return GiveUpThenDrop(m, MpiFailure(code, "exchange data"), error, error_bytes);
   // What came from a peer that gave up may have been read from a buffer it has since freed.
   for (int peer : Peers(*m, true)) {
     if (!PeerGaveUp(m, peer, &why)) continue;
