@@ -82,6 +82,7 @@ def _mpi_extension():
         return None, (f"build-time and run-time MPI differ: jaxring's MPI transport was built "
                       f"with {_jaxring_mpi.built_with()} and runs {linked}, but mpi4py runs "
                       f"{runtime}; {rebuild}")
+    _jaxring_mpi.set_call_site_source(native.extension.call_site_address())
     return _jaxring_mpi, None
 
 

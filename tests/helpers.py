@@ -4,6 +4,8 @@ table of them)."""
 from __future__ import annotations
 
 import functools
+import os
+import re
 import threading
 import time
 
@@ -34,6 +36,19 @@ RTOL = {
 
 
 @functools.cache
+def called_at(function) -> str:
+    """A regex of how jaxring's errors name the call on the first line of `function` (a one-line
+    lambda): "(called at file.py:line in name)"."""
+    code = function.__code__
+    return re.escape(f"(called at {os.path.basename(code.co_filename)}:{code.co_firstlineno} in "
+                     f"{code.co_name})")
+
+
+# What errors may print after a call that a test harness makes with an op id of its own: the
+# source line that a mesh program traced earlier in the process named that id after.
+ANY_SITE = r"(?: \(called at [^)]*\))?"
+
+
 def mesh(n: int, axis: str = "i"):
     return jax.make_mesh((n,), (axis,), devices=jax.devices()[:n])
 

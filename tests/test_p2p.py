@@ -15,8 +15,8 @@ from jax._src import config as jax_config
 from jax.sharding import PartitionSpec as P
 
 import jaxring
-from helpers import (AWKWARD_SIZES, DEVICE_COUNTS, DTYPES, late_devices, mesh, random_array,
-                     shard, shmap)
+from helpers import (AWKWARD_SIZES, DEVICE_COUNTS, DTYPES, called_at, late_devices, mesh,
+                     random_array, shard, shmap)
 
 
 def random_perm(rng: np.random.Generator, n: int, kind: str):
@@ -295,12 +295,14 @@ def test_mismatched_ppermutes_name_both_sides():
     x = shard(np.arange(8, dtype=np.float32), m)
     perm = [(0, 1)]
     short = lambda v: jnp.concatenate([jaxring.ppermute(v[:1], "i", perm), v[1:]])  # noqa: E731
-    f = _rank_dependent(m, short, lambda v: jaxring.ppermute(v, "i", perm))
+    whole = lambda v: jaxring.ppermute(v, "i", perm)  # noqa: E731
+    f = _rank_dependent(m, short, whole)
     with jaxring.config.override(timeout_seconds=30.0):
         with pytest.raises(Exception, match=r"mismatched point-to-point calls: rank 1 expected "
                                             r"ppermute\(perm #[0-9a-f]+\) op \d+ float32\[2\] "
-                                            r"from rank 0, but rank 0 sent ppermute\(perm "
-                                            r"#[0-9a-f]+\) op \d+ float32\[1\]"):
+                                            + called_at(whole) + r" from rank 0, but rank 0 sent "
+                                            r"ppermute\(perm #[0-9a-f]+\) op \d+ float32\[1\] "
+                                            + called_at(short)):
             np.asarray(f(x))
     _check_recovery(m, x)
 
@@ -322,7 +324,8 @@ def test_a_recv_of_another_perm_than_the_next_message_is_refused_not_given_its_d
     x = shard(np.arange(4, dtype=np.float32), m)
     with jaxring.config.override(timeout_seconds=30.0):
         with pytest.raises(Exception, match=r"rank 1 expected send/recv\(perm #[0-9a-f]+\) op "
-                                            r"\d+ float32\[2\] from rank 0, but rank 0 sent "
+                                            r"\d+ float32\[2\] \(called at test_p2p\.py:\d+ in "
+                                            r"body\) from rank 0, but rank 0 sent "
                                             r"send/recv\(perm #[0-9a-f]+\) .* Their perms differ"):
             np.asarray(shmap(body, m, out_specs=P(None, "i"))(x))
     jaxring.reset_after_error()
@@ -405,7 +408,8 @@ def test_a_message_no_receive_took_is_refused_by_a_later_program():
     y = shard(np.arange(100, 108, dtype=np.float32), m)
     with jaxring.config.override(timeout_seconds=30.0):
         with pytest.raises(Exception, match=r"\(rank 1 of 2\): the next message from rank 0 "
-                                            r"\(send/recv\(perm #[0-9a-f]+\) op \d+ float32\[4\]\) "
+                                            r"\(send/recv\(perm #[0-9a-f]+\) op \d+ float32\[4\] "
+                                            r"\(called at test_p2p\.py:\d+ in unmatched\)\) "
                                             r"was sent by an earlier program run"):
             np.asarray(shmap(matched, m)(y))
     _check_recovery(m, x)
@@ -428,7 +432,8 @@ def test_a_send_and_recv_of_different_sizes_one_of_them_empty_are_refused(sent, 
     with jaxring.config.override(timeout_seconds=30.0):
         with pytest.raises(Exception, match=rf"mismatched point-to-point calls: rank 1 expected "
                                             rf"send/recv\(perm #[0-9a-f]+\) op \d+ "
-                                            rf"float32\[{expected}\] from rank 0, but rank 0 "
+                                            rf"float32\[{expected}\] \(called at test_p2p\.py:\d+ "
+                                            rf"in f\) from rank 0, but rank 0 "
                                             rf"sent send/recv\(perm #[0-9a-f]+\) op \d+ "
                                             rf"float32\[{sent}\]"):
             np.asarray(shmap(f, m)(x))
@@ -555,7 +560,8 @@ def test_a_sender_whose_receive_is_mismatched_takes_back_the_buffer_it_lent():
     with jaxring.config.override(timeout_seconds=30.0, p2p_eager_bytes=0):
         errors = _errors_by_device(g(x))
     mismatch = (r"\(rank 0 of 3\): mismatched point-to-point calls: rank 0 expected ppermute"
-                r"\(perm #[0-9a-f]+\) op \d+ float32\[50000\] from rank 2")
+                r"\(perm #[0-9a-f]+\) op \d+ float32\[50000\] \(called at test_p2p\.py:\d+ in "
+                r"[^)]+\) from rank 2")
     assert re.search(mismatch, errors[0]), errors
     assert re.search(r"\(rank 2 of 3\): rank 0 failed while receiving this rank's message\. "
                      r"The error on rank 0: .*" + mismatch, errors[2]), errors

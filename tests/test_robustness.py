@@ -10,6 +10,7 @@ import sys
 import textwrap
 import threading
 import time
+import types
 
 import jax
 import jax.numpy as jnp
@@ -21,8 +22,8 @@ from jax.sharding import PartitionSpec as P
 
 import jaxring
 from jaxring._src import common, native, runtime_tokens
-from helpers import (HeldDevices, assert_close, every_device, late_devices, mesh, on_threads,
-                     random_array, shard, shmap)
+from helpers import (HeldDevices, assert_close, called_at, every_device, late_devices, mesh,
+                     on_threads, random_array, shard, shmap)
 
 # ---- determinism -------------------------------------------------------------------------------
 
@@ -538,7 +539,8 @@ def test_a_failed_program_is_told_once_at_exit_unless_reset(reset):
     told = [line for line in result.stderr.splitlines() if line.startswith("jaxring: ")]
     assert told == ([] if reset else [
         "jaxring: a jaxring program failed, and jaxring.reset_after_error() was not called after "
-        "it: INTERNAL: jaxring all_reduce(sum) op 1 float32[2] on mesh axis 'i' (rank 1 of 2): "
+        "it: INTERNAL: jaxring all_reduce(sum) op 1 float32[2] (called at <string>:9 in "
+        "<lambda>) on mesh axis 'i' (rank 1 of 2): "
         "timed out after 0.3 s waiting for rank(s) [0] to arrive. A peer that never calls this "
         "collective (a rank-dependent branch, or a crashed device) cannot be waited for; raise "
         "jaxring.config timeout_seconds if it is just slow."]), result.stderr[-3000:]
@@ -935,8 +937,9 @@ def test_missing_peer_times_out_naming_the_missing_devices(call):
     f = _rank_dependent(m, body, lambda v: v + 1)
     key = _axis_key(m, "i")
     with jaxring.config.override(timeout_seconds=1.0):
-        with pytest.raises(Exception, match=r"timed out after 1 s waiting for rank\(s\) "
-                                            r"\[1, 2, 3\] to arrive"):
+        with pytest.raises(Exception, match=called_at(body) + r" on .*timed out "
+                                            r"after 1 s waiting for rank\(s\) \[1, 2, 3\] to "
+                                            r"arrive"):
             np.asarray(f(x))
     # The given-up call stays for late devices to find, until reset_after_error, which knows
     # that none is still to come.
@@ -1294,15 +1297,41 @@ def _check_recovery(m, x, error):
     np.testing.assert_array_equal(np.asarray(f(x)), np.full((2, 3), 4.0, np.float32))
 
 
+def test_derived_calls_are_named_after_the_call_they_derive_from():
+    """Errors name each call's source line. The collectives that JVP, transpose and batching
+    rules (or a hierarchical all-reduce's levels) bind for a user's call are named after that
+    call's line, in one process (counted ids) and across processes (hashed ones)."""
+    for comm in (types.SimpleNamespace(process_rank=None), types.SimpleNamespace(process_rank=0)):
+        base, line = common.next_op_id(comm), sys._getframe().f_lineno
+        site = f"{os.path.basename(__file__)}:{line} in {sys._getframe().f_code.co_name}"
+        jvp = common.next_op_id(comm, base, "jvp")
+        transpose = common.next_op_id(comm, jvp, "transpose")
+        with common.op_ids_derived_from(base, "levels"):
+            levels = [common.next_op_id(comm) for _ in range(2)]
+        assert [native.extension.call_site(i) for i in (base, jvp, transpose, *levels)] == [
+            site, f"{site}, its jvp", f"{site}, its jvp, its transpose",
+            f"{site}, levels call 1", f"{site}, levels call 2"]
+        assert len({base, jvp, transpose, *levels}) == 5
+    # Two lines with one id (a hash collision) are both named, each once.
+    op_id = int(np.random.default_rng().integers(1 << 40, 1 << 50))
+    for site in ("a.py:1 in f", "b.py:2 in g", "a.py:1 in f"):
+        common.name_call_site(op_id, site)
+    assert native.extension.call_site(op_id) == "a.py:1 in f or b.py:2 in g"
+    assert native.extension.call_site(op_id + 1) == ""
+
+
 def test_mismatched_calls_raise_on_every_device_naming_both_sides():
     m = mesh(4)
     x = shard(np.ones((8, 3), np.float32), m)
     short = lambda v: jnp.concatenate([jaxring.all_reduce(v[:1], "i"), v[1:]])  # noqa: E731
-    f = _rank_dependent(m, short, lambda v: jaxring.all_reduce(v, "i"))
+    whole = lambda v: jaxring.all_reduce(v, "i")  # noqa: E731
+    f = _rank_dependent(m, short, whole)
     with jaxring.config.override(timeout_seconds=30.0):
         with pytest.raises(Exception, match=r"mismatched collectives: rank 0 called "
-                                            r"all_reduce\(sum\) op \d+ float32\[3\] but rank 1 "
-                                            r"called all_reduce\(sum\) op \d+ float32\[6\]"):
+                                            r"all_reduce\(sum\) op \d+ float32\[3\] "
+                                            + called_at(short) + r" but rank 1 called "
+                                            r"all_reduce\(sum\) op \d+ float32\[6\] "
+                                            + called_at(whole)):
             np.asarray(f(x))
     _check_recovery(m, x, "mismatched collectives")
     # A program shows one device's error; on the host each rank's own is seen: every rank must

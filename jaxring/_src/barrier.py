@@ -24,8 +24,9 @@ def barrier(axis_name) -> None:
     _bind(axis_name, None)
 
 
-# Above the 24-bit ids of call sites (common.next_op_id), so that it never meets one.
-FREE_OP_ID = 1 << 24
+# Above the ids of call sites (common.next_op_id), so that it never meets one.
+FREE_OP_ID = common.PROCESS_OP_ID_BIT << 1
+common.name_call_site(FREE_OP_ID, "jaxring.mpi.Communicator.free")
 
 
 def barrier_to_free(communicator) -> None:

@@ -235,6 +235,9 @@ def set_up_on_every_rank(mpi_comm, step, rank: int, what: str, undo=None):
 # ---- op ids ------------------------------------------------------------------------------------
 
 _op_ids = itertools.count(1)
+# Set in the ids of process calls (24-bit hashes), so that they never equal a mesh call's count
+# and each id names one source line.
+PROCESS_OP_ID_BIT = 1 << 24
 # (base id, role, calls so far) while op_ids_derived_from is in force.
 _deriving: contextvars.ContextVar = contextvars.ContextVar("jaxring_deriving", default=None)
 _LIBRARY_DIRS = (os.path.dirname(jax.__file__) + os.sep,
@@ -251,24 +254,51 @@ def next_op_id(comm: "AxisCommunicator", derived_from: int | None = None, role: 
     a JVP, transpose or batching rule binds for another takes its id from that one's
     (`derived_from`, with the rule's `role`): those rules run where the program is differentiated
     or batched (the line that calls `jax.grad`'s function, say), which may differ between ranks
-    that run the same loss."""
-    if comm.process_rank is None:
-        return next(_op_ids)
+    that run the same loss. Either way the id is named after its source line for the native
+    errors that print it (name_call_site)."""
     deriving = _deriving.get()
     if derived_from is not None:
-        site = f"{derived_from}:{role}"
+        key, site = f"{derived_from}:{role}", f"{call_site(derived_from)}, its {role}"
     elif deriving is not None:
         deriving[2] += 1
-        site = f"{deriving[0]}:{deriving[1]}:{deriving[2]}"
+        key = f"{deriving[0]}:{deriving[1]}:{deriving[2]}"
+        site = f"{call_site(deriving[0])}, {deriving[1]} call {deriving[2]}"
     else:
         frame = sys._getframe(1)
         while frame is not None and frame.f_code.co_filename.startswith(_LIBRARY_DIRS):
             frame = frame.f_back
         if frame is None:
-            return 0
-        code = frame.f_code
-        site = f"{os.path.basename(code.co_filename)}:{code.co_name}:{frame.f_lineno}"
-    return int.from_bytes(hashlib.blake2b(site.encode(), digest_size=3).digest(), "little")
+            return next(_op_ids) if comm.process_rank is None else 0
+        code, file = frame.f_code, os.path.basename(frame.f_code.co_filename)
+        key = f"{file}:{code.co_name}:{frame.f_lineno}"
+        site = f"{file}:{frame.f_lineno} in {code.co_name}"
+    if comm.process_rank is None:
+        op_id = next(_op_ids)
+    else:
+        op_id = PROCESS_OP_ID_BIT | int.from_bytes(
+            hashlib.blake2b(key.encode(), digest_size=3).digest(), "little")
+    name_call_site(op_id, site)
+    return op_id
+
+
+# op id -> the source line(s) it was traced at, which the native errors print beside it
+# (xla_ffi/common/types.h, NameCallSite).
+_call_sites: dict[int, str] = {}
+
+
+def call_site(op_id: int) -> str:
+    return _call_sites.get(op_id, f"op {op_id}")
+
+
+def name_call_site(op_id: int, site: str) -> None:
+    """Names `op_id` after `site` in the native errors. Two sites whose hashes collide are both
+    named, never one in place of the other."""
+    known = _call_sites.get(op_id)
+    if known is not None and site in known.split(" or "):
+        return
+    # Interned: a line traced many times (a retraced program) keeps one copy of its name.
+    _call_sites[op_id] = sys.intern(site if known is None else f"{known} or {site}")
+    native.extension.name_call_site(op_id, _call_sites[op_id])
 
 
 # ---- communicators of mesh axes ------------------------------------------------------------------

@@ -99,4 +99,6 @@ def cuda_library() -> ctypes.CDLL:
     library.JaxringCudaSetHostCall(extension.host_call_address())
     library.JaxringCudaSetHostTimeout.argtypes = [ctypes.c_void_p]
     library.JaxringCudaSetHostTimeout(extension.host_timeout_address())
+    library.JaxringCudaSetCallSiteSource.argtypes = [ctypes.c_void_p]
+    library.JaxringCudaSetCallSiteSource(extension.call_site_address())
     return library

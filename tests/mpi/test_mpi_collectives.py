@@ -18,7 +18,7 @@ from mpi4py import MPI
 import jaxring
 import jaxring.mpi
 from jaxring._src import native
-from helpers import DTYPES, RTOL, assert_close, random_array
+from helpers import DTYPES, RTOL, assert_close, called_at, random_array
 
 COMM = jaxring.mpi.world()
 MPI_COMM = COMM.mpi_comm
@@ -763,11 +763,14 @@ def test_a_process_communicator_refuses_several_devices_of_one_process():
 def test_mismatched_shapes_raise_on_every_rank_naming_both_sides():
     sub = COMM.split(0, key=COMM.rank)  # a fresh communicator: an error leaves it unusable
     x = np.ones(3 if COMM.rank == 0 else 5, np.float32)
+    call = lambda v: jaxring.all_reduce(v, sub)  # noqa: E731
+    site = called_at(call)  # both ranks' calls, named after the line that traced them
     with jaxring.config.override(timeout_seconds=30.0):
         with pytest.raises(Exception, match=r"mismatched collectives: rank 0 called "
-                                            r"all_reduce\(sum\) op \d+ float32\[3\] but rank 1 "
-                                            r"called all_reduce\(sum\) op \d+ float32\[5\]"):
-            np.asarray(jax.jit(lambda v: jaxring.all_reduce(v, sub))(x))
+                                            r"all_reduce\(sum\) op \d+ float32\[3\] " + site
+                                            + r" but rank 1 called all_reduce\(sum\) op \d+ "
+                                            r"float32\[5\] " + site):
+            np.asarray(jax.jit(call)(x))
     jaxring.reset_after_error()
     with pytest.raises(Exception, match="failed earlier"):
         np.asarray(jax.jit(lambda v: jaxring.all_reduce(v, sub))(np.ones(3, np.float32)))
@@ -787,10 +790,12 @@ def test_ranks_whose_config_shapes_messages_differently_raise_instead_of_pairing
     x = np.arange(1000, dtype=np.float32) + COMM.rank
     with jaxring.config.override(timeout_seconds=30.0,
                                  mpi_ring_threshold_bytes=0 if COMM.rank == 1 else 1 << 20):
+        call = lambda v: jaxring.all_reduce(v, sub)  # noqa: E731
         with pytest.raises(Exception, match=r"rank 0 and rank 1 both called all_reduce\(sum\) "
-                                            r"op \d+ float32\[1000\], but their jaxring.config "
-                                            r"settings .* make them move its data differently"):
-            np.asarray(jax.jit(lambda v: jaxring.all_reduce(v, sub))(x))
+                                            r"op \d+ float32\[1000\] " + called_at(call)
+                                            + r", but their jaxring.config settings .* make "
+                                            r"them move its data differently"):
+            np.asarray(jax.jit(call)(x))
         # all_gather always takes the ring, whatever the threshold: the settings do not matter
         y = jax.jit(lambda v: jaxring.all_gather(v, ok))(x)
         np.testing.assert_array_equal(np.asarray(y), np.concatenate(MPI_COMM.allgather(x)))

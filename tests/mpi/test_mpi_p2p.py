@@ -10,7 +10,7 @@ import pytest
 
 import jaxring
 import jaxring.mpi
-from helpers import DTYPES, random_array
+from helpers import DTYPES, called_at, random_array
 
 COMM = jaxring.mpi.world()
 MPI_COMM = COMM.mpi_comm
@@ -214,16 +214,18 @@ def test_mismatched_point_to_point_calls_name_both_sides():
     sub = COMM.split(0, key=COMM.rank)  # a fresh communicator: an error leaves it unusable
     x = np.ones(3 if COMM.rank == 0 else 4, np.float32)
     shift = permutations()["shift"]
+    call = lambda v: jaxring.ppermute(v, sub, shift)  # noqa: E731
     with jaxring.config.override(timeout_seconds=20.0):
         if COMM.rank == 1:
             with pytest.raises(Exception, match=r"mismatched point-to-point calls: rank 0 sent "
                                                 r"ppermute\(perm #[0-9a-f]+\) op \d+ float32\[3\] "
-                                                r"but this rank expected ppermute\(perm "
-                                                r"#[0-9a-f]+\) op \d+ float32\[4\]\.(?! Their perms)"):
-                np.asarray(jax.jit(lambda v: jaxring.ppermute(v, sub, shift))(x))
+                                                + called_at(call) + r" but this rank expected "
+                                                r"ppermute\(perm #[0-9a-f]+\) op \d+ float32\[4\] "
+                                                + called_at(call) + r"\.(?! Their perms)"):
+                np.asarray(jax.jit(call)(x))
         else:
             try:  # other ranks may fail too (rank 1 never forwards), or succeed
-                np.asarray(jax.jit(lambda v: jaxring.ppermute(v, sub, shift))(x))
+                np.asarray(jax.jit(call)(x))
             except Exception:
                 pass
     jaxring.reset_after_error()

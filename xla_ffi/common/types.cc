@@ -1,7 +1,10 @@
 #include "common/types.h"
 
 #include <algorithm>
+#include <mutex>
 #include <sstream>
+#include <unordered_map>
+#include <unordered_set>
 #include <utility>
 #include <vector>
 
@@ -96,6 +99,39 @@ std::string PermsDiffer(const Header& sent, const Header& expected) {
          "they were sent.";
 }
 
+namespace {
+struct CallSites {
+  std::mutex mutex;
+  std::unordered_set<std::string> sites;  // one copy of each: many op ids share a line
+  std::unordered_map<int64_t, const std::string*> names;  // into `sites`, whose nodes stay put
+};
+CallSites& Sites() {
+  static CallSites* sites = new CallSites;  // never destroyed: device threads may outlive exit
+  return *sites;
+}
+size_t (*call_site_source)(int64_t, char*, size_t) = nullptr;
+}  // namespace
+
+void SetCallSiteSource(size_t (*source)(int64_t, char*, size_t)) { call_site_source = source; }
+
+void NameCallSite(int64_t op_id, std::string site) {
+  CallSites& sites = Sites();
+  std::lock_guard<std::mutex> lock(sites.mutex);
+  sites.names[op_id] = &*sites.sites.insert(std::move(site)).first;
+}
+
+std::string CallSite(int64_t op_id) {
+  if (call_site_source != nullptr) {
+    std::string site(call_site_source(op_id, nullptr, 0), '\0');
+    site.resize(call_site_source(op_id, site.data(), site.size()));
+    return site;
+  }
+  CallSites& sites = Sites();
+  std::lock_guard<std::mutex> lock(sites.mutex);
+  const auto found = sites.names.find(op_id);
+  return found == sites.names.end() ? std::string() : *found->second;
+}
+
 std::string Describe(const Header& h) {
   std::ostringstream s;
   s << CollectiveName(h.kind);
@@ -107,6 +143,8 @@ std::string Describe(const Header& h) {
   s << " op " << h.op_id;
   if (h.kind != Collective::kBarrier) s << " " << DTypeName(h.dtype) << "[" << h.count << "]";
   if (h.whole != 0) s << " (a chunk of " << h.whole << ")";
+  const std::string site = CallSite(h.op_id);
+  if (!site.empty()) s << " (called at " << site << ")";
   return s.str();
 }
 

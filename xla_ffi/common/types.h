@@ -81,7 +81,15 @@ int64_t PermDigest(const int64_t* perm, int64_t size);
 bool SameMessage(const Header& a, const Header& b);
 // For the error of a mismatched message: a sentence saying that the perms differ, if they do.
 std::string PermsDiffer(const Header& sent, const Header& expected);
-std::string Describe(const Header& h);  // e.g. "all_reduce(sum) op 3 float32[1024]"
+// Names the source line that traced the calls with this op id ("train.py:42 in loss"), as
+// jaxring's Python side does for every call site (common.next_op_id), so that errors can say where
+// each call they name comes from. The names live in _jaxring; the other libraries that print
+// headers (the MPI transport, the CUDA library) ask it through JaxringHostCallSite.
+void NameCallSite(int64_t op_id, std::string site);
+std::string CallSite(int64_t op_id);  // "" where none was named
+void SetCallSiteSource(size_t (*source)(int64_t op_id, char* site, size_t bytes));
+// e.g. "all_reduce(sum) op 3 float32[1024] (called at train.py:42 in loss)"
+std::string Describe(const Header& h);
 // Every rank's header (`header_of(rank)`) must equal rank 0's. Otherwise an error after `where()`
 // that names the first rank that differs and both calls: the same text on every rank. `where` is
 // only called on a mismatch: formatting it costs about a microsecond, a whole small step's worth.

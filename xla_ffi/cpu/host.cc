@@ -297,6 +297,12 @@ extern "C" double JaxringHostTimeoutSeconds(void) {
   return jaxring::CurrentConfig().timeout_seconds;
 }
 
+extern "C" size_t JaxringHostCallSite(int64_t op_id, char* site, size_t bytes) {
+  const std::string name = jaxring::CallSite(op_id);
+  if (bytes > 0) std::memcpy(site, name.data(), std::min(name.size(), bytes));
+  return name.size();
+}
+
 extern "C" int JaxringRunHostCall(const JaxringHostCall* call, char* error, size_t error_bytes) {
   const jaxring::HostResult result = jaxring::RunHostCall(*call);
   if (result.status.ok()) return 0;

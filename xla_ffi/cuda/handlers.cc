@@ -167,6 +167,9 @@ int Report(const Status& status, T* error, size_t error_bytes) {
 extern "C" const char* JaxringCudaBuildId() { return jaxring::BuildId(); }
 extern "C" void JaxringCudaSetHostCall(JaxringHostCallFn fn) { jaxring::gpu::SetHostCall(fn); }
 extern "C" void JaxringCudaSetHostTimeout(double (*fn)()) { jaxring::gpu::SetHostTimeout(fn); }
+extern "C" void JaxringCudaSetCallSiteSource(size_t (*fn)(int64_t, char*, size_t)) {
+  jaxring::SetCallSiteSource(fn);
+}
 
 extern "C" size_t JaxringCudaIpcHandleBytes() { return sizeof(jaxring::gpu::IpcHandles); }
 

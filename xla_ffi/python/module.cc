@@ -426,6 +426,9 @@ NB_MODULE(_jaxring, m) {
         "A failed call on any of these process communicators makes this rank leave the others.");
   m.def("unlink_failures", &jaxring::ProcessTransport::UnlinkFailures, nb::arg("key"));
 
+  m.def("name_call_site", &jaxring::NameCallSite, nb::arg("op_id"), nb::arg("site"),
+        "Names the source line of op_id's calls in this library's errors.");
+  m.def("call_site", &jaxring::CallSite, nb::arg("op_id"));
   m.def("build_id", &jaxring::BuildId, "A hash of the native sources this library was built from.");
   m.def("jaxlib_version", []() { return std::string(JAXRING_JAXLIB_VERSION); },
         "The version of the jaxlib whose FFI headers this library was compiled against.");
@@ -434,6 +437,8 @@ NB_MODULE(_jaxring, m) {
   m.def("host_timeout_address",
         []() { return reinterpret_cast<uintptr_t>(&JaxringHostTimeoutSeconds); },
         "Address of JaxringHostTimeoutSeconds (jaxring.config's timeout, for the CUDA library).");
+  m.def("call_site_address", []() { return reinterpret_cast<uintptr_t>(&JaxringHostCallSite); },
+        "Address of JaxringHostCallSite, which the MPI and CUDA libraries name call sites with.");
 
   // The GPU transports' host side, exposed so that CPU tests check it: the header exchange
   // they synchronise with, and how they cut a call into steps (gpu/plan.h).

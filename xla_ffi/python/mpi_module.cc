@@ -86,6 +86,13 @@ class HostMemory final : public jaxring::gpu::DeviceOps {
 NB_MODULE(_jaxring_mpi, m) {
   m.doc() = "jaxring's MPI transport (links the MPI library)";
 
+  m.def(
+      "set_call_site_source",
+      [](uintptr_t address) {
+        jaxring::SetCallSiteSource(
+            reinterpret_cast<size_t (*)(int64_t, char*, size_t)>(address));
+      },
+      nb::arg("address"), "Names call sites in errors as _jaxring does (its call_site_address).");
   m.def("build_id", &jaxring::BuildId, "A hash of the native sources this library was built from.");
   m.def("built_with", &HeaderFamily, "The MPI implementation of the mpi.h used at build time.");
   m.def("library_version", []() {
