@@ -333,11 +333,24 @@ def test_configs_from_tiny_to_paper():
     ("conv_channels", "16", "'conv_channels' takes a JSON list"),
     ("learning_rate", "fast", "'learning_rate' takes a number"),
     ("train_utterances", "0", "'train_utterances' must be at least 1"),
-    ("num_devices", "0", "'num_devices' must be at least 1")])
+    ("num_devices", "0", "'num_devices' must be at least 1"),
+    ("conv_channels", "[16, 32]", r"must be as long as each other, got conv_channels=\[16, 32\], "
+                                  r"conv_kernels=\[\[11, 21\]\], conv_strides=\[\[2, 2\]\]"),
+    ("conv_channels", "[0]", r"conv_channels must be positive ints, got \[0\]"),
+    ("conv_kernels", "[[11.5, 21]]", r"conv_kernels must be \[time, frequency\] pairs of positive"),
+    ("conv_kernels", "[[11, 21, 3]]", r"conv_kernels must be \[time, frequency\] pairs"),
+    ("conv_strides", "[[0, 2]]", r"conv_strides must be \[time, frequency\] pairs of positive"),
+    ("optimizer", "sgd", r"optimizer must be one of \('nesterov', 'adam'\), got 'sgd'"),
+    ("beam_utterances", "-1", "beam_utterances must be at least 0"),
+    ("train_utterances", "8", r"train_utterances \(8\) is below batch_size \(32\)"),
+    ("bucket_bytes", "1", "bucket_bytes must be at least 1024, got 1")])
 def test_a_bad_override_names_its_key(key, value, message):
     """--set values that failed deep in parsing, data loading or training (int()'s message, a
     JSON decode error, a modulo by zero) without naming the key, or (a bare 16 for a tuple
-    field) were taken and broke the model later."""
+    field) were taken and broke the model later. Conv settings of different lengths built as
+    many convolutions as the shortest, while config.json recorded the others; too few training
+    utterances for one batch trained nothing and wrote NaN losses; 1-byte buckets took minutes to
+    compile; an unknown optimizer was refused only after the data was synthesised."""
     with pytest.raises(ValueError, match=message):
         configs.get_config("tiny", **{key: value})
 
@@ -346,11 +359,62 @@ def test_resuming_with_another_model_is_refused_and_leaves_the_run_alone(tmp_pat
     """A checkpoint of one model resumed with a config of another: the restore failed in orbax
     after config.json had been overwritten, so every later command on the directory (transcribe,
     a resume with the old settings) failed too. It is refused before anything is written."""
-    config = configs.get_config("tiny", train_utterances=4, test_utterances=2)
+    config = configs.get_config("tiny", train_utterances=4, test_utterances=2, batch_size=4)
     tmp_path.mkdir(exist_ok=True)
     (tmp_path / "config.json").write_text(config.to_json())
     training.save_checkpoint(training.checkpoint_manager(tmp_path), 0, {"w": np.zeros(2)}, [])
     before = (tmp_path / "config.json").read_text()
     with pytest.raises(ValueError, match=r"another model \(rnn_hidden: 128 there, 64 here\)"):
         training.train(config.replace(rnn_hidden=64, epochs=5), tmp_path)
+    # Epochs of another number of steps: the learning rate's schedule, which counts steps, would
+    # decay it mid-epoch (a review resumed at half the batch size).
+    with pytest.raises(ValueError, match=r"epochs of another number of steps \(batch_size: 4 "
+                                         r"there, 2 here\)"):
+        training.train(config.replace(batch_size=2, epochs=5), tmp_path)
     assert (tmp_path / "config.json").read_text() == before
+
+
+def test_transcribing_a_wav_without_samples_says_so(tmp_path):
+    """An empty WAV failed inside numpy ("zero-size array to reduction operation maximum")."""
+    import scipy.io.wavfile
+
+    from models.deepspeech import main
+
+    (tmp_path / "config.json").write_text(configs.get_config("tiny").to_json())
+    wav = tmp_path / "empty.wav"
+    scipy.io.wavfile.write(wav, 16000, np.zeros(0, np.int16))
+    with pytest.raises(SystemExit, match="empty.wav holds no samples"):
+        main.main(["transcribe", "--workdir", str(tmp_path), str(wav)])
+
+
+def test_training_leaves_out_utterances_too_short_for_ctc_at_their_strides():
+    """An utterance with fewer frames after the strided convolutions than CTC needs for its
+    labels (one per label, a blank between repeats) has no alignment, and optax gave it a loss of
+    about 1e5, not infinity, which swamped its batch's mean without an error (a review's time
+    stride of 4). Training leaves such utterances out; the frames are counted as the model's
+    own mask counts them."""
+    rng = np.random.default_rng(8)
+    frames = rng.integers(1, 40, 200)
+    labels = [rng.integers(1, 4, rng.integers(1, 12)).astype(np.int32) for _ in frames]
+    dataset = data.Dataset([np.zeros((f, 3), np.float32) for f in frames], labels,
+                           [str(i) for i in range(len(frames))], ["v"] * len(frames))
+    strides = ((4, 1), (2, 1))
+    model = DeepSpeech2(feature_size=3, num_classes=4, conv_channels=(1, 1),
+                        conv_kernels=((3, 1), (3, 1)), conv_strides=strides, rnn_layers=1,
+                        rnn_hidden=2, dense=2, rngs=nnx.Rngs(0))
+    left = [int(model.output_mask(np.ones((1, f), np.float32)).sum()) for f in frames]
+    needed = [len(l) + sum(a == b for a, b in zip(l, l[1:])) for l in labels]
+    kept, dropped = dataset.alignable([time for time, _ in strides])
+    assert kept.transcripts == [str(i) for i in range(len(frames)) if left[i] >= needed[i]]
+    assert 0 < dropped == sum(n > f for f, n in zip(left, needed)) < len(frames)
+    # What they would have cost: optax's floor for an impossible alignment, a feasible one less.
+    width, length = max(left), max(map(len, labels))
+    logits = jnp.asarray(rng.standard_normal((len(frames), width, 4)), jnp.float32)
+    logit_mask = (np.arange(width) < np.array(left)[:, None]).astype(np.float32)
+    label_array = np.zeros((len(frames), length), np.int32)
+    for row, l in enumerate(labels):
+        label_array[row, :len(l)] = l
+    label_mask = (np.arange(length) < np.array(list(map(len, labels)))[:, None]).astype(np.float32)
+    losses = np.asarray(ctc_loss_per_utterance(logits, logit_mask, label_array, label_mask))
+    feasible = np.array(left) >= np.array(needed)
+    assert losses[~feasible].min() > 1e4 > losses[feasible].max()

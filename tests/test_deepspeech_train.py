@@ -108,3 +108,9 @@ def test_evaluation_splits_batches_over_the_parameters_devices_and_compares_beam
     assert (metrics["beam_greedy_cer"], metrics["beam_greedy_wer"]) == (greedy_first.cer,
                                                                         greedy_first.wer)
     assert 0 <= metrics["beam_cer"] and 0 <= metrics["beam_wer"]
+    # With nothing to beam-decode, the beam metrics are missing, not perfect scores (they were 0).
+    unbeamed = training.evaluate(graphdef, *replicated, dataset,
+                                 config.replace(beam_utterances=0), beam=True, seen=seen)
+    assert [unbeamed[key] for key in ("beam_cer", "beam_wer", "beam_greedy_cer",
+                                      "beam_greedy_wer")] == [None] * 4
+    assert (unbeamed["cer"], unbeamed["wer"]) == (greedy_all.cer, greedy_all.wer)

@@ -68,15 +68,50 @@ class Config:
                 raise ValueError(f"config key {key!r} takes {_kind(default)} (its default is "
                                  f"{json.dumps(default)}), got {overrides[key]!r}")
             parsed[key] = value
-        config = dataclasses.replace(self, **parsed)
+        return dataclasses.replace(self, **parsed)
+
+    def __post_init__(self):
+        """Refuses settings that would build another model than the one recorded, train nothing,
+        or fail late (after minutes of data synthesis) with an error that does not name them."""
         for key in _POSITIVE:
-            if getattr(config, key) < 1:
+            if getattr(self, key) < 1:
                 raise ValueError(f"config key {key!r} must be at least 1, got "
-                                 f"{getattr(config, key)}")
-        return config
+                                 f"{getattr(self, key)}")
+        layers = {key: getattr(self, key) for key in ("conv_channels", "conv_kernels",
+                                                      "conv_strides")}
+        if len({len(value) for value in layers.values()}) != 1:
+            raise ValueError("conv_channels, conv_kernels and conv_strides give one entry per "
+                             "convolution, so they must be as long as each other, got "
+                             + ", ".join(f"{k}={json.dumps(v)}" for k, v in layers.items()))
+        if not all(_positive_int(c) for c in self.conv_channels):
+            raise ValueError(f"conv_channels must be positive ints, got "
+                             f"{json.dumps(self.conv_channels)}")
+        for key in ("conv_kernels", "conv_strides"):
+            if not all(isinstance(pair, tuple) and len(pair) == 2 and all(map(_positive_int, pair))
+                       for pair in getattr(self, key)):
+                raise ValueError(f"{key} must be [time, frequency] pairs of positive ints, got "
+                                 f"{json.dumps(getattr(self, key))}")
+        if self.optimizer not in OPTIMIZERS:
+            raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {self.optimizer!r}")
+        if self.beam_utterances < 0:
+            raise ValueError(f"beam_utterances must be at least 0 (0: no beam search), got "
+                             f"{self.beam_utterances}")
+        if self.train_utterances < self.batch_size:
+            raise ValueError(f"train_utterances ({self.train_utterances}) is below batch_size "
+                             f"({self.batch_size}): an epoch takes only whole batches, so it would "
+                             "train nothing")
+        if self.bucket_bytes < MIN_BUCKET_BYTES:
+            raise ValueError(f"bucket_bytes must be at least {MIN_BUCKET_BYTES}, got "
+                             f"{self.bucket_bytes}: each bucket is a collective call of its own, "
+                             "and smaller ones made programs of tens of thousands of calls that "
+                             "took minutes to compile")
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), indent=1)
+
+
+def _positive_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
 
 
 def _as_tuples(value):
@@ -96,11 +131,14 @@ def _same_kind(value, default) -> bool:
     return isinstance(value, type(default))
 
 
+OPTIMIZERS = ("nesterov", "adam")
+MIN_BUCKET_BYTES = 1024
+
 # Counts and sizes below 1 failed deep in data loading or training (no arrays to concatenate, a
 # modulo by zero) instead of naming the key.
 _POSITIVE = ("train_utterances", "test_utterances", "sample_rate", "frame_multiple",
              "max_label_length", "rnn_layers", "rnn_hidden", "dense", "batch_size", "num_devices",
-             "bucket_bytes", "beam_width")
+             "beam_width")
 
 
 CONFIGS = {

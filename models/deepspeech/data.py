@@ -158,6 +158,23 @@ class Dataset:
     def __len__(self):
         return len(self.features)
 
+    def alignable(self, time_strides) -> tuple[Dataset, int]:
+        """The utterances that keep as many frames as CTC needs for their labels (one per label
+        and a blank between each pair of repeats) after convolutions with `time_strides` (each
+        keeps ceil(frames / stride)), and how many others there were. An utterance with fewer has
+        no alignment, and optax's ctc_loss gives it about 1e5 instead of infinity, which swamps a
+        batch's mean loss without an error (a review's stride of 4)."""
+        def frames_left(frames):
+            for stride in time_strides:
+                frames = -(-frames // stride)
+            return frames
+
+        keep = [i for i, (features, labels) in enumerate(zip(self.features, self.labels))
+                if frames_left(len(features)) >= len(labels) + np.sum(labels[1:] == labels[:-1])]
+        subset = Dataset(*([values[i] for i in keep] for values in (
+            self.features, self.labels, self.transcripts, self.voices)))
+        return subset, len(self) - len(keep)
+
 
 _CACHE_VERSION = 3  # bump when generation changes, so old caches are not reused
 

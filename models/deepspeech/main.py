@@ -85,6 +85,8 @@ def transcribe(args):
     audio = audio.astype(np.float32)
     if audio.ndim == 2:
         audio = audio.mean(axis=1)
+    if audio.size == 0:
+        raise SystemExit(f"{args.wav} holds no samples")
     audio /= max(np.abs(audio).max(), 1e-9)
     ratio = np.gcd(rate, config.sample_rate)
     audio = scipy.signal.resample_poly(audio, config.sample_rate // ratio, rate // ratio)

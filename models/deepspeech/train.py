@@ -19,6 +19,7 @@ import functools
 import json
 import os
 import time
+import warnings
 from pathlib import Path
 
 import jax
@@ -55,10 +56,8 @@ def create_optimizer(config: Config, steps_per_epoch: int) -> optax.GradientTran
                                        config.learning_rate_decay_per_epoch, staircase=True)
     if config.optimizer == "nesterov":
         inner = optax.sgd(schedule, momentum=config.momentum, nesterov=True)
-    elif config.optimizer == "adam":
+    else:  # "adam": Config refuses any other
         inner = optax.adam(schedule)
-    else:
-        raise ValueError(f"optimizer must be 'nesterov' or 'adam', got {config.optimizer!r}")
     return optax.chain(optax.clip_by_global_norm(config.grad_clip_norm), inner)
 
 
@@ -269,7 +268,7 @@ def evaluate(graphdef, params, batch_stats, dataset, config: Config, beam: bool 
     beam_greedy_wer)."""
     greedy, unseen, beam_rates, beam_greedy = (decoding.ErrorRates(), decoding.ErrorRates(),
                                                decoding.ErrorRates(), decoding.ErrorRates())
-    unseen_utterances = 0
+    unseen_utterances = beamed = 0
     beam_left = config.beam_utterances if beam else 0
     for batch in data.eval_batches(dataset, config.batch_size, config.frame_multiple,
                                    config.max_label_length):
@@ -288,12 +287,15 @@ def evaluate(graphdef, params, batch_stats, dataset, config: Config, beam: bool 
                               decoding.beam_decode(log_probs[take], mask[take], config.beam_width))
             beam_greedy.update([batch.transcripts[i] for i in take], hypotheses[:len(take)])
             beam_left -= len(take)
+            beamed += len(take)
     metrics = {"cer": greedy.cer, "wer": greedy.wer, "unseen_utterances": unseen_utterances,
                "cer_unseen": unseen.cer if unseen_utterances else None,
                "wer_unseen": unseen.wer if unseen_utterances else None}
-    if beam:
-        metrics |= {"beam_cer": beam_rates.cer, "beam_wer": beam_rates.wer,
-                    "beam_greedy_cer": beam_greedy.cer, "beam_greedy_wer": beam_greedy.wer}
+    if beam:  # None where no utterance was beam-decoded (beam_utterances=0), as cer_unseen
+        metrics |= {"beam_cer": beam_rates.cer if beamed else None,
+                    "beam_wer": beam_rates.wer if beamed else None,
+                    "beam_greedy_cer": beam_greedy.cer if beamed else None,
+                    "beam_greedy_wer": beam_greedy.wer if beamed else None}
     return metrics
 
 
@@ -303,20 +305,35 @@ _SHAPING_FIELDS = ("sample_rate", "conv_channels", "conv_kernels", "conv_strides
                    "rnn_hidden", "dense", "optimizer")
 
 
+# Fields that set the steps of an epoch, which the learning rate's schedule counts: a run resumed
+# with others decays it at other steps than once an epoch.
+_SCHEDULE_FIELDS = ("batch_size", "train_utterances")
+
+
 def _check_resumable(config: Config, workdir: Path) -> None:
     """Refuses to resume the checkpoint in `workdir` with a config that shapes the model or its
-    optimizer differently: the restore failed deep in orbax, after config.json had been
-    overwritten with the new config, so every later command on the directory failed too."""
+    optimizer differently (the restore failed deep in orbax, after config.json had been
+    overwritten with the new config, so every later command on the directory failed too), or
+    whose epochs have another number of steps (the learning rate decayed mid-epoch)."""
     path = workdir / "config.json"
     if not path.exists():
         return
     stored = json.loads(path.read_text())
     ours = json.loads(config.to_json())
-    differ = [f"{key}: {stored[key]} there, {ours[key]} here" for key in _SHAPING_FIELDS
-              if key in stored and stored[key] != ours[key]]
-    if differ:
-        raise ValueError(f"{workdir} holds a checkpoint of another model ({'; '.join(differ)}): "
-                         f"resume it with its own settings, or train in a fresh work directory")
+
+    def differ(fields):
+        return "; ".join(f"{key}: {stored[key]} there, {ours[key]} here" for key in fields
+                         if key in stored and stored[key] != ours[key])
+
+    if differ(_SHAPING_FIELDS):
+        raise ValueError(f"{workdir} holds a checkpoint of another model "
+                         f"({differ(_SHAPING_FIELDS)}): resume it with its own settings, or "
+                         "train in a fresh work directory")
+    if differ(_SCHEDULE_FIELDS):
+        raise ValueError(f"{workdir} holds a checkpoint trained with epochs of another number of "
+                         f"steps ({differ(_SCHEDULE_FIELDS)}), which the learning rate's schedule "
+                         "counts to decay it once an epoch: resume it with its own settings, or "
+                         "train in a fresh work directory")
 
 
 def checkpoint_manager(workdir: Path, read_only: bool = False) -> ocp.CheckpointManager:
@@ -392,8 +409,16 @@ def train(config: Config, workdir: str | Path, cache_dir: str | Path | None = No
         train_set = data.load("train", config.train_utterances, config.data_seed,
                               config.sample_rate, cache_dir)
 
+    train_set, unalignable = train_set.alignable([stride[0] for stride in config.conv_strides])
+    if unalignable:
+        warnings.warn(f"{unalignable} training utterances are left out: conv_strides "
+                      f"{list(config.conv_strides)} leave them fewer frames than CTC needs for "
+                      "their transcripts")
     seen = frozenset(train_set.transcripts)  # evaluation also scores the test's other sentences
     steps_per_epoch = len(train_set) // config.batch_size
+    if steps_per_epoch == 0:  # Config refuses train_utterances below batch_size
+        raise ValueError(f"{len(train_set)} training utterances make no whole batch of "
+                         f"{config.batch_size}")
     graphdef, params, batch_stats, optimizer, train_step, broadcast = _training_functions(
         config.replace(epochs=0), steps_per_epoch, replicas)
     state = {"params": params, "batch_stats": batch_stats, "opt_state": optimizer.init(params)}
