@@ -35,7 +35,6 @@ RTOL = {
 }
 
 
-@functools.cache
 def called_at(function) -> str:
     """A regex of how jaxring's errors name the call on the first line of `function` (a one-line
     lambda): "(called at file.py:line in name)"."""
@@ -49,6 +48,7 @@ def called_at(function) -> str:
 ANY_SITE = r"(?: \(called at [^)]*\))?"
 
 
+@functools.cache
 def mesh(n: int, axis: str = "i"):
     return jax.make_mesh((n,), (axis,), devices=jax.devices()[:n])
 

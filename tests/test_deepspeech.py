@@ -1,6 +1,7 @@
 """Deep Speech 2: data, shapes, masking, CTC against a brute-force reference, decoding, metrics."""
 
 import itertools
+import json
 import math
 
 import jax
@@ -343,7 +344,8 @@ def test_configs_from_tiny_to_paper():
     ("optimizer", "sgd", r"optimizer must be one of \('nesterov', 'adam'\), got 'sgd'"),
     ("beam_utterances", "-1", "beam_utterances must be at least 0"),
     ("train_utterances", "8", r"train_utterances \(8\) is below batch_size \(32\)"),
-    ("bucket_bytes", "1", "bucket_bytes must be at least 1024, got 1")])
+    ("bucket_bytes", "1", r"bucket_bytes 1 cuts the gradients into 28593 buckets, each a "
+                          r"collective call of its own; more than 4096")])
 def test_a_bad_override_names_its_key(key, value, message):
     """--set values that failed deep in parsing, data loading or training (int()'s message, a
     JSON decode error, a modulo by zero) without naming the key, or (a bare 16 for a tuple
@@ -351,8 +353,11 @@ def test_a_bad_override_names_its_key(key, value, message):
     many convolutions as the shortest, while config.json recorded the others; too few training
     utterances for one batch trained nothing and wrote NaN losses; 1-byte buckets took minutes to
     compile; an unknown optimizer was refused only after the data was synthesised."""
-    with pytest.raises(ValueError, match=message):
-        configs.get_config("tiny", **{key: value})
+    with pytest.raises(ValueError, match=message):  # as `train` checks a config, first of all
+        training.check_trainable(configs.get_config("tiny", **{key: value}))
+    assert training.check_trainable(configs.get_config("tiny")) is None
+    # Lists from Python are taken as the command line's, and refused alike.
+    assert configs.Config(conv_kernels=[[3, 5]]).conv_kernels == ((3, 5),)
 
 
 def test_resuming_with_another_model_is_refused_and_leaves_the_run_alone(tmp_path):
@@ -385,14 +390,20 @@ def test_transcribing_a_wav_without_samples_says_so(tmp_path):
     scipy.io.wavfile.write(wav, 16000, np.zeros(0, np.int16))
     with pytest.raises(SystemExit, match="empty.wav holds no samples"):
         main.main(["transcribe", "--workdir", str(tmp_path), str(wav)])
+    # A config.json that describes no model (conv fields of different lengths) is named.
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps(config | {"conv_channels": [16, 32]}))
+    with pytest.raises(SystemExit, match=r"config.json describes no model this version builds: "
+                                         r"conv_channels, conv_kernels and conv_strides"):
+        main.main(["transcribe", "--workdir", str(tmp_path), str(wav)])
 
 
 def test_training_leaves_out_utterances_too_short_for_ctc_at_their_strides():
     """An utterance with fewer frames after the strided convolutions than CTC needs for its
     labels (one per label, a blank between repeats) has no alignment, and optax gave it a loss of
     about 1e5, not infinity, which swamped its batch's mean without an error (a review's time
-    stride of 4). Training leaves such utterances out; the frames are counted as the model's
-    own mask counts them."""
+    stride of 4). `train` leaves out what Dataset.alignable leaves out; the frames are counted
+    as the model's own mask counts them."""
     rng = np.random.default_rng(8)
     frames = rng.integers(1, 40, 200)
     labels = [rng.integers(1, 4, rng.integers(1, 12)).astype(np.int32) for _ in frames]

@@ -1312,11 +1312,18 @@ def test_derived_calls_are_named_after_the_call_they_derive_from():
             site, f"{site}, its jvp", f"{site}, its jvp, its transpose",
             f"{site}, levels call 1", f"{site}, levels call 2"]
         assert len({base, jvp, transpose, *levels}) == 5
-    # Two lines with one id (a hash collision) are both named, each once.
+    # Two lines with one id (a hash collision) are both named, each once, and so is a call
+    # derived from it however often it is traced.
     op_id = int(np.random.default_rng().integers(1 << 40, 1 << 50))
     for site in ("a.py:1 in f", "b.py:2 in g", "a.py:1 in f"):
         common.name_call_site(op_id, site)
     assert native.extension.call_site(op_id) == "a.py:1 in f or b.py:2 in g"
+    for comm in (types.SimpleNamespace(process_rank=None), types.SimpleNamespace(process_rank=0)):
+        jvps = {common.next_op_id(comm, op_id, "jvp") for _ in range(3)}
+        assert {native.extension.call_site(i) for i in jvps} == {
+            "a.py:1 in f or b.py:2 in g, its jvp"}
+        # A call derived from an unnamed id (a test harness's) is left unnamed too.
+        assert native.extension.call_site(common.next_op_id(comm, op_id + 1, "jvp")) == ""
     assert native.extension.call_site(op_id + 1) == ""
 
 

@@ -258,11 +258,11 @@ def next_op_id(comm: "AxisCommunicator", derived_from: int | None = None, role: 
     errors that print it (name_call_site)."""
     deriving = _deriving.get()
     if derived_from is not None:
-        key, site = f"{derived_from}:{role}", f"{call_site(derived_from)}, its {role}"
+        key, site = f"{derived_from}:{role}", _derived_site(derived_from, f"its {role}")
     elif deriving is not None:
         deriving[2] += 1
         key = f"{deriving[0]}:{deriving[1]}:{deriving[2]}"
-        site = f"{call_site(deriving[0])}, {deriving[1]} call {deriving[2]}"
+        site = _derived_site(deriving[0], f"{deriving[1]} call {deriving[2]}")
     else:
         frame = sys._getframe(1)
         while frame is not None and frame.f_code.co_filename.startswith(_LIBRARY_DIRS):
@@ -277,28 +277,31 @@ def next_op_id(comm: "AxisCommunicator", derived_from: int | None = None, role: 
     else:
         op_id = PROCESS_OP_ID_BIT | int.from_bytes(
             hashlib.blake2b(key.encode(), digest_size=3).digest(), "little")
-    name_call_site(op_id, site)
+    if site is not None:
+        name_call_site(op_id, site)
     return op_id
 
 
-# op id -> the source line(s) it was traced at, which the native errors print beside it
-# (xla_ffi/common/types.h, NameCallSite).
-_call_sites: dict[int, str] = {}
+# op id -> the source lines it was traced at (one, unless two lines' hashes collide), which the
+# native errors print beside it (xla_ffi/common/types.h, NameCallSite). Each call a retraced mesh
+# program makes takes a new id, so this grows by an entry (about 150 bytes with the native copy,
+# the names themselves interned) per call traced.
+_call_sites: dict[int, list[str]] = {}
 
 
-def call_site(op_id: int) -> str:
-    return _call_sites.get(op_id, f"op {op_id}")
+def _derived_site(base: int, what: str) -> str | None:
+    """The name of a call derived from op id `base`'s: "train.py:42 in loss, its jvp"; None
+    where `base` has no name (a test harness's id)."""
+    return f"{' or '.join(_call_sites[base])}, {what}" if base in _call_sites else None
 
 
 def name_call_site(op_id: int, site: str) -> None:
     """Names `op_id` after `site` in the native errors. Two sites whose hashes collide are both
     named, never one in place of the other."""
-    known = _call_sites.get(op_id)
-    if known is not None and site in known.split(" or "):
-        return
-    # Interned: a line traced many times (a retraced program) keeps one copy of its name.
-    _call_sites[op_id] = sys.intern(site if known is None else f"{known} or {site}")
-    native.extension.name_call_site(op_id, _call_sites[op_id])
+    sites = _call_sites.setdefault(op_id, [])
+    if site not in sites:
+        sites.append(sys.intern(site))  # interned: a retraced line keeps one copy of its name
+        native.extension.name_call_site(op_id, " or ".join(sites))
 
 
 # ---- communicators of mesh axes ------------------------------------------------------------------

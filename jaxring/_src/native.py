@@ -32,6 +32,13 @@ def check_jaxlib(built: str, installed: str) -> None:
 check_jaxlib(getattr(extension, "jaxlib_version", lambda: jaxlib.__version__)(),
              jaxlib.__version__)
 
+# The newest functions the Python code calls: a library built before them (an editable install
+# not rebuilt after a pull) failed at import with a bare AttributeError.
+_missing = [name for name in ("name_call_site", "call_site_address") if not hasattr(extension, name)]
+if _missing:
+    raise ImportError(f"jaxring's native library is older than its Python code (it has no "
+                      f"{', '.join(_missing)}): rebuild it with `pip install -e .`")
+
 # FFI target -> exported symbol suffix, for the handlers both platforms have.
 COLLECTIVE_TARGETS = {
     "jaxring_all_reduce": "AllReduce", "jaxring_reduce_scatter": "ReduceScatter",

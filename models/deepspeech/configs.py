@@ -71,8 +71,10 @@ class Config:
         return dataclasses.replace(self, **parsed)
 
     def __post_init__(self):
-        """Refuses settings that would build another model than the one recorded, train nothing,
-        or fail late (after minutes of data synthesis) with an error that does not name them."""
+        """Refuses settings that describe no model, or another one than config.json would
+        record; train.check_trainable refuses those that would train nothing."""
+        for key in ("conv_channels", "conv_kernels", "conv_strides"):  # lists, from Python
+            object.__setattr__(self, key, _as_tuples(getattr(self, key)))
         for key in _POSITIVE:
             if getattr(self, key) < 1:
                 raise ValueError(f"config key {key!r} must be at least 1, got "
@@ -91,20 +93,6 @@ class Config:
                        for pair in getattr(self, key)):
                 raise ValueError(f"{key} must be [time, frequency] pairs of positive ints, got "
                                  f"{json.dumps(getattr(self, key))}")
-        if self.optimizer not in OPTIMIZERS:
-            raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {self.optimizer!r}")
-        if self.beam_utterances < 0:
-            raise ValueError(f"beam_utterances must be at least 0 (0: no beam search), got "
-                             f"{self.beam_utterances}")
-        if self.train_utterances < self.batch_size:
-            raise ValueError(f"train_utterances ({self.train_utterances}) is below batch_size "
-                             f"({self.batch_size}): an epoch takes only whole batches, so it would "
-                             "train nothing")
-        if self.bucket_bytes < MIN_BUCKET_BYTES:
-            raise ValueError(f"bucket_bytes must be at least {MIN_BUCKET_BYTES}, got "
-                             f"{self.bucket_bytes}: each bucket is a collective call of its own, "
-                             "and smaller ones made programs of tens of thousands of calls that "
-                             "took minutes to compile")
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), indent=1)
@@ -132,13 +120,12 @@ def _same_kind(value, default) -> bool:
 
 
 OPTIMIZERS = ("nesterov", "adam")
-MIN_BUCKET_BYTES = 1024
 
 # Counts and sizes below 1 failed deep in data loading or training (no arrays to concatenate, a
 # modulo by zero) instead of naming the key.
 _POSITIVE = ("train_utterances", "test_utterances", "sample_rate", "frame_multiple",
              "max_label_length", "rnn_layers", "rnn_hidden", "dense", "batch_size", "num_devices",
-             "beam_width")
+             "bucket_bytes", "beam_width")
 
 
 CONFIGS = {

@@ -78,9 +78,13 @@ def transcribe(args):
     workdir = Path(args.workdir)
     if not (workdir / "config.json").exists():
         raise SystemExit(f"no training run in {workdir} (it has no config.json)")
-    config = configs.Config().replace(**{
-        k: json.dumps(v) if isinstance(v, list) else str(v)
-        for k, v in json.loads((workdir / "config.json").read_text()).items()})
+    try:
+        config = configs.Config().replace(**{
+            k: json.dumps(v) if isinstance(v, list) else str(v)
+            for k, v in json.loads((workdir / "config.json").read_text()).items()})
+    except ValueError as error:
+        raise SystemExit(f"{workdir / 'config.json'} describes no model this version builds: "
+                         f"{error}") from error
     rate, audio = scipy.io.wavfile.read(args.wav)
     audio = audio.astype(np.float32)
     if audio.ndim == 2:

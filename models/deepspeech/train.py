@@ -35,7 +35,7 @@ from tqdm import tqdm
 import jaxring
 from jaxring.parallel import data as data_parallel
 from models.deepspeech import data, decoding
-from models.deepspeech.configs import Config
+from models.deepspeech.configs import OPTIMIZERS, Config
 from models.deepspeech.model import DeepSpeech2, ctc_loss_per_utterance
 
 AXIS = "data"
@@ -49,6 +49,34 @@ def create_model(config: Config, seed: int) -> DeepSpeech2:
         rnn_hidden=config.rnn_hidden, dense=config.dense, rngs=nnx.Rngs(seed))
 
 
+# Gradient buckets (each a collective call of its own) past which a training program is refused:
+# 1-byte buckets cut tiny's gradients into 28,593 calls, and the program took minutes to compile.
+MAX_GRADIENT_CALLS = 4096
+
+
+def check_trainable(config: Config) -> None:
+    """Refuses, before any data is made, settings that would train nothing or fail only after
+    minutes of data synthesis: an unknown optimizer, fewer training utterances than one batch
+    (it trained nothing and wrote NaN losses), a negative beam_utterances, or buckets so small
+    that the gradients' collective calls could not be compiled in reasonable time."""
+    if config.optimizer not in OPTIMIZERS:
+        raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {config.optimizer!r}")
+    if config.beam_utterances < 0:
+        raise ValueError(f"beam_utterances must be at least 0 (0: no beam search), got "
+                         f"{config.beam_utterances}")
+    if config.train_utterances < config.batch_size:
+        raise ValueError(f"train_utterances ({config.train_utterances}) is below batch_size "
+                         f"({config.batch_size}): an epoch takes only whole batches, so it would "
+                         "train nothing")
+    params = nnx.state(nnx.eval_shape(lambda: create_model(config, config.seed)), nnx.Param)
+    plan = data_parallel.fusion_plan(params, config.bucket_bytes)
+    calls = sum(len(sizes) for _, _, sizes in plan.groups) + len(plan.alone)
+    if calls > MAX_GRADIENT_CALLS:
+        raise ValueError(f"bucket_bytes {config.bucket_bytes} cuts the gradients into {calls} "
+                         f"buckets, each a collective call of its own; more than "
+                         f"{MAX_GRADIENT_CALLS} make a program that takes minutes to compile")
+
+
 def create_optimizer(config: Config, steps_per_epoch: int) -> optax.GradientTransformation:
     """The paper's optimiser (section 3.1): Nesterov momentum on gradients clipped by global
     norm, the learning rate annealed by a constant factor each epoch; Adam as an option."""
@@ -56,8 +84,10 @@ def create_optimizer(config: Config, steps_per_epoch: int) -> optax.GradientTran
                                        config.learning_rate_decay_per_epoch, staircase=True)
     if config.optimizer == "nesterov":
         inner = optax.sgd(schedule, momentum=config.momentum, nesterov=True)
-    else:  # "adam": Config refuses any other
+    elif config.optimizer == "adam":
         inner = optax.adam(schedule)
+    else:
+        raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {config.optimizer!r}")
     return optax.chain(optax.clip_by_global_norm(config.grad_clip_norm), inner)
 
 
@@ -321,19 +351,17 @@ def _check_resumable(config: Config, workdir: Path) -> None:
     stored = json.loads(path.read_text())
     ours = json.loads(config.to_json())
 
-    def differ(fields):
-        return "; ".join(f"{key}: {stored[key]} there, {ours[key]} here" for key in fields
-                         if key in stored and stored[key] != ours[key])
-
-    if differ(_SHAPING_FIELDS):
-        raise ValueError(f"{workdir} holds a checkpoint of another model "
-                         f"({differ(_SHAPING_FIELDS)}): resume it with its own settings, or "
-                         "train in a fresh work directory")
-    if differ(_SCHEDULE_FIELDS):
+    shaping, schedule = ("; ".join(f"{key}: {stored[key]} there, {ours[key]} here"
+                                   for key in fields if key in stored and stored[key] != ours[key])
+                         for fields in (_SHAPING_FIELDS, _SCHEDULE_FIELDS))
+    if shaping:
+        raise ValueError(f"{workdir} holds a checkpoint of another model ({shaping}): resume it "
+                         "with its own settings, or train in a fresh work directory")
+    if schedule:
         raise ValueError(f"{workdir} holds a checkpoint trained with epochs of another number of "
-                         f"steps ({differ(_SCHEDULE_FIELDS)}), which the learning rate's schedule "
-                         "counts to decay it once an epoch: resume it with its own settings, or "
-                         "train in a fresh work directory")
+                         f"steps ({schedule}), which the learning rate's schedule counts to decay "
+                         "it once an epoch: resume it with its own settings, or train in a fresh "
+                         "work directory")
 
 
 def checkpoint_manager(workdir: Path, read_only: bool = False) -> ocp.CheckpointManager:
@@ -388,6 +416,7 @@ def train(config: Config, workdir: str | Path, cache_dir: str | Path | None = No
     """`train_and_evaluate`, which also returns this process's final state (params,
     batch_stats, opt_state). Under ``mpiexec -n N`` (N > 1) every rank calls it; see
     `replicas_for`. With no `cache_dir`, every rank synthesises the data itself."""
+    check_trainable(config)
     replicas = replicas_for(config)
     if config.batch_size % replicas.size:
         raise ValueError(f"batch_size {config.batch_size} is not divisible by the {replicas.size} "
@@ -416,9 +445,9 @@ def train(config: Config, workdir: str | Path, cache_dir: str | Path | None = No
                       "their transcripts")
     seen = frozenset(train_set.transcripts)  # evaluation also scores the test's other sentences
     steps_per_epoch = len(train_set) // config.batch_size
-    if steps_per_epoch == 0:  # Config refuses train_utterances below batch_size
-        raise ValueError(f"{len(train_set)} training utterances make no whole batch of "
-                         f"{config.batch_size}")
+    if steps_per_epoch == 0:  # all but a few left out for CTC (check_trainable counted them all)
+        raise ValueError(f"the {len(train_set)} training utterances left ({unalignable} left out "
+                         f"for CTC) make no whole batch of {config.batch_size}")
     graphdef, params, batch_stats, optimizer, train_step, broadcast = _training_functions(
         config.replace(epochs=0), steps_per_epoch, replicas)
     state = {"params": params, "batch_stats": batch_stats, "opt_state": optimizer.init(params)}

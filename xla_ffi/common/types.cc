@@ -1,6 +1,7 @@
 #include "common/types.h"
 
 #include <algorithm>
+#include <atomic>
 #include <mutex>
 #include <sstream>
 #include <unordered_map>
@@ -109,7 +110,7 @@ CallSites& Sites() {
   static CallSites* sites = new CallSites;  // never destroyed: device threads may outlive exit
   return *sites;
 }
-size_t (*call_site_source)(int64_t, char*, size_t) = nullptr;
+std::atomic<size_t (*)(int64_t, char*, size_t)> call_site_source{nullptr};
 }  // namespace
 
 void SetCallSiteSource(size_t (*source)(int64_t, char*, size_t)) { call_site_source = source; }
@@ -120,16 +121,27 @@ void NameCallSite(int64_t op_id, std::string site) {
   sites.names[op_id] = &*sites.sites.insert(std::move(site)).first;
 }
 
-std::string CallSite(int64_t op_id) {
-  if (call_site_source != nullptr) {
-    std::string site(call_site_source(op_id, nullptr, 0), '\0');
-    site.resize(call_site_source(op_id, site.data(), site.size()));
-    return site;
-  }
+std::string NamedCallSite(int64_t op_id) {
   CallSites& sites = Sites();
   std::lock_guard<std::mutex> lock(sites.mutex);
   const auto found = sites.names.find(op_id);
   return found == sites.names.end() ? std::string() : *found->second;
+}
+
+std::string CallSite(int64_t op_id) {
+  std::string site = NamedCallSite(op_id);
+  const auto source = call_site_source.load();
+  if (!site.empty() || source == nullptr) return site;
+  // Asked once per op id and kept: calls are named when traced, before any of them runs, and a
+  // GPU collective describes its call on every run.
+  size_t bytes = source(op_id, nullptr, 0);
+  while (bytes > site.size()) {  // a name may grow between two calls
+    site.resize(bytes);
+    bytes = source(op_id, site.data(), site.size());
+  }
+  site.resize(bytes);
+  if (!site.empty()) NameCallSite(op_id, site);
+  return site;
 }
 
 std::string Describe(const Header& h) {

@@ -83,15 +83,18 @@ bool SameMessage(const Header& a, const Header& b);
 std::string PermsDiffer(const Header& sent, const Header& expected);
 // Names the source line that traced the calls with this op id ("train.py:42 in loss"), as
 // jaxring's Python side does for every call site (common.next_op_id), so that errors can say where
-// each call they name comes from. The names live in _jaxring; the other libraries that print
-// headers (the MPI transport, the CUDA library) ask it through JaxringHostCallSite.
+// each call they name comes from: where this process traced it, so a peer process's call that
+// this one never traced goes unnamed. The names live in _jaxring; the other libraries that print
+// headers (the MPI transport, the CUDA library) ask it through JaxringHostCallSite, their source.
 void NameCallSite(int64_t op_id, std::string site);
-std::string CallSite(int64_t op_id);  // "" where none was named
+std::string NamedCallSite(int64_t op_id);  // this library's name of op_id, "" where none
+std::string CallSite(int64_t op_id);       // that, or else the source's
 void SetCallSiteSource(size_t (*source)(int64_t op_id, char* site, size_t bytes));
 // e.g. "all_reduce(sum) op 3 float32[1024] (called at train.py:42 in loss)"
 std::string Describe(const Header& h);
 // Every rank's header (`header_of(rank)`) must equal rank 0's. Otherwise an error after `where()`
-// that names the first rank that differs and both calls: the same text on every rank. `where` is
+// that names the first rank that differs and both calls: the same text on every rank, but for
+// the calls' source lines, which each process names as far as it traced them. `where` is
 // only called on a mismatch: formatting it costs about a microsecond, a whole small step's worth.
 Status CheckHeadersAgree(const std::function<std::string()>& where, int size,
                          const std::function<const Header&(int)>& header_of);

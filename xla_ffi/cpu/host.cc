@@ -298,7 +298,7 @@ extern "C" double JaxringHostTimeoutSeconds(void) {
 }
 
 extern "C" size_t JaxringHostCallSite(int64_t op_id, char* site, size_t bytes) {
-  const std::string name = jaxring::CallSite(op_id);
+  const std::string name = jaxring::NamedCallSite(op_id);
   if (bytes > 0) std::memcpy(site, name.data(), std::min(name.size(), bytes));
   return name.size();
 }
