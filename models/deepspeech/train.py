@@ -350,7 +350,6 @@ def _check_resumable(config: Config, workdir: Path) -> None:
         return
     stored = json.loads(path.read_text())
     ours = json.loads(config.to_json())
-
     shaping, schedule = ("; ".join(f"{key}: {stored[key]} there, {ours[key]} here"
                                    for key in fields if key in stored and stored[key] != ours[key])
                          for fields in (_SHAPING_FIELDS, _SCHEDULE_FIELDS))

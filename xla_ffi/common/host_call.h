@@ -59,8 +59,8 @@ int JaxringRunHostCall(const JaxringHostCall* call, char* error, size_t error_by
 // jaxring.config's timeout_seconds (for waits the CUDA library makes itself).
 double JaxringHostTimeoutSeconds(void);
 
-// The source line named for op_id's calls (jaxring::CallSite): copies at most `bytes` of it into
-// `site` (no NUL) and returns its whole length, 0 where none was named.
+// The source line _jaxring named for op_id's calls (jaxring::NamedCallSite): copies at most `bytes`
+// of it into `site` (no NUL) and returns its whole length, 0 where none was named.
 size_t JaxringHostCallSite(int64_t op_id, char* site, size_t bytes);
 
 }  // extern "C"
