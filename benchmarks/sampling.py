@@ -132,6 +132,8 @@ def main() -> None:
                         help="only the variants that run on one device (always so on a GPU)")
     parser.add_argument("--name", default=None, help="results file (default sampling-PLATFORM)")
     args = parser.parse_args()
+    if args.batches is not None and min(args.batches, default=1) < 1:
+        parser.error(f"--batches must be at least 1, got {args.batches}")
     devices = jax.devices()
     platform = devices[0].platform
     one_device = args.one_device or platform != "cpu" or len(devices) < 2

@@ -438,10 +438,38 @@ def test_layer_sharded_fused_refuses_counts_below_one(field, value):
             **{field: value})
 
 
-def test_fused_refuses_a_chunk_of_no_steps():
-    with pytest.raises(ValueError, match=r"chunk_steps must be an int of at least 1, got 0"):
-        fused_sampler.sample_fused(model.init_weights(TINY), TINY, jax.random.key(0), 4, 2,
-                                   chunk_steps=0)
+@pytest.mark.parametrize("field,value", [("chunk_steps", 0), ("threads", 0), ("threads", 1.5),
+                                         ("threads", True), ("batch", 0)])
+def test_fused_refuses_counts_below_one(field, value):
+    """threads of 0, 1.5 or True ran unchecked; a batch of 0 divided by zero."""
+    arguments = {"num_samples": 4, "batch": 2, field: value}
+    with pytest.raises(ValueError, match=rf"{field} must be an int of at least 1, got {value}"):
+        fused_sampler.sample_fused(model.init_weights(TINY), TINY, jax.random.key(0), **arguments)
+
+
+def test_the_configs_refuse_counts_below_one():
+    """Zeros trained on nothing with NaN losses, or failed after an epoch or in numpy; each is
+    refused as the config is made, naming its field."""
+    with pytest.raises(ValueError, match=r"num_layers must be at least 1, got 0"):
+        dataclasses.replace(TINY, num_layers=0)
+    with pytest.raises(ValueError, match=r"num_speakers must be at least 0, got -1"):
+        dataclasses.replace(TINY, num_speakers=-1)
+    with pytest.raises(ValueError, match=r"steps_per_epoch must be at least 1, got 0"):
+        dataclasses.replace(get_config("tiny"), steps_per_epoch=0)
+
+
+def test_sampling_refuses_another_sample_rate_than_the_run_trained_at(tmp_path):
+    """--set sample_rate=16000 on a run trained at 8 kHz wrote a WAV that played at twice the
+    speed, with twice the samples --seconds asked for."""
+    from models.wavenet import main, train
+
+    config = get_config("tiny")
+    train.save_config(config, tmp_path)
+    rate = 2 * config.sample_rate
+    with pytest.raises(SystemExit, match=rf"--set sample_rate={rate}: sampling uses the model and "
+                                         rf"sample rate the run in .* trained \(.*, "
+                                         rf"{config.sample_rate} Hz\)"):
+        main.main(["sample", "--workdir", str(tmp_path), "--set", f"sample_rate={rate}"])
 
 
 def test_layer_sharded_fused_needs_a_layer_per_stage():
@@ -576,6 +604,13 @@ def test_the_command_line_trains_and_every_sampler_draws_the_same_samples(tmp_pa
     (["train", "--set", "nofield=1"], r"--set nofield=1: takes FIELD=VALUE for one of"),
     (["train", "--set", "model=1"], r"--set model=1: takes FIELD=VALUE for one of"),
     (["sample", "--seconds", "-1"], r"--seconds must be positive"),
+    (["sample", "--seconds", "nan"], r"--seconds must be positive and finite"),
+    (["sample", "--seconds", "inf"], r"--seconds must be positive and finite"),
+    (["train", "--set", "crop_length=0"], r"--set crop_length=0: crop_length must be at least 1, "
+                                          r"got 0"),
+    (["train", "--set", "checkpoint_every_epochs=0"], r"checkpoint_every_epochs must be at "
+                                                      r"least 1"),
+    (["train", "--set", "synthetic_seconds=-1"], r"synthetic_seconds must be at least 0"),
     (["sample", "--streams", "0"], r"--streams and --stages at least 1"),
     (["--config", "nosuch", "train"], r"invalid choice: 'nosuch'"),
     (["sample"], r"no checkpoint under")])

@@ -149,6 +149,9 @@ def run_chunks(steps_fn, config: ModelConfig, key, num_samples: int, batch: int,
     first_step) -> (tokens, queues, logits)` runs one chunk. Returns tokens `[batch, samples]`
     and logits `[batch, samples, levels]`."""
     check_positive("chunk_steps", chunk_steps)
+    check_positive("batch", batch)  # 0 divided by zero in the stream groups
+    if num_samples < 0:
+        raise ValueError(f"num_samples must be at least 0, got {num_samples}")
     channels = config.local_channels
     local = jnp.zeros((batch, num_samples, channels), jnp.float32) if local is None else local
     local = sampler.time_major(local.astype(jnp.float32))
@@ -189,6 +192,7 @@ def sample_fused(weights, config: ModelConfig, key, num_samples: int, batch: int
                  weight_dtype=jnp.float32, chunk_steps: int = 1024, portable: bool = False,
                  threads: int = 1, gpu_emulation: bool = False):
     """Samples `[batch, num_samples]` (and logits), like `sampler.sample_incremental`."""
+    check_positive("threads", threads)
     sampler.check_local(local, config, num_samples, batch)
     packed = pack_weights(weights, config, weight_dtype)
     gate_bias = gate_bias_per_stream(weights, batch, speaker)

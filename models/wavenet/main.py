@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import math
 import dataclasses
 import time
 import typing
@@ -128,8 +129,8 @@ def main(argv=None) -> None:
         args.command = args.set.pop()
     if args.command is None:
         parser.error("the command (train or sample) is required")
-    if args.seconds <= 0 or args.streams < 1 or args.stages < 1:
-        parser.error("--seconds must be positive, --streams and --stages at least 1")
+    if not 0 < args.seconds < math.inf or args.streams < 1 or args.stages < 1:
+        parser.error("--seconds must be positive and finite, --streams and --stages at least 1")
 
     from models.wavenet import configs, train
 
@@ -143,7 +144,17 @@ def main(argv=None) -> None:
             raise SystemExit(f"--config {args.config}: the run in {args.workdir} trained another "
                              f"model ({stored.model}); leave --config out to sample from it")
         config = stored
-    config = apply_overrides(config, args.set)
+    try:
+        config = apply_overrides(config, args.set)
+    except ValueError as error:  # the config's own checks
+        raise SystemExit(f"--set {' '.join(args.set)}: {error}") from error
+    if (args.command == "sample" and stored is not None
+            and (config.model, config.sample_rate) != (stored.model, stored.sample_rate)):
+        # The samples would come from the stored weights, at another rate than they were
+        # trained at, or shaped for another model (the WAV played at twice the speed).
+        raise SystemExit(f"--set {' '.join(args.set)}: sampling uses the model and sample rate "
+                         f"the run in {args.workdir} trained ({stored.model}, "
+                         f"{stored.sample_rate} Hz)")
     if args.command == "train":
         train.train_and_evaluate(config, args.workdir)
     else:

@@ -6,6 +6,14 @@ from __future__ import annotations
 import dataclasses
 
 
+def _check_counts(config, positive, non_negative) -> None:
+    """Refuses a count below 1 (below 0 for `non_negative`), naming the field."""
+    for names, least in ((positive, 1), (non_negative, 0)):
+        for name in names:
+            if getattr(config, name) < least:
+                raise ValueError(f"{name} must be at least {least}, got {getattr(config, name)}")
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
     residual_channels: int = 64
@@ -20,6 +28,11 @@ class ModelConfig:
     # 0 turns conditioning off; otherwise the number of speakers / local feature channels.
     num_speakers: int = 0
     local_channels: int = 0
+
+    def __post_init__(self):
+        _check_counts(self, ("residual_channels", "skip_channels", "num_layers", "dilation_cycle",
+                             "quantization_levels", "output_channels"),
+                      ("num_speakers", "local_channels"))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,6 +52,16 @@ class Config:
     utterances_per_voice: int = 24
     synthetic_seconds: float = 20.0
     checkpoint_every_epochs: int = 1
+
+    def __post_init__(self):
+        # Zeros here trained on nothing and reported NaN losses, divided by zero after an epoch,
+        # or failed in numpy or espeak-ng, after config.json had kept them (a review).
+        _check_counts(self, ("sample_rate", "crop_length", "batch_size", "num_epochs",
+                             "steps_per_epoch", "eval_crops", "utterances_per_voice",
+                             "checkpoint_every_epochs"), ())
+        if not self.synthetic_seconds >= 0:
+            raise ValueError(f"synthetic_seconds must be at least 0, got {self.synthetic_seconds}")
+
 
 
 def get_config() -> Config:
