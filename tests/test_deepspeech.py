@@ -326,6 +326,9 @@ def test_configs_from_tiny_to_paper():
     assert from_python.conv_kernels == ((3, 5),)
     with pytest.raises(ValueError, match="unknown config key"):
         configs.get_config("tiny", nonsense=1)
+    assert training.check_trainable(configs.get_config("tiny")) is None
+    # Lists from Python are taken as the command line's, and refused alike.
+    assert configs.Config(conv_kernels=[[3, 5]]).conv_kernels == ((3, 5),)
 
 
 @pytest.mark.parametrize("key, value, message", [
@@ -355,9 +358,6 @@ def test_a_bad_override_names_its_key(key, value, message):
     compile; an unknown optimizer was refused only after the data was synthesised."""
     with pytest.raises(ValueError, match=message):  # as `train` checks a config, first of all
         training.check_trainable(configs.get_config("tiny", **{key: value}))
-    assert training.check_trainable(configs.get_config("tiny")) is None
-    # Lists from Python are taken as the command line's, and refused alike.
-    assert configs.Config(conv_kernels=[[3, 5]]).conv_kernels == ((3, 5),)
 
 
 def test_resuming_with_another_model_is_refused_and_leaves_the_run_alone(tmp_path):

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import argparse
 import ast
-import math
 import dataclasses
+import math
 import time
 import typing
 from pathlib import Path

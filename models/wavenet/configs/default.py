@@ -63,6 +63,5 @@ class Config:
             raise ValueError(f"synthetic_seconds must be at least 0, got {self.synthetic_seconds}")
 
 
-
 def get_config() -> Config:
     return Config()
