@@ -329,7 +329,8 @@ class Communicator:
                                f"{'' if on_one_node else ' (its ranks are on several nodes)'}"
                                f", but {self.point_to_point_unavailable}")
         self.transport = transport
-        self._finalizer = weakref.finalize(self, _detach, self.key)
+        # Run when the object is collected, or at exit: this rank then closes it alone.
+        self._finalizer = weakref.finalize(self, _detach, self.key, alone=True)
         if extension is not None:
             try:
                 transport_capsule = extension.create(MPI._addressof(mpi_comm), self.name,
@@ -454,8 +455,9 @@ class Communicator:
         """free() once every rank is there (which covers the levels' ranks too)."""
         self._freed = True
         try:
-            if self._finalizer is not None:  # None where the set-up failed before native state
-                self._finalizer()  # _detach, once
+            # None where the set-up failed before native state; detach() gives None once run.
+            if self._finalizer is not None and self._finalizer.detach() is not None:
+                _detach(self.key)  # with every rank
             for level in self.levels or ():
                 level._release()
         finally:
@@ -532,13 +534,16 @@ def _node_communicator(mpi_comm, pretend_node: int | None):
     return mpi_comm.Split_type(_mpi().COMM_TYPE_SHARED, key=rank)
 
 
-def _detach(key: int) -> None:
+def _detach(key: int, alone: bool = False) -> None:
+    """Releases this process's native state of communicator `key`. `alone`: without its peers
+    (collected, or at exit, with no free()), whose calls on its shared memory then fail at once,
+    quoting why, where they waited out their timeout for a rank that was gone."""
     # The MPI transport first: a call finds shared memory before it (cpu/host.cc), so a call made
     # meanwhile runs on the transport its peers use, or on none ("closed"); shared memory first
     # let it fall through to MPI, where it waited for peers that were on shared memory.
     gpu.detach(key)
     native.extension.process_unregister(key)
-    native.extension.shm_detach(key)
+    (native.extension.shm_leave if alone else native.extension.shm_detach)(key)
     native.extension.unlink_failures(key)
 
 

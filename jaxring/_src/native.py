@@ -34,7 +34,8 @@ check_jaxlib(getattr(extension, "jaxlib_version", lambda: jaxlib.__version__)(),
 
 # The newest functions the Python code calls: a library built before them (an editable install
 # not rebuilt after a pull) failed at import with a bare AttributeError.
-_missing = [name for name in ("name_call_site", "call_site_address") if not hasattr(extension, name)]
+_missing = [name for name in ("name_call_site", "call_site_address", "shm_leave")
+            if not hasattr(extension, name)]
 if _missing:
     raise ImportError(f"jaxring's native library is older than its Python code (it has no "
                       f"{', '.join(_missing)}): rebuild it with `pip install -e .`")

@@ -7,6 +7,7 @@ import gc
 import os
 import re
 import time
+import weakref
 
 import jax
 import jax.extend.core
@@ -839,6 +840,46 @@ def test_a_call_on_a_collected_communicator_fails_at_once():
     assert time.monotonic() - start < 30, "it waited for peers instead of failing"
     jaxring.reset_after_error()
     MPI_COMM.Barrier()
+
+
+@pytest.mark.skipif(COMM.size < 2, reason="needs two ranks")
+def test_a_rank_that_drops_a_communicator_fails_its_peers_calls_at_once():
+    """Rank 0 lets a communicator in shared memory be collected, with no free(), while its peers
+    go on calling it. They waited out their timeout for rank 0, then named it missing; now they
+    fail at once, quoting why it left. Every rank's outcome is gathered before any asserts, so
+    that a failure cannot leave the others at a barrier."""
+    sub = COMM.split(0, key=COMM.rank)
+    if sub.transport != "shm":
+        pytest.skip("over MPI a dropped communicator's peers wait out their timeout (README)")
+    handle = _Detached(sub)
+    f = jax.jit(lambda v: jaxring.all_reduce(v, handle))
+    x = np.arange(4.0, dtype=np.float32) + COMM.rank
+    np.testing.assert_array_equal(np.asarray(f(x)), gathered(x).sum(0))  # once, together
+    outcome = None
+    if COMM.rank == 0:
+        collected = weakref.ref(sub)
+        del sub
+        gc.collect()
+        outcome = None if collected() is None else "the communicator was not collected"
+        MPI_COMM.Barrier()
+    else:
+        MPI_COMM.Barrier()
+        start = time.monotonic()
+        try:
+            with jaxring.config.override(timeout_seconds=20.0):
+                np.asarray(f(x))
+            outcome = "the call returned"
+        except Exception as error:  # noqa: BLE001 - its text is what is checked
+            took = time.monotonic() - start
+            if not re.search(r"rank \d+ left the communicator .*so this call cannot complete\. "
+                             r"The first error: rank 0 closed .* while its peers went on "
+                             r"calling", str(error)):
+                outcome = f"another error: {error}"
+            elif took > 10:
+                outcome = f"it failed after {took:.1f} s, waiting for rank 0"
+        jaxring.reset_after_error()
+    outcomes = MPI_COMM.allgather(outcome)
+    assert outcomes == [None] * COMM.size, outcomes
 
 
 @pytest.mark.skipif(COMM.size < 2, reason="needs two ranks")

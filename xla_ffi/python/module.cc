@@ -407,7 +407,12 @@ NB_MODULE(_jaxring, m) {
       nb::arg("key"), nb::arg("path"), nb::arg("create"), nb::arg("rank"), nb::arg("size"),
       nb::arg("slot_bytes"), nb::arg("name"),
       "Maps the shared-memory segment of a process communicator (rank 0 creates it).");
-  m.def("shm_detach", &jaxring::ShmCommunicator::Detach, nb::arg("key"));
+  m.def(
+      "shm_detach", [](uint64_t key) { jaxring::ShmCommunicator::Detach(key, false); },
+      nb::arg("key"), "After a free() on every rank.");
+  m.def(
+      "shm_leave", [](uint64_t key) { jaxring::ShmCommunicator::Detach(key, true); },
+      nb::arg("key"), "Detaches, leaving the communicator for peers that may go on calling.");
   m.def("shm_unlink", &jaxring::ShmCommunicator::Unlink, nb::arg("path"));
 
   m.def(

@@ -6,6 +6,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cerrno>
 #include <chrono>
 #include <cstring>
@@ -34,6 +35,9 @@ struct alignas(64) RankControl {
   Flag progress;  // 3 * step + phase, in serial-number order
   alignas(64) Header headers[2];  // by step parity
   char why[kWhyBytes];  // written once, before `progress` is marked abandoned
+  // Set (before the mark) where the rank left by closing the communicator after its last call
+  // (ShmCommunicator::Detach with `alone`), not by failing one.
+  std::atomic<uint32_t> closed;
 
   std::string Why() const { return std::string(why, strnlen(why, kWhyBytes)); }
 };
@@ -117,9 +121,18 @@ Status ShmCommunicator::Attach(uint64_t key, const std::string& path, bool creat
   return Status();
 }
 
-ShmCommunicator::~ShmCommunicator() { munmap(segment_, mapped_bytes_); }
+ShmCommunicator::~ShmCommunicator() {
+  if (closed_alone_ && !broken_) {
+    segment_->ranks[rank_].closed.store(1, std::memory_order_relaxed);  // Abandon's mark orders it
+    Abandon("rank " + std::to_string(rank_) + " closed " + name_ + " while its peers went on "
+            "calling: its jaxring.mpi.Communicator was garbage-collected, or its process exited, "
+            "with no free() on every rank. Keep a communicator alive on every rank while "
+            "programs that use it run, and free() it on every rank together");
+  }
+  munmap(segment_, mapped_bytes_);
+}
 
-void ShmCommunicator::Detach(uint64_t key) {
+void ShmCommunicator::Detach(uint64_t key, bool alone) {
   std::shared_ptr<ShmCommunicator> gone;  // unmapped once a call still running lets go of it
   {
     std::lock_guard<std::mutex> lock(registry_mutex);
@@ -128,6 +141,9 @@ void ShmCommunicator::Detach(uint64_t key) {
     gone = std::move(it->second);
     Registry().erase(it);
   }
+  // Read by the destructor, in whichever thread lets go last (the release of a shared_ptr's
+  // count orders this write before it).
+  gone->closed_alone_ = alone;
 }
 
 void ShmCommunicator::Unlink(const std::string& path) { shm_unlink(path.c_str()); }
@@ -259,15 +275,20 @@ Status ShmCommunicator::PeerLeft(const Header& header, int peer) {
   // push it out of kWhyBytes as ranks leave one after another).
   const std::string first = segment_->ranks[peer].Why();
   Abandon(first);
-  return Status::Error(Where(header) + ": rank " + std::to_string(peer) + " failed in this "
-                       "collective or an earlier one and left the communicator, so this call "
-                       "cannot complete. The first error: " + first);
+  return Status::Error(Where(header) + ": rank " + std::to_string(peer) + " left the "
+                       "communicator (it failed in this collective or an earlier one, or closed "
+                       "the communicator), so this call cannot complete. The first error: " +
+                       first);
 }
 
 Status ShmCommunicator::CheckNoPeerLeft(const Header& header) {
-  for (int peer = 0; peer < size_; ++peer)
-    if (peer != rank_ && (segment_->ranks[peer].progress.Load() & Flag::kAbandoned))
+  for (int peer = 0; peer < size_; ++peer) {
+    const RankControl& control = segment_->ranks[peer];
+    // A peer that closed the communicator did so after its last call returned, and it staged
+    // this step: this call is one it completed.
+    if (peer != rank_ && (control.progress.Load() & Flag::kAbandoned) && !control.closed.load())
       return PeerLeft(header, peer);
+  }
   return Status();
 }
 

@@ -30,7 +30,13 @@ class ShmCommunicator {
   // Maps the segment `path` (created by rank 0 with `create`) for communicator `key`.
   static Status Attach(uint64_t key, const std::string& path, bool create, int rank, int size,
                        int64_t slot_bytes, const std::string& name);
-  static void Detach(uint64_t key);
+  // Unregisters `key`'s communicator; its segment stays mapped until no call of this process
+  // runs on it. `alone`: this rank closes it while its peers may go on calling (its
+  // jaxring.mpi.Communicator was collected, or the process exits, without a free() on every
+  // rank), so it then leaves the communicator as after an error, and their calls fail at once,
+  // quoting why, instead of waiting out their timeout. After a free() every rank's calls are
+  // done, and none is left to tell.
+  static void Detach(uint64_t key, bool alone);
   static void Unlink(const std::string& path);
   // The communicator registered under `key`, or null (then `key` names mesh axes). The caller's
   // reference keeps the segment mapped for the call even if its communicator is collected.
@@ -100,6 +106,7 @@ class ShmCommunicator {
   std::string name_;
   uint64_t step_ = 0;  // steps this rank has begun (the same on every rank)
   bool broken_ = false;
+  bool closed_alone_ = false;  // Detach(alone): leave once the last reference goes
   bool streaming_ = false;          // CopyIn streams
   int64_t streamed_since_probe_ = 0;
   int64_t slow_in_a_row_ = 0;  // timed plain copies that ran slow, in a row
