@@ -242,21 +242,64 @@ def test_every_sampler_refuses_local_conditioning_of_another_length():
     config, batch, num_samples = CONDITIONED, 2, 12
     weights = random_weights(config, seed=33)
     key = jax.random.key(34)
-    stages = mesh(2, "stage")
-    samplers = (sampler.sample_naive, sampler.sample_incremental, sampler.sample_python_loop,
-                functools.partial(fused_sampler.sample_fused, chunk_steps=5),
-                functools.partial(pipeline_sampler.sample_layer_sharded, mesh=stages,
-                                  axis="stage"),
-                functools.partial(pipeline_sampler.sample_layer_sharded_fused, mesh=stages,
-                                  axis="stage", chunk_steps=5))
     for frames in (num_samples - 7, num_samples + 3):
         speaker, local = conditioning(config, batch, frames, seed=35)
-        for sample in samplers:
+        for sample in every_sampler():
             with pytest.raises(ValueError, match=rf"local conditioning must have shape \[batch, "
                                                  rf"num_samples, local_channels\] = \({batch}, "
                                                  rf"{num_samples}, {config.local_channels}\), "
                                                  rf"got \({batch}, {frames}, "):
                 sample(weights, config, key, num_samples, batch, speaker=speaker, local=local)
+
+
+def every_sampler(chunk_steps: int = 5) -> tuple:
+    """Every sampler, called as sample(weights, config, key, num_samples, batch, ...)."""
+    stages = mesh(2, "stage")
+    return (sampler.sample_naive, sampler.sample_incremental, sampler.sample_python_loop,
+            functools.partial(fused_sampler.sample_fused, chunk_steps=chunk_steps),
+            functools.partial(pipeline_sampler.sample_layer_sharded, mesh=stages, axis="stage"),
+            functools.partial(pipeline_sampler.sample_layer_sharded_fused, mesh=stages,
+                              axis="stage", chunk_steps=chunk_steps))
+
+
+@pytest.mark.parametrize("ids,bad", [([0, 3], "[3]"), ([-1, 2], "[-1]"), ([7, -2], "[-2, 7]")])
+def test_every_sampler_refuses_speaker_ids_out_of_range(ids, bad):
+    """An id outside [0, num_speakers) took the nearest speaker's embedding (JAX's indexing
+    clamps), silently: the sample of speaker 3 of 3 was speaker 2's. Every sampler now refuses
+    it, jitted or not, naming the ids; the same call with ids in range samples."""
+    config, batch, num_samples = SPEAKERS_ONLY, 2, 3
+    weights = random_weights(config, seed=36)
+    key = jax.random.key(37)
+    for sample in every_sampler():
+        with pytest.raises(ValueError, match=rf"speaker ids must lie in \[0, 3\) \(the model's "
+                                             rf"num_speakers\), got {re.escape(bad)}"):
+            sample(weights, config, key, num_samples, batch, speaker=jnp.asarray(ids))
+        tokens = sample(weights, config, key, num_samples, batch,
+                        speaker=np.clip(np.asarray(ids, np.int32), 0, 2))
+        assert np.asarray(tokens).shape == (batch, num_samples)
+
+
+def test_every_sampler_refuses_a_bad_speaker_argument():
+    """Speakers for a model without speaker embeddings were ignored; a speaker array of another
+    length than the batch, or of floats, failed deep inside or was broadcast. Each is refused,
+    and a batch below 1 (which returned empty arrays from some samplers), and a negative
+    num_samples."""
+    weights = random_weights(SPEAKERS_ONLY, seed=38)
+    plain = dataclasses.replace(SPEAKERS_ONLY, num_speakers=0)
+    key = jax.random.key(39)
+    for sample in every_sampler():
+        with pytest.raises(ValueError, match=r"this model has no speaker embedding "
+                                             r"\(num_speakers is 0\): pass speaker=None"):
+            sample(random_weights(plain, seed=38), plain, key, 3, 2, speaker=jnp.zeros(2, int))
+        for speaker, got in ((jnp.zeros(3, jnp.int32), r"int32\[3\]"),
+                             (jnp.zeros(2, jnp.float32), r"float32\[2\]")):
+            with pytest.raises(ValueError, match=rf"speaker must be \[batch\] = \(2,\) "
+                                                 rf"integer ids, got {got}"):
+                sample(weights, SPEAKERS_ONLY, key, 3, 2, speaker=speaker)
+        with pytest.raises(ValueError, match=r"batch must be an int of at least 1, got 0"):
+            sample(weights, SPEAKERS_ONLY, key, 3, 0)
+        with pytest.raises(ValueError, match=r"num_samples must be an int of at least 0, got -1"):
+            sample(weights, SPEAKERS_ONLY, key, -1, 2)
 
 
 def test_incremental_equals_naive(case):

@@ -136,22 +136,13 @@ def stage_steps(packed, config: ModelConfig, gate_bias, local, noise, token, que
         stream_groups=np.int64(stream_groups))
 
 
-def check_positive(name: str, value) -> None:
-    """Refuses a sampler's count argument that is not an int of at least 1 (a bool is none)."""
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)) or value < 1:
-        raise ValueError(f"{name} must be an int of at least 1, got {value!r}")
-
-
 def run_chunks(steps_fn, config: ModelConfig, key, num_samples: int, batch: int, local,
                chunk_steps: int):
     """The sampling loop of the fused samplers: a `lax.scan` over chunks of steps, each chunk's
     uniform numbers generated just before it. `steps_fn(local, noise, token, queues,
     first_step) -> (tokens, queues, logits)` runs one chunk. Returns tokens `[batch, samples]`
     and logits `[batch, samples, levels]`."""
-    check_positive("chunk_steps", chunk_steps)
-    check_positive("batch", batch)  # 0 divided by zero in the stream groups
-    if num_samples < 0:
-        raise ValueError(f"num_samples must be at least 0, got {num_samples}")
+    sampler.check_count("chunk_steps", chunk_steps)
     channels = config.local_channels
     local = jnp.zeros((batch, num_samples, channels), jnp.float32) if local is None else local
     local = sampler.time_major(local.astype(jnp.float32))
@@ -184,6 +175,7 @@ def run_chunks(steps_fn, config: ModelConfig, key, num_samples: int, batch: int,
     return tokens.T, jnp.swapaxes(logits, 0, 1)
 
 
+@sampler.checked
 @functools.partial(jax.jit, static_argnames=("config", "num_samples", "batch", "return_logits",
                                              "weight_dtype", "chunk_steps", "portable",
                                              "threads", "gpu_emulation"))
@@ -192,8 +184,7 @@ def sample_fused(weights, config: ModelConfig, key, num_samples: int, batch: int
                  weight_dtype=jnp.float32, chunk_steps: int = 1024, portable: bool = False,
                  threads: int = 1, gpu_emulation: bool = False):
     """Samples `[batch, num_samples]` (and logits), like `sampler.sample_incremental`."""
-    check_positive("threads", threads)
-    sampler.check_local(local, config, num_samples, batch)
+    sampler.check_count("threads", threads)
     packed = pack_weights(weights, config, weight_dtype)
     gate_bias = gate_bias_per_stream(weights, batch, speaker)
 

@@ -43,6 +43,7 @@ def stage_layout(config: ModelConfig, num_stages: int):
     return stage_dilations, stage_dilations.max(axis=0)
 
 
+@sampler.checked
 @functools.partial(jax.jit, static_argnames=("config", "num_samples", "batch", "mesh", "axis",
                                              "return_logits", "permute"))
 def sample_layer_sharded(weights, config: ModelConfig, key, num_samples: int, batch: int,
@@ -50,7 +51,6 @@ def sample_layer_sharded(weights, config: ModelConfig, key, num_samples: int, ba
                          permute: str = "jaxring"):
     """Samples `[batch, num_samples]` (and logits) with the layers sharded over `mesh`'s `axis`;
     the same samples as `sampler.sample_incremental`."""
-    sampler.check_local(local, config, num_samples, batch)
     n = mesh.shape[axis]
     stage_dilations, queue_lengths = stage_layout(config, n)
     microbatches = math.gcd(batch, n)
@@ -153,6 +153,7 @@ def sample_layer_sharded(weights, config: ModelConfig, key, num_samples: int, ba
     return tokens, jnp.swapaxes(logits[emitted].reshape(num_samples, batch, levels), 0, 1)
 
 
+@sampler.checked
 @functools.partial(jax.jit, static_argnames=("config", "num_samples", "batch", "mesh", "axis",
                                              "return_logits", "weight_dtype", "chunk_steps",
                                              "stream_groups"))
@@ -175,9 +176,8 @@ def sample_layer_sharded_fused(weights, config: ModelConfig, key, num_samples: i
     if not 1 <= n <= config.num_layers:
         raise ValueError(f"layer-sharded sampling: {n} stages for {config.num_layers} layers; "
                          "each stage needs at least one layer")
-    sampler.check_local(local, config, num_samples, batch)
     groups = n if stream_groups is None else stream_groups
-    fused_sampler.check_positive("stream_groups", groups)
+    sampler.check_count("stream_groups", groups)
     packed = fused_sampler.pack_weights(weights, config, weight_dtype)
     gate_bias = fused_sampler.gate_bias_per_stream(weights, batch, speaker)
 

@@ -18,9 +18,11 @@ sample, whose generation alone cost more than a fused network step.)
 from __future__ import annotations
 
 import functools
+import inspect
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from models.wavenet import model
@@ -41,14 +43,72 @@ def sample_token(logits, uniform):
     return jnp.minimum(below, logits.shape[-1] - 1).astype(jnp.int32)
 
 
-def check_local(local, config: ModelConfig, num_samples: int, batch: int) -> None:
-    """Every sampler takes local conditioning of one frame per sample: `[batch, num_samples,
-    local_channels]`. (A shorter one was padded with zeros by one sampler, refused by another and
-    silently reused from its start by the fused ones.)"""
+def check_count(name: str, value, least: int = 1) -> None:
+    """Refuses a sampler's count argument that is not an int of at least `least` (a bool is
+    none)."""
+    if (isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer))
+            or value < least):
+        raise ValueError(f"{name} must be an int of at least {least}, got {value!r}")
+
+
+def check_inputs(config: ModelConfig, num_samples: int, batch: int, speaker=None,
+                 local=None) -> None:
+    """What every sampler takes: `batch` streams of `num_samples` samples, each with one speaker
+    id in [0, num_speakers) (`speaker` `[batch]`, where the model has speakers) and local
+    conditioning of one frame per sample, `[batch, num_samples, local_channels]`. Speaker ids are
+    checked where they are concrete (each jitted sampler checks them before it traces,
+    `checked`): inside a program an id out of range would take the nearest speaker's embedding,
+    as JAX's indexing clamps. (A batch of 0 returned empty arrays from some samplers and divided
+    by zero in others; a shorter local conditioning was padded with zeros by one sampler, refused
+    by another and silently reused from its start by the fused ones.)"""
+    check_count("batch", batch)
+    check_count("num_samples", num_samples, least=0)
     want = (batch, num_samples, config.local_channels)
     if local is not None and tuple(local.shape) != want:
         raise ValueError(f"local conditioning must have shape [batch, num_samples, "
                          f"local_channels] = {want}, got {tuple(local.shape)}")
+    if speaker is None:
+        return
+    if not config.num_speakers:
+        raise ValueError("this model has no speaker embedding (num_speakers is 0): pass "
+                         "speaker=None")
+    shape = tuple(np.shape(speaker))
+    dtype = np.dtype(speaker.dtype if hasattr(speaker, "dtype") else np.asarray(speaker).dtype)
+    if shape != (batch,) or not np.issubdtype(dtype, np.integer):
+        raise ValueError(f"speaker must be [batch] = ({batch},) integer ids, got {dtype.name}"
+                         f"{list(shape)}")
+    if not isinstance(speaker, jax.core.Tracer):
+        ids = np.asarray(speaker)
+        outside = ids[(ids < 0) | (ids >= config.num_speakers)]
+        if outside.size:
+            raise ValueError(f"speaker ids must lie in [0, {config.num_speakers}) (the model's "
+                             f"num_speakers), got {sorted(set(outside.tolist()))}")
+
+
+def checked(jitted):
+    """`jitted`, a jitted sampler, behind `check_inputs` on the arguments it is called or
+    lowered with, before JAX traces them: the speaker ids are then concrete, unless the caller
+    itself traces the sampler."""
+    signature = inspect.signature(jitted)
+
+    def check(args, kwargs):
+        bound = signature.bind(*args, **kwargs)
+        bound.apply_defaults()
+        given = bound.arguments
+        check_inputs(given["config"], given["num_samples"], given["batch"], given["speaker"],
+                     given["local"])
+
+    @functools.wraps(jitted)
+    def sample(*args, **kwargs):
+        check(args, kwargs)
+        return jitted(*args, **kwargs)
+
+    def lower(*args, **kwargs):
+        check(args, kwargs)
+        return jitted.lower(*args, **kwargs)
+
+    sample.lower = lower
+    return sample
 
 
 def time_major(local):
@@ -60,11 +120,11 @@ def time_major(local):
 # (a) naive: the full network over the last receptive field, per sample.
 
 
+@checked
 @functools.partial(jax.jit, static_argnames=("config", "num_samples", "batch", "return_logits"))
 def sample_naive(weights, config: ModelConfig, key, num_samples: int, batch: int = 1,
                  speaker=None, local=None, return_logits: bool = False):
     """Samples `[batch, num_samples]` (and logits `[batch, num_samples, levels]`)."""
-    check_local(local, config, num_samples, batch)
     window = model.receptive_field(config)
     length = num_samples + window
     inputs = jnp.full((batch, length), model.start_token(config), jnp.int32)
@@ -131,11 +191,11 @@ def incremental_step(weights, config: ModelConfig, key, queues, token, t, speake
     return queues, token, logits
 
 
+@checked
 @functools.partial(jax.jit, static_argnames=("config", "num_samples", "batch", "return_logits"))
 def sample_incremental(weights, config: ModelConfig, key, num_samples: int, batch: int = 1,
                        speaker=None, local=None, return_logits: bool = False):
     """Samples `[batch, num_samples]` (and logits), the whole loop one `lax.scan`."""
-    check_local(local, config, num_samples, batch)
     queues = init_queues(config, batch, model.dilations(config))
     token = jnp.full((batch,), model.start_token(config), jnp.int32)
 
@@ -155,7 +215,7 @@ def sample_incremental(weights, config: ModelConfig, key, num_samples: int, batc
 def sample_python_loop(weights, config: ModelConfig, key, num_samples: int, batch: int = 1,
                        speaker=None, local=None):
     """The per-step baseline: the incremental step jitted once, called once per sample."""
-    check_local(local, config, num_samples, batch)
+    check_inputs(config, num_samples, batch, speaker, local)
     step = _jitted_step(config)
     queues = init_queues(config, batch, model.dilations(config))
     token = jnp.full((batch,), model.start_token(config), jnp.int32)
