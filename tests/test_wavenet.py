@@ -264,9 +264,10 @@ def every_sampler(chunk_steps: int = 5) -> tuple:
 
 @pytest.mark.parametrize("ids,bad", [([0, 3], "[3]"), ([-1, 2], "[-1]"), ([7, -2], "[-2, 7]")])
 def test_every_sampler_refuses_speaker_ids_out_of_range(ids, bad):
-    """An id outside [0, num_speakers) took the nearest speaker's embedding (JAX's indexing
-    clamps), silently: the sample of speaker 3 of 3 was speaker 2's. Every sampler now refuses
-    it, jitted or not, naming the ids; the same call with ids in range samples."""
+    """An id outside [0, num_speakers) took another speaker's embedding (JAX's indexing wraps
+    negative ids and clamps the rest), silently: the sample of speaker 3 of 3 was speaker 2's.
+    Every sampler now refuses it, jitted or not, naming the ids; the same call with ids in range
+    samples."""
     config, batch, num_samples = SPEAKERS_ONLY, 2, 3
     weights = random_weights(config, seed=36)
     key = jax.random.key(37)

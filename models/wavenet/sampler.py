@@ -57,10 +57,11 @@ def check_inputs(config: ModelConfig, num_samples: int, batch: int, speaker=None
     id in [0, num_speakers) (`speaker` `[batch]`, where the model has speakers) and local
     conditioning of one frame per sample, `[batch, num_samples, local_channels]`. Speaker ids are
     checked where they are concrete (each jitted sampler checks them before it traces,
-    `checked`): inside a program an id out of range would take the nearest speaker's embedding,
-    as JAX's indexing clamps. (A batch of 0 returned empty arrays from some samplers and divided
-    by zero in others; a shorter local conditioning was padded with zeros by one sampler, refused
-    by another and silently reused from its start by the fused ones.)"""
+    `checked`): inside a program an id out of range would take another speaker's embedding, as
+    JAX's indexing wraps negative ids and clamps the rest. (A batch of 0 returned empty arrays
+    from some samplers and divided by zero in others; a shorter local conditioning was padded
+    with zeros by one sampler, refused by another and silently reused from its start by the
+    fused ones.)"""
     check_count("batch", batch)
     check_count("num_samples", num_samples, least=0)
     want = (batch, num_samples, config.local_channels)

@@ -883,6 +883,42 @@ def test_a_rank_that_drops_a_communicator_fails_its_peers_calls_at_once():
 
 
 @pytest.mark.skipif(COMM.size < 2, reason="needs two ranks")
+def test_a_rank_that_closes_after_a_call_does_not_fail_its_slower_peers():
+    """Rank 0 completes a call and drops the communicator while rank 1, having staged its data,
+    has not yet checked that no peer has left (it stalls there). Rank 1 must complete the call
+    with the right sum: rank 0 left after a call it completed, not during it. Outcomes gathered
+    before asserting."""
+    sub = COMM.split(0, key=COMM.rank)
+    if sub.transport != "shm":
+        pytest.skip("shared memory's check after staging")
+    handle = _Detached(sub)
+    f = jax.jit(lambda v: jaxring.all_reduce(v, handle))
+    x = np.arange(4.0, dtype=np.float32) + COMM.rank
+    np.testing.assert_array_equal(np.asarray(f(x)), gathered(x).sum(0))  # compiled, together
+    expected = gathered(x + 1).sum(0)  # (an MPI collective: not between the call and the close)
+    if COMM.rank == 1:
+        native.extension.stall_next_shm_steps(3.0, 1, after_staging=True)
+    MPI_COMM.Barrier()
+    outcome = None
+    try:
+        got = np.asarray(f(x + 1))
+        if not np.array_equal(got, expected):
+            outcome = f"a wrong sum: {got}"
+    except Exception as error:  # noqa: BLE001 - reported below
+        outcome = f"it failed: {error}"
+        jaxring.reset_after_error()
+    if COMM.rank == 0:
+        collected = weakref.ref(sub)
+        del sub
+        gc.collect()  # within rank 1's stall
+        if collected() is not None:
+            outcome = "the communicator was not collected"
+    native.extension.stall_next_shm_steps(0.0, 0, after_staging=True)
+    outcomes = MPI_COMM.allgather(outcome)
+    assert outcomes == [None] * COMM.size, outcomes
+
+
+@pytest.mark.skipif(COMM.size < 2, reason="needs two ranks")
 def test_missing_rank_times_out_naming_it():
     sub = COMM.split(0, key=COMM.rank)
     last = COMM.size - 1

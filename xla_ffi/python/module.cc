@@ -592,9 +592,10 @@ NB_MODULE(_jaxring, m) {
       "Runs rank `rank`'s collective on in-process communicator `key` over host arrays; returns "
       "the error message, empty on success.");
   m.def("stall_next_shm_steps", &jaxring::StallNextStepsForTest, nb::arg("seconds"),
-        nb::arg("steps"),
+        nb::arg("steps"), nb::arg("after_staging") = false,
         "For tests: this process's next `steps` steps of shared-memory collectives each sleep "
-        "`seconds` before they begin (ring/staged.h).");
+        "`seconds` before they begin, or with `after_staging` once every rank has staged the "
+        "step (ring/staged.h).");
   m.def("stall_next_piece", &jaxring::StallNextPieceForTest, nb::arg("comm"), nb::arg("rank"),
         nb::arg("seconds"), nb::arg("pieces") = 1,
         "The next `pieces` pieces of shared work or ring slices of `rank` of in-process "

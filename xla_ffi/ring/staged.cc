@@ -18,7 +18,8 @@ const char* At(const void* base, int64_t elements, size_t width) {
   return static_cast<const char*>(base) + elements * static_cast<int64_t>(width);
 }
 
-CountedStall step_stalls;  // StallNextStepsForTest's
+CountedStall step_stalls;     // StallNextStepsForTest's
+CountedStall staged_stalls;   // and with `after_staging`
 
 // Runs `steps` steps of `body(step_index)`, each framed by BeginStep and the header exchange.
 // The first step also checks every rank's header. On error the communicator is abandoned, so
@@ -37,6 +38,7 @@ Status Steps(ShmCommunicator& comm, const Header& header, const Config& config, 
       comm.PostHeader(header);
       comm.Publish(Phase::kStaged);
       status = comm.WaitAll(Phase::kStaged, header, deadline, spin);
+      if (status.ok()) staged_stalls.TakeIfArmed();
     }
     if (status.ok() && step == 0) status = comm.CheckHeaders(header);
     if (status.ok()) status = comm.CheckNoPeerLeft(header);
@@ -252,6 +254,8 @@ Status RunExchange(ShmCommunicator& comm, void* output, const void* input, int64
   return Status();
 }
 
-void StallNextStepsForTest(double seconds, int64_t steps) { step_stalls.Arm(seconds, steps); }
+void StallNextStepsForTest(double seconds, int64_t steps, bool after_staging) {
+  (after_staging ? staged_stalls : step_stalls).Arm(seconds, steps);
+}
 
 }  // namespace jaxring

@@ -32,6 +32,8 @@ Status RunExchange(ShmCommunicator& comm, void* output, const void* input, int64
 
 // For tests: this process's next `steps` steps of shared-memory collectives each sleep `seconds`
 // before they begin, as a rank does that the scheduler leaves without a core; 0 steps disarms.
-void StallNextStepsForTest(double seconds, int64_t steps);
+// `after_staging`: instead, once every rank has staged the step, before this rank checks that
+// none has left.
+void StallNextStepsForTest(double seconds, int64_t steps, bool after_staging);
 
 }  // namespace jaxring
