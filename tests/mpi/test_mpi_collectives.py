@@ -842,19 +842,27 @@ def test_a_call_on_a_collected_communicator_fails_at_once():
     MPI_COMM.Barrier()
 
 
-@pytest.mark.skipif(COMM.size < 2, reason="needs two ranks")
-def test_a_rank_that_drops_a_communicator_fails_its_peers_calls_at_once():
-    """Rank 0 lets a communicator in shared memory be collected, with no free(), while its peers
-    go on calling it. They waited out their timeout for rank 0, then named it missing; now they
-    fail at once, quoting why it left. Every rank's outcome is gathered before any asserts, so
-    that a failure cannot leave the others at a barrier."""
+def _all_reduce_on_a_shared_memory_split():
+    """A fresh split in shared memory (the test is skipped where the split is not), a jitted
+    all-reduce on it that does not keep it alive (_Detached), and its input, once every rank has
+    called it."""
     sub = COMM.split(0, key=COMM.rank)
     if sub.transport != "shm":
         pytest.skip("over MPI a dropped communicator's peers wait out their timeout (README)")
     handle = _Detached(sub)
     f = jax.jit(lambda v: jaxring.all_reduce(v, handle))
     x = np.arange(4.0, dtype=np.float32) + COMM.rank
-    np.testing.assert_array_equal(np.asarray(f(x)), gathered(x).sum(0))  # once, together
+    np.testing.assert_array_equal(np.asarray(f(x)), gathered(x).sum(0))
+    return sub, f, x
+
+
+@pytest.mark.skipif(COMM.size < 2, reason="needs two ranks")
+def test_a_rank_that_drops_a_communicator_fails_its_peers_calls_at_once():
+    """Rank 0 lets a communicator in shared memory be collected, with no free(), while its peers
+    go on calling it. They waited out their timeout for rank 0, then named it missing; now they
+    fail at once, quoting why it left. Every rank's outcome is gathered before any asserts, so
+    that a failure cannot leave the others at a barrier."""
+    sub, f, x = _all_reduce_on_a_shared_memory_split()
     outcome = None
     if COMM.rank == 0:
         collected = weakref.ref(sub)
@@ -888,13 +896,7 @@ def test_a_rank_that_closes_after_a_call_does_not_fail_its_slower_peers():
     has not yet checked that no peer has left (it stalls there). Rank 1 must complete the call
     with the right sum: rank 0 left after a call it completed, not during it. Outcomes gathered
     before asserting."""
-    sub = COMM.split(0, key=COMM.rank)
-    if sub.transport != "shm":
-        pytest.skip("shared memory's check after staging")
-    handle = _Detached(sub)
-    f = jax.jit(lambda v: jaxring.all_reduce(v, handle))
-    x = np.arange(4.0, dtype=np.float32) + COMM.rank
-    np.testing.assert_array_equal(np.asarray(f(x)), gathered(x).sum(0))  # compiled, together
+    sub, f, x = _all_reduce_on_a_shared_memory_split()
     expected = gathered(x + 1).sum(0)  # (an MPI collective: not between the call and the close)
     if COMM.rank == 1:
         native.extension.stall_next_shm_steps(3.0, 1, after_staging=True)
