@@ -6,7 +6,6 @@
 #include <unistd.h>
 
 #include <algorithm>
-#include <atomic>
 #include <cerrno>
 #include <chrono>
 #include <cstring>
@@ -35,9 +34,6 @@ struct alignas(64) RankControl {
   Flag progress;  // 3 * step + phase, in serial-number order
   alignas(64) Header headers[2];  // by step parity
   char why[kWhyBytes];  // written once, before `progress` is marked abandoned
-  // Set (before the mark) where the rank left by closing the communicator after its last call
-  // (ShmCommunicator::Detach with `alone`), not by failing one.
-  std::atomic<uint32_t> closed;
 
   std::string Why() const { return std::string(why, strnlen(why, kWhyBytes)); }
 };
@@ -122,13 +118,11 @@ Status ShmCommunicator::Attach(uint64_t key, const std::string& path, bool creat
 }
 
 ShmCommunicator::~ShmCommunicator() {
-  if (closed_alone_ && !broken_) {
-    segment_->ranks[rank_].closed.store(1, std::memory_order_relaxed);  // Abandon's mark orders it
+  if (closed_alone_)
     Abandon("rank " + std::to_string(rank_) + " closed " + name_ + " while its peers went on "
             "calling: its jaxring.mpi.Communicator was garbage-collected, or its process exited, "
             "with no free() on every rank. Keep a communicator alive on every rank while "
             "programs that use it run, and free() it on every rank together");
-  }
   munmap(segment_, mapped_bytes_);
 }
 
@@ -282,11 +276,13 @@ Status ShmCommunicator::PeerLeft(const Header& header, int peer) {
 }
 
 Status ShmCommunicator::CheckNoPeerLeft(const Header& header) {
+  const uint32_t finished = Target(step_ - 1, Phase::kCopied);
   for (int peer = 0; peer < size_; ++peer) {
-    const RankControl& control = segment_->ranks[peer];
-    // A peer that closed the communicator did so after its last call returned, and it staged
-    // this step: this call is one it completed.
-    if (peer != rank_ && (control.progress.Load() & Flag::kAbandoned) && !control.closed.load())
+    // A peer that finished this step left after it (it closed the communicator, or failed in a
+    // later call): its part of the step is done, and its buffers stay as they are until every
+    // rank has finished the step.
+    const uint32_t seen = segment_->ranks[peer].progress.Load();
+    if (peer != rank_ && (seen & Flag::kAbandoned) && !Flag::Reached(seen, finished))
       return PeerLeft(header, peer);
   }
   return Status();

@@ -70,12 +70,14 @@ class ShmCommunicator {
   void CopyIn(void* dst, const void* src, size_t bytes, ShmStores mode);
   void PostHeader(const Header& header);  // before Publish(kStaged) on a call's first step
   Status CheckHeaders(const Header& mine) const;  // after WaitAll(kStaged) on the first step
-  // After WaitAll(kStaged) (and CheckHeaders): an error if a peer has left the communicator. A
-  // peer that staged this step and then gave up waiting for this rank still counts as staged
-  // (so that every rank reaches the header check); its data is there, but the call failed on
-  // that peer, so a rank that comes later fails too, as in-process (LocalTransport). A peer
-  // that gives up just as the last rank stages can still leave after this check, and a rank
-  // whose step then waits for nobody else (broadcast, all-gather, barrier) completes.
+  // After WaitAll(kStaged) (and CheckHeaders): an error if a peer has left the communicator
+  // before it finished this step. A peer that staged this step and then gave up waiting for this
+  // rank still counts as staged (so that every rank reaches the header check); its data is
+  // there, but the call failed on that peer, so a rank that comes later fails too, as
+  // in-process (LocalTransport). A peer that finished the step and left afterwards (it closed
+  // the communicator, or failed in a later call) does not fail it. A peer that gives up just as
+  // the last rank stages can still leave after this check, and a rank whose step then waits for
+  // nobody else (broadcast, all-gather, barrier) completes.
   Status CheckNoPeerLeft(const Header& header);
   void Publish(Phase phase);
   Status WaitAll(Phase phase, const Header& header, const Deadline& deadline, int64_t spin);
