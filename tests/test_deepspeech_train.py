@@ -4,9 +4,10 @@ as an uninterrupted one."""
 
 import jax
 import numpy as np
+import pytest
 from flax import nnx
 
-from models.deepspeech import configs
+from models.deepspeech import configs, data
 from models.deepspeech import train as training
 
 CONFIG = configs.get_config(
@@ -15,7 +16,7 @@ CONFIG = configs.get_config(
     learning_rate=1e-2, frame_multiple=320, beam_utterances=2, epochs=3)
 
 
-def test_loss_falls_runs_are_deterministic_and_resume_exactly(tmp_path):
+def test_loss_falls_runs_are_deterministic_and_resume_exactly(tmp_path, monkeypatch):
     cache = tmp_path / "cache"
     uninterrupted = training.train_and_evaluate(CONFIG, tmp_path / "a", cache, progress=False)
     losses = [epoch["train_loss"] for epoch in uninterrupted]
@@ -24,6 +25,21 @@ def test_loss_falls_runs_are_deterministic_and_resume_exactly(tmp_path):
 
     interrupted = CONFIG.replace(epochs=1)
     first = training.train_and_evaluate(interrupted, tmp_path / "b", cache, progress=False)
+    assert first[0]["steps"] == 3
+    # The same config on other data (a rule that leaves out 16 more utterances for CTC): epochs of
+    # 2 steps, where the schedule of the checkpoint's decays every 3, are refused.
+    alignable = data.Dataset.alignable
+
+    def sixteen_more_left_out(dataset, strides):
+        kept, left_out = alignable(dataset, strides)
+        return data.Dataset(*(values[16:] for values in (
+            kept.features, kept.labels, kept.transcripts, kept.voices))), left_out + 16
+
+    with monkeypatch.context() as patch:
+        patch.setattr(data.Dataset, "alignable", sixteen_more_left_out)
+        with pytest.raises(ValueError, match="epochs took 3 steps, but this run's take 2 "
+                                             r"\(32 training utterances after 16 left out"):
+            training.train_and_evaluate(CONFIG, tmp_path / "b", cache, progress=False)
     resumed = training.train_and_evaluate(CONFIG, tmp_path / "b", cache, progress=False)
     assert len(first) == 1 and len(resumed) == 3
     # Restored, not trained again: a rerun of the first epoch would give the same losses, but

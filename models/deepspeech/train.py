@@ -363,6 +363,23 @@ def _check_resumable(config: Config, workdir: Path) -> None:
                          "work directory")
 
 
+def _check_steps(history: list[dict], steps_per_epoch: int, workdir: Path, utterances: int,
+                 unalignable: int, config: Config) -> None:
+    """Refuses to resume a checkpoint whose epochs took another number of steps than this run's
+    (the config is the same, but not the utterances it trains on: a data cache made anew, or a
+    change in which utterances are left out for CTC), since the learning rate's schedule counts
+    steps to decay once an epoch. A history from before epochs recorded their steps is taken
+    as it is."""
+    stored = history[-1].get("steps", steps_per_epoch) if history else steps_per_epoch
+    if stored != steps_per_epoch:
+        raise ValueError(
+            f"{workdir} holds a checkpoint whose epochs took {stored} steps, but this run's take "
+            f"{steps_per_epoch} ({utterances} training utterances after {unalignable} left out "
+            f"for CTC, in batches of {config.batch_size}), and the learning rate's "
+            "schedule counts steps to decay once an epoch: resume it with the data it was "
+            "trained on, or train in a fresh work directory")
+
+
 def checkpoint_manager(workdir: Path, read_only: bool = False) -> ocp.CheckpointManager:
     """Keeps the last two epochs. `read_only` (the non-main ranks under mpiexec): restores only,
     creates and deletes nothing."""
@@ -457,6 +474,7 @@ def train(config: Config, workdir: str | Path, cache_dir: str | Path | None = No
     restored = restore_checkpoint(manager, state)  # every replica reads the same checkpoint
     if restored is not None:
         last_epoch, state, history = restored
+        _check_steps(history, steps_per_epoch, workdir, len(train_set), unalignable, config)
         state = replicas.place_state(state)
         first_epoch = last_epoch + 1
         if replicas.is_main and progress:
@@ -491,7 +509,7 @@ def train(config: Config, workdir: str | Path, cache_dir: str | Path | None = No
         if replicas.is_main:
             metrics["eval_seconds"] = time.perf_counter() - start - train_seconds
         elapsed += time.perf_counter() - start
-        history.append({"epoch": epoch + 1, "train_loss": train_loss,
+        history.append({"epoch": epoch + 1, "train_loss": train_loss, "steps": len(losses),
                         "utterances_per_second": utterances / train_seconds,
                         "elapsed_seconds": elapsed, **metrics})
         if replicas.is_main:
