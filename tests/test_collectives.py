@@ -593,6 +593,15 @@ def test_untiled_all_gather_and_reduce_scatter_match_lax(n):
         theirs = shmap(lambda v: reduce(v_of(v)), m)(y)
         assert ours.shape == theirs.shape, (dim, op)
         assert_close(np.asarray(ours), np.asarray(theirs), np.float64, count=n)
+    # Negative dimensions count from the end, down to -ndim, tiled or not (lax.psum_scatter
+    # takes none: its lowering refuses them).
+    w = shard(random_array(rng, (n * n, 2, 3), np.float64), m)
+    for v, dim, tiled in ((w, -3, True), (y, -2, True), (y, -2, False)):
+        ours = shmap(lambda a: jaxring.reduce_scatter(a, "i", "sum", dim, tiled), m)(v)
+        theirs = shmap(lambda a: lax.psum_scatter(a, "i", scatter_dimension=dim % 3,
+                                                  tiled=tiled), m)(v)
+        assert ours.shape == theirs.shape, (dim, tiled)
+        assert_close(np.asarray(ours), np.asarray(theirs), np.float64, count=n)
     grad = lambda f: jax.jit(jax.grad(lambda v: jnp.sum(jax.shard_map(  # noqa: E731
         f, mesh=m, in_specs=P("i"), out_specs=P("i"))(v) ** 2)))(y)
     assert_close(np.asarray(grad(lambda v: jaxring.reduce_scatter(v, "i", "sum", 1, tiled=False))),

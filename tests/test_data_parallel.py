@@ -300,6 +300,30 @@ def test_masked_moments_of_a_large_mean_keep_the_variance_without_the_fast_varia
                                np.asarray(jax.grad(loss)(x, mask, None)), rtol=1e-4, atol=1e-6)
 
 
+@pytest.mark.parametrize("use_fast_variance", [True, False])
+def test_masked_moments_of_a_feature_masked_everywhere_or_constant(use_fast_variance):
+    """A feature that every replica masks out gets mean and variance 0, not 0 / 0; a constant
+    one gets variance 0, never below (the fast variance, E[x^2] - E[x]^2, rounds below 0 there,
+    and a normalisation's rsqrt would make that NaN); the others match the float64 reference."""
+    n = 4
+    rng = np.random.default_rng(30)
+    x = rng.standard_normal((n * 6, 5, 3)).astype(np.float32) * 2 + 1
+    x[..., 0] = 0.1
+    mask = (rng.random(x.shape) < 0.7).astype(np.float32)
+    mask[..., 1] = 0
+    m = mesh(n)
+    replicas = jax.tree.map(every_device, jax.jit(jax.shard_map(
+        lambda x, mask: data_parallel.masked_moments(x, mask, "i", use_fast_variance), mesh=m,
+        in_specs=(P("i"), P("i")), out_specs=P()))(shard(x, m), shard(mask, m)))
+    selected = np.asarray(x, np.float64)[..., 2][mask[..., 2] > 0]
+    for mean, var in zip(*replicas):  # each device's
+        np.testing.assert_allclose(mean[0], 0.1, rtol=1e-6)
+        assert 0 <= var[0] < 1e-9, var[0]
+        assert mean[1] == 0 and var[1] == 0, (mean[1], var[1])
+        np.testing.assert_allclose(mean[2], selected.mean(), rtol=1e-5)
+        np.testing.assert_allclose(var[2], selected.var(), rtol=1e-4)
+
+
 def test_masked_moments_refuse_an_x_without_a_floating_feature_axis():
     for x in (jnp.float32(1.0), jnp.ones((3, 2), jnp.int32)):
         with pytest.raises(TypeError, match="floating-point x with a feature axis"):

@@ -261,6 +261,8 @@ def test_bad_permutations_are_refused_at_trace_time():
         ([(0, 1), (0, 2)], ValueError, "repeats a source or a destination"),
         ([(0, 1), (2, 1)], ValueError, "repeats a source or a destination"),
         ([(0, 4)], ValueError, r"pair \(0, 4\) of perm is outside \[0, 4\)"),
+        ([(0, -1)], ValueError, r"pair \(0, -1\) of perm is outside \[0, 4\)"),
+        ([(-1, 0)], ValueError, r"pair \(-1, 0\) of perm is outside \[0, 4\)"),
         ([(0,)], TypeError, "pairs"),
     ]
     for perm, error, message in cases:
@@ -416,23 +418,27 @@ def test_a_message_no_receive_took_is_refused_by_a_later_program():
     np.testing.assert_array_equal(np.asarray(shmap(matched, m)(y)), [0, 0, 0, 0, 100, 101, 102, 103])
 
 
-@pytest.mark.parametrize("sent, expected", [(4, 0), (0, 4)], ids=["empty recv", "empty send"])
-def test_a_send_and_recv_of_different_sizes_one_of_them_empty_are_refused(sent, expected):
-    """A send's and its recv's shapes are given apart, so an empty one must still meet its
-    other half. An empty recv made no call at all: the message it should have taken, or refused,
-    stayed in the mailbox for the next program (and an empty send left its recv to time out)."""
+@pytest.mark.parametrize("sent, expected, dtype", [(4, 0, "float32"), (0, 4, "float32"),
+                                                   (4, 4, "int32")],
+                         ids=["empty recv", "empty send", "another dtype"])
+def test_a_send_and_recv_of_different_sizes_or_dtypes_are_refused(sent, expected, dtype):
+    """A send's and its recv's shapes and dtypes are given apart, so they must be compared. An
+    empty one must still meet its other half: an empty recv made no call at all, so the message
+    it should have taken, or refused, stayed in the mailbox for the next program (and an empty
+    send left its recv to time out). An int32[4] recv must not take a float32[4] send, the same
+    bytes: it would return the floats' bits as integers."""
     m = mesh(2)
 
     def f(v):
         jaxring.send(v[:sent], "i", [(0, 1)])
-        received = jaxring.recv(jax.ShapeDtypeStruct((expected,), v.dtype), "i", [(0, 1)])
+        received = jaxring.recv(jax.ShapeDtypeStruct((expected,), dtype), "i", [(0, 1)])
         return v + received.sum()  # not empty, so that its error is raised
 
     x = shard(np.arange(8, dtype=np.float32), m)
     with jaxring.config.override(timeout_seconds=30.0):
         with pytest.raises(Exception, match=rf"mismatched point-to-point calls: rank 1 expected "
                                             rf"send/recv\(perm #[0-9a-f]+\) op \d+ "
-                                            rf"float32\[{expected}\] \(called at test_p2p\.py:\d+ "
+                                            rf"{dtype}\[{expected}\] \(called at test_p2p\.py:\d+ "
                                             rf"in f\) from rank 0, but rank 0 "
                                             rf"sent send/recv\(perm #[0-9a-f]+\) op \d+ "
                                             rf"float32\[{sent}\]"):

@@ -549,7 +549,7 @@ def test_a_failed_program_is_told_once_at_exit_unless_reset(reset):
 _MANY_DEVICES = textwrap.dedent("""
     import os
     os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=32"
-    import jax, numpy as np, jaxring
+    import jax, jax.numpy as jnp, numpy as np, jaxring
     from jax.sharding import NamedSharding, PartitionSpec as P
     for n in (5, 7, 16, 32):
         m = jax.make_mesh((n,), ("i",), devices=jax.devices()[:n])
@@ -570,6 +570,32 @@ _MANY_DEVICES = textwrap.dedent("""
                                          mesh=m, in_specs=P("i"), out_specs=P("i")))
             with jaxring.config.override(algorithm=algorithm):
                 assert np.array_equal(np.asarray(mean(xs)), got / np.float32(n)), (n, algorithm)
+            # The grouped fold for the other ops and dtypes, and for reduce_scatter.
+            per_device = x.reshape(n, -1)
+            for op, dtype in (("max", np.float32), ("min", np.float32), ("sum", np.int32),
+                              ("sum", jnp.bfloat16)):
+                g = jax.jit(jax.shard_map(
+                    lambda v: jaxring.all_reduce((v * 1000).astype(dtype), "i", op)[None],
+                    mesh=m, in_specs=P("i"), out_specs=P("i")))
+                with jaxring.config.override(algorithm=algorithm):
+                    got = np.asarray(g(xs))
+                case = (n, algorithm, op, str(dtype))
+                assert (got == got[0]).all(), case + ("devices disagree",)
+                inputs = (per_device * 1000).astype(dtype).astype(np.float64)
+                expected = getattr(inputs, op)(0)
+                if dtype == jnp.bfloat16:  # summed in float32 and rounded once
+                    np.testing.assert_allclose(got.astype(np.float64), np.broadcast_to(
+                        expected, got.shape), rtol=2.0 ** -8, atol=1e-2 * n, err_msg=str(case))
+                else:
+                    assert np.array_equal(got, np.broadcast_to(expected, got.shape)), case
+            y = np.random.default_rng(n + 1).standard_normal(n * n * 7).astype(np.float32)
+            h = jax.jit(jax.shard_map(lambda v: jaxring.reduce_scatter(v, "i"), mesh=m,
+                                      in_specs=P("i"), out_specs=P("i")))
+            with jaxring.config.override(algorithm=algorithm):
+                got = np.asarray(h(jax.device_put(y, NamedSharding(m, P("i")))))
+            expected = y.astype(np.float64).reshape(n, -1).sum(0)
+            np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5 * n,
+                                       err_msg=f"reduce_scatter {n} {algorithm}")
     print("ALL OK")
 """)
 
@@ -871,7 +897,7 @@ def test_unsupported_op_and_bad_arguments():
     with pytest.raises(TypeError, match=r"root must be a static Python int in \[0, 4\), known "
                                         r"when the program is traced, not a traced value"):
         shmap(lambda v: jaxring.broadcast(v, "i", root=lax.axis_index("i")), m)(x)
-    for root in (True, 1.0):  # not ranks, though Python would compare them equal to 1
+    for root in (True, 1.0, -1):  # not ranks, though Python compares the first two equal to 1
         with pytest.raises(ValueError, match=r"root must be an int in \[0, 4\)"):
             shmap(lambda v, root=root: jaxring.broadcast(v, "i", root=root), m)(x)
     for axis in (2, 0.0, "0"):
@@ -1341,18 +1367,29 @@ def test_mismatched_calls_raise_on_every_device_naming_both_sides():
                                             + called_at(whole)):
             np.asarray(f(x))
     _check_recovery(m, x, "mismatched collectives")
-    # A program shows one device's error; on the host each rank's own is seen: every rank must
-    # name the mismatch at once, none wait out the timeout.
+
+
+@pytest.mark.parametrize("differs, called", [("count", r"all_reduce\(sum\) op 0 float32\[6\]"),
+                                             ("op", r"all_reduce\(max\) op 0 float32\[3\]"),
+                                             ("dtype", r"all_reduce\(sum\) op 0 int32\[3\]")],
+                         ids=["count", "op", "dtype"])
+def test_every_rank_names_a_mismatch_at_once_whichever_field_differs(differs, called):
+    """A program shows one device's error; on the host each rank's own is seen: every rank must
+    name the mismatch at once, none wait out the timeout. Rank 1's call differs from the others'
+    in one field of the header, with the same op id (across processes, where an op id is the
+    calling line, `all_reduce(x, comm, "sum" if rank == 0 else "max")` makes such calls)."""
     n, errors = 4, {}
-    sum_f32 = (common.COLLECTIVE_CODES["all_reduce"], common.REDUCE_OPS["sum"],
-               common.DTYPE_CODES[np.dtype(np.float32)])
     key = int(np.random.default_rng().integers(1 << 40, 1 << 50))  # a fresh communicator
 
     def run(rank):
-        size = 6 if rank == 1 else 3
+        size, op, dtype = 3, "sum", np.dtype(np.float32)
+        if rank == 1:
+            size, op, dtype = {"count": (6, op, dtype), "op": (size, "max", dtype),
+                               "dtype": (size, op, np.dtype(np.int32))}[differs]
         errors[rank] = native.extension.collective_on_host(
-            key, "mismatch test", rank, n, *sum_f32, np.ones(size, np.float32),
-            np.zeros(size, np.float32), run_id=1, op_id=0)
+            key, "mismatch test", rank, n, common.COLLECTIVE_CODES["all_reduce"],
+            common.REDUCE_OPS[op], common.DTYPE_CODES[dtype], np.ones(size, dtype),
+            np.zeros(size, dtype), run_id=1, op_id=0)
 
     start = time.monotonic()
     with jaxring.config.override(timeout_seconds=30.0):
@@ -1360,7 +1397,7 @@ def test_mismatched_calls_raise_on_every_device_naming_both_sides():
     assert time.monotonic() - start < 10, "a rank waited instead of failing"
     for rank in range(n):
         assert re.search(r"mismatched collectives: rank 0 called all_reduce\(sum\) op 0 "
-                         r"float32\[3\] but rank 1 called all_reduce\(sum\) op 0 float32\[6\]",
+                         r"float32\[3\] but rank 1 called " + called,
                          errors.get(rank, "")), (rank, errors.get(rank))
 
 

@@ -58,8 +58,11 @@ def _scan_cond_remat(reduce):
      lambda v: lax.psum_scatter(v * v, "i", scatter_dimension=1, tiled=True), P("i")),
     (lambda v: jaxring.all_gather(jnp.cos(v), "i", axis=1),
      lambda v: lax.all_gather(jnp.cos(v), "i", axis=1, tiled=True), P("i")),
+    # The root's gradient sums every device's cotangent (lax.pbroadcast has no CPU lowering).
+    (lambda v: jaxring.broadcast(jnp.sin(v), "i", root=1) * (1.0 + lax.axis_index("i")),
+     lambda v: lax.all_gather(jnp.sin(v), "i")[1] * (1.0 + lax.axis_index("i")), P("i")),
 ], ids=["psum", "pmean", "pmin", "psum_scatter", "psum_scatter_mean", "psum_scatter_dim1",
-        "all_gather"])
+        "all_gather", "broadcast"])
 def test_grad_matches_lax(ours, theirs, out_specs, check_vma, n):
     m = mesh(n)
     x = shard(np.random.default_rng(n).standard_normal((n * 2 * n, 3 * n)), m)  # n | each dim
