@@ -334,11 +334,12 @@ def test_masked_moments_refuse_an_x_without_a_floating_feature_axis():
     lambda: optax.sgd(0.1),
     lambda: optax.chain(optax.clip_by_global_norm(0.5), optax.sgd(0.1, 0.9, nesterov=True)),
     lambda: optax.adam(1e-2)], ids=["sgd", "nesterov+clip", "adam"])
-def test_distributed_optimizer_sees_the_global_gradient(make_optimizer):
+@pytest.mark.parametrize("op", ["mean", "sum"])
+def test_distributed_optimizer_sees_the_global_gradient(make_optimizer, op):
     """Two updates through the wrapper on per-replica gradients equal two updates of the plain
-    optimizer on the replica mean, and every replica gets the same result. Plain SGD's update
-    is proportional to the gradient, so it tells the mean from the sum; clipping (these
-    gradients' norm is above 0.5) and Adam remove the gradient's scale."""
+    optimizer on the replicas' mean (or sum, as `op` asks), and every replica gets the same
+    result. Plain SGD's update is proportional to the gradient, so it tells the mean from the
+    sum; clipping (these gradients' norm is above 0.5) and Adam remove the gradient's scale."""
     n = 4
     rng = np.random.default_rng(9)
     params = {"w": rng.standard_normal((3, 4)).astype(np.float32),
@@ -346,7 +347,7 @@ def test_distributed_optimizer_sees_the_global_gradient(make_optimizer):
     grads = [{k: rng.standard_normal((n,) + v.shape).astype(np.float32) for k, v in params.items()}
              for _ in range(2)]
     optimizer = make_optimizer()
-    distributed = data_parallel.distributed(optimizer, "i", bucket_bytes=40)
+    distributed = data_parallel.distributed(optimizer, "i", op, bucket_bytes=40)
     m = mesh(n)
 
     def local(params, grads_0, grads_1):
@@ -361,7 +362,8 @@ def test_distributed_optimizer_sees_the_global_gradient(make_optimizer):
         params, shard(grads[0], m), shard(grads[1], m)))
     expected, state = params, optimizer.init(params)
     for g in grads:
-        updates, state = optimizer.update(jax.tree.map(lambda x: x.mean(0), g), state, expected)
+        updates, state = optimizer.update(jax.tree.map(lambda x: getattr(x, op)(0), g), state,
+                                          expected)
         expected = optax.apply_updates(expected, updates)
     for name in params:
         for replica in range(n):

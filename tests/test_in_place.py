@@ -34,6 +34,8 @@ def test_in_place_is_chosen_for_values_the_program_owns():
         "reshaped argument": (lambda v: ar(v.reshape(2, 2)).reshape(4), [False]),
         "constant": (lambda v: ar(constant) + v, [False]),
         "computed": (lambda v: ar(v * 2), [True]),
+        # A broadcast of the argument is a new value, though a view's walk back reaches it.
+        "broadcast argument": (lambda v: ar(jnp.broadcast_to(v, (3, 4)))[0], [True]),
         "reshaped computed value": (lambda v: ar((v * 2).reshape(2, 2)).reshape(4), [True]),
         "fori_loop carry": (lambda v: lax.fori_loop(0, 3, lambda _, a: carry(lambda b: b)(a), v),
                             [True]),

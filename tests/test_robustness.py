@@ -1420,12 +1420,25 @@ def test_config_override_restores_and_reaches_native():
         assert native.extension.get_config()["hand_off_after_seconds"] == 0.25
     with pytest.raises(ValueError, match=r"hand_off_after_seconds must be >= 0, got -1.0"):
         jaxring.config.update(hand_off_after_seconds=-1.0)
-    # Each range error names its field and value (one sentence once listed every range).
-    for field, value, bound in (("copy_input_bytes", -1, ">= 0"),
-                                ("pipeline_slice_bytes", 0, "> 0"),
-                                ("timeout_seconds", float("nan"), "> 0")):
-        with pytest.raises(ValueError, match=f"{field} must be {bound}, got {value}"):
-            jaxring.config.update(**{field: value})
+    # Every numeric field's range, each error naming its field and value (one sentence once
+    # listed every range); the bound itself is taken where it is allowed.
+    ranges = {"timeout_seconds": "> 0", "pipeline_slice_bytes": "> 0",
+              "mpi_direct_header_ranks": "> 0", "ring_threshold_bytes": ">= 0",
+              "spin_iterations": ">= 0", "p2p_eager_bytes": ">= 0",
+              "mpi_ring_threshold_bytes": ">= 0", "huge_page_bytes": ">= 0",
+              "copy_input_bytes": ">= 0", "hand_off_after_seconds": ">= 0",
+              "scratch_pool_bytes": ">= 0"}
+    assert set(ranges) == {field for field, value in dataclasses.asdict(before).items()
+                           if not isinstance(value, str)}
+    for field, bound in ranges.items():
+        kind = type(getattr(before, field))
+        for value in ((kind(0),) if bound == "> 0" else (kind(-1),)) + (
+                (float("nan"),) if kind is float else ()):
+            with pytest.raises(ValueError, match=f"{field} must be {bound}, got {value}"):
+                jaxring.config.update(**{field: value})
+        if bound == ">= 0":
+            with jaxring.config.override(**{field: kind(0)}) as config:
+                assert getattr(config, field) == 0
     assert jaxring.config.get() == before
     # A value of the wrong type changes nothing, in Python or in the native library.
     for field, value in (("pipeline_slice_bytes", 1.5), ("spin_iterations", True),

@@ -94,6 +94,36 @@ def test_grad_through_scan_cond_and_remat_matches_lax(n):
     assert np.abs(ours).max() > 0
 
 
+@pytest.mark.parametrize("ours,theirs", [
+    (lambda v: jaxring.all_reduce(v, "i"), lambda v: lax.psum(v, "i")),
+    (lambda v: jaxring.all_reduce(v, "i", "mean"), lambda v: lax.pmean(v, "i")),
+    (lambda v: jaxring.reduce_scatter(v, "i"), lambda v: lax.psum_scatter(v, "i", tiled=True)),
+    (lambda v: jaxring.all_gather(v, "i"), lambda v: lax.all_gather(v, "i", tiled=True)),
+    (lambda v: jaxring.broadcast(v, "i", root=1), lambda v: lax.all_gather(v, "i")[1]),
+], ids=["psum", "pmean", "psum_scatter", "all_gather", "broadcast"])
+def test_grad_of_a_replicated_input_matches_lax(ours, theirs):
+    """An input replicated over the axis (in_specs P(), so invariant under vma checking): the
+    collective sees it as varying, as lax's do, and the gradient agrees with theirs."""
+    m = mesh(N)
+    x = np.random.default_rng(5).standard_normal((2 * N, 3))
+
+    def grad(f):
+        with jax.set_mesh(m):
+            g = jax.grad(lambda v: jnp.sum(jax.shard_map(
+                lambda v: jnp.sin(f(v)) * (1.0 + lax.axis_index("i")), mesh=m, in_specs=P(),
+                out_specs=P("i"))(v) ** 2))
+            return np.asarray(jax.jit(g)(x))
+
+    np.testing.assert_allclose(grad(ours), grad(theirs), rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("op", ["max", "min"])
+def test_reduce_scatter_of_max_or_min_has_no_derivative(op):
+    x = shard(np.random.default_rng(6).standard_normal((N * N, 3)), mesh(N))
+    with pytest.raises(NotImplementedError, match=f"no derivative for op='{op}'"):
+        _grad_of(lambda v: jaxring.reduce_scatter(v, "i", op), mesh(N), x, out_specs=P("i"))
+
+
 def test_grad_of_max_picks_the_winner():
     m = mesh(N)
     x = np.random.default_rng(1).standard_normal((N, 6))
