@@ -1418,8 +1418,6 @@ def test_config_override_restores_and_reaches_native():
         jaxring.config.update(shm_stores="fast")
     with jaxring.config.override(hand_off_after_seconds=0.25):
         assert native.extension.get_config()["hand_off_after_seconds"] == 0.25
-    with pytest.raises(ValueError, match=r"hand_off_after_seconds must be >= 0, got -1.0"):
-        jaxring.config.update(hand_off_after_seconds=-1.0)
     # Every numeric field's range, each error naming its field and value (one sentence once
     # listed every range); the bound itself is taken where it is allowed.
     ranges = {"timeout_seconds": "> 0", "pipeline_slice_bytes": "> 0",
