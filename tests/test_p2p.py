@@ -476,8 +476,10 @@ def test_missing_sender_times_out_naming_it():
         return jaxring.recv(v, "i", perm)
 
     f = _rank_dependent(m, lambda v: v, others)  # device 0 never sends
+    jaxring.reset_after_error()  # empty mailboxes: the recv waits for device 0's first message
     with jaxring.config.override(timeout_seconds=1.0):
-        with pytest.raises(Exception, match=r"timed out after 1 s waiting for rank \[0\] to send"):
+        with pytest.raises(Exception, match=r"timed out after 1 s waiting for rank \[0\] to send "
+                                            r"\(message 1 from it, counting from 1\)"):
             np.asarray(f(x))
     _check_recovery(m, x)
 
@@ -757,7 +759,9 @@ def test_mailbox_overrun_times_out_instead_of_hanging():
             jaxring.send(v, "i", [(0, 1)])
         return v
 
+    jaxring.reset_after_error()  # empty mailboxes: the ninth send waits for the first's slot
     with jaxring.config.override(timeout_seconds=1.0):
-        with pytest.raises(Exception, match=r"waiting for rank 1 to receive message \d+ "):
+        with pytest.raises(Exception, match=r"waiting for rank 1 to receive message 1 \(this "
+                                            r"rank is 8 messages ahead of it"):
             np.asarray(shmap(f, m)(x))
     _check_recovery(m, x)

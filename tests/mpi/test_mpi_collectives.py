@@ -786,7 +786,7 @@ def test_ranks_whose_config_shapes_messages_differently_raise_instead_of_pairing
     of the choice those settings make (method and slice size), and every rank raises before any
     data moves; where the settings make no difference, as for all_gather, the call goes on."""
     sub = jaxring.mpi.Communicator(MPI_COMM.Dup(), label="config digest", transport="mpi")
-    ok = jaxring.mpi.Communicator(MPI_COMM.Dup(), label="config digest, all_gather",
+    ok = jaxring.mpi.Communicator(MPI_COMM.Dup(), label="config digest, settings that differ",
                                   transport="mpi")
     x = np.arange(1000, dtype=np.float32) + COMM.rank
     with jaxring.config.override(timeout_seconds=30.0,
@@ -801,6 +801,25 @@ def test_ranks_whose_config_shapes_messages_differently_raise_instead_of_pairing
         y = jax.jit(lambda v: jaxring.all_gather(v, ok))(x)
         np.testing.assert_array_equal(np.asarray(y), np.concatenate(MPI_COMM.allgather(x)))
     jaxring.reset_after_error()
+    # The slice size shapes the ring's messages, so ranks whose sizes differ are refused there;
+    # recursive doubling sends whole messages, and goes on.
+    sliced = jaxring.mpi.Communicator(MPI_COMM.Dup(), label="config digest, slices",
+                                      transport="mpi")
+    slices = 4096 if COMM.rank == 1 else 256 << 10
+    big = np.arange(300_000, dtype=np.float32) + COMM.rank
+    with jaxring.config.override(timeout_seconds=30.0, mpi_ring_threshold_bytes=0,
+                                 pipeline_slice_bytes=slices):
+        call = lambda v: jaxring.all_reduce(v, sliced)  # noqa: E731
+        with pytest.raises(Exception, match=r"rank 0 and rank 1 both called all_reduce\(sum\) "
+                                            r"op \d+ float32\[300000\] .*, but their "
+                                            r"jaxring.config settings .* make them move its data "
+                                            r"differently"):
+            np.asarray(jax.jit(call)(big))
+    jaxring.reset_after_error()
+    with jaxring.config.override(timeout_seconds=30.0, mpi_ring_threshold_bytes=1 << 30,
+                                 pipeline_slice_bytes=slices):
+        total = jax.jit(lambda v: jaxring.all_reduce(v, ok))(x)
+        np.testing.assert_array_equal(np.asarray(total), gathered(x).astype(np.float64).sum(0))
 
 
 @pytest.mark.skipif(COMM.size < 2, reason="needs two ranks")
