@@ -243,9 +243,9 @@ Status LocalPointToPoint::Receive(int source, const Header& expected, void* out,
     std::ostringstream s;
     s << Where(expected) << ": timed out after " << timeout_seconds_
       << " s waiting for rank [" << source << "] to send (message " << sequence + 1
-      << " from it, counting from 1). A peer that never makes the matching call (a rank-dependent branch, or a "
-         "crashed device) cannot be waited for; raise jaxring.config timeout_seconds if it is "
-         "just slow.";
+      << " from it, counting from 1). A peer that never makes the matching call (a "
+         "rank-dependent branch, or a crashed device) cannot be waited for; raise jaxring.config "
+         "timeout_seconds if it is just slow.";
     const Mailbox* other = MailboxRegistry::Get().Find(comm_, source, rank_, !send_recv_);
     if (other->slots[other->received % kSlots].ready.Load() ==
         RoundFlag(other->received / kSlots))  // this rank's reads of `other` are its own
