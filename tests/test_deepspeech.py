@@ -120,8 +120,11 @@ def test_batches_sortagrad_then_shuffled_with_masks():
             assert not batch.features[row, n:].any()
             np.testing.assert_array_equal(batch.labels[row, :m], dataset.labels[index])
             assert batch.label_mask[row].sum() == m
-    seen = sorted(t for b in data.eval_batches(dataset, 4, 8, 6) for t in b.transcripts if t)
-    assert seen == sorted(dataset.transcripts)
+    for count in (21, 22, 23, 24):  # every remainder of a batch of 4
+        some = data.Dataset(*(values[:count] for values in (
+            dataset.features, dataset.labels, dataset.transcripts, dataset.voices)))
+        seen = sorted(t for b in data.eval_batches(some, 4, 8, 6) for t in b.transcripts if t)
+        assert seen == sorted(some.transcripts), count
 
 
 def test_every_utterance_is_trained_on_within_a_few_epochs():
@@ -279,6 +282,18 @@ def test_beam_search_finds_the_most_probable_labelling():
         assert decoding.beam_decode_one(log_probs, beam_width=64) == data.labels_to_text(best)
 
 
+def test_a_narrow_beam_keeps_as_many_prefixes_as_its_width():
+    """Two frames, each 0.6 blank and 0.4 "a": the best single path is blank blank (0.36), but
+    "a" has 0.64 over three paths. A beam of 1 keeps only "" after the first frame and returns
+    it; a beam of 2 keeps both prefixes, and both classes of every frame, and finds "a"."""
+    a = data.ALPHABET.index("a")
+    frame = np.full(data.NUM_CLASSES, 1e-9)
+    frame[data.BLANK], frame[a] = 0.6, 0.4
+    log_probs = np.log(np.stack([frame, frame]))
+    assert decoding.beam_decode_one(log_probs, beam_width=1) == ""
+    assert decoding.beam_decode_one(log_probs, beam_width=2) == "a"
+
+
 def test_error_rates():
     rates = decoding.ErrorRates()
     rates.update(["one two three", "go"], ["one too three", ""])
@@ -347,6 +362,7 @@ def test_configs_from_tiny_to_paper():
     ("optimizer", "sgd", r"optimizer must be one of \('nesterov', 'adam'\), got 'sgd'"),
     ("beam_utterances", "-1", "beam_utterances must be at least 0"),
     ("train_utterances", "8", r"train_utterances \(8\) is below batch_size \(32\)"),
+    ("train_utterances", "31", r"train_utterances \(31\) is below batch_size \(32\)"),
     ("bucket_bytes", "1", r"bucket_bytes 1 cuts the gradients into 28593 buckets, each a "
                           r"collective call of its own; more than 4096")])
 def test_a_bad_override_names_its_key(key, value, message):

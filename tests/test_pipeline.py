@@ -128,6 +128,27 @@ def test_gradient_through_a_pipeline_of_layers_not_finite_at_zero_equals_unshard
                                atol=1e-12)
 
 
+@pytest.mark.parametrize("ring", [False, True])
+def test_one_pipeline_step_hands_each_output_to_the_next_stage(ring):
+    """Stage k multiplies by k + 1: every stage's output goes to the next stage, and the first
+    stage receives zeros, or with ring=True the last stage's output."""
+    n = 4
+    m = mesh(n)
+    scales = np.arange(1.0, n + 1).reshape(n, 1)  # one stage's parameters per device
+    x = np.random.default_rng(3).standard_normal((n, 3))
+
+    def body(scale, v):
+        return pipeline.pipeline_step(lambda s, c: s * c, scale, v, "i", ring=ring)
+
+    f = jax.jit(jax.shard_map(body, mesh=m, in_specs=(P("i"), P("i")),
+                              out_specs=(P("i"), P("i"))))
+    output, carry = f(shard(scales, m), shard(x, m))
+    expected = scales * x
+    np.testing.assert_array_equal(np.asarray(output), expected)
+    np.testing.assert_array_equal(np.asarray(carry), np.concatenate(
+        [expected[-1:] if ring else np.zeros((1, 3)), expected[:-1]]))
+
+
 @pytest.mark.parametrize("n", [1, 2, 4])
 def test_interleaved_streams_in_a_ring(n):
     """n autoregressive streams share an n-stage ring: stream k enters stage 0 at tick k, and what
