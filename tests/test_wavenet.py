@@ -41,9 +41,9 @@ ODD = dataclasses.replace(TINY, residual_channels=6, skip_channels=10, output_ch
 
 
 def test_dilations_double_within_each_cycle_from_1():
-    assert model.dilations(dataclasses.replace(TINY, num_layers=7, dilation_cycle=3)) == (
-        1, 2, 4, 1, 2, 4, 1)
-    assert model.receptive_field(dataclasses.replace(TINY, num_layers=7, dilation_cycle=3)) == 16
+    config = dataclasses.replace(TINY, num_layers=7, dilation_cycle=3)
+    assert model.dilations(config) == (1, 2, 4, 1, 2, 4, 1)
+    assert model.receptive_field(config) == 16
 
 
 def conditioning(config, batch, num_samples, seed):
