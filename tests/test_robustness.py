@@ -553,48 +553,47 @@ _MANY_DEVICES = textwrap.dedent("""
     from jax.sharding import NamedSharding, PartitionSpec as P
     for n in (5, 7, 16, 32):
         m = jax.make_mesh((n,), ("i",), devices=jax.devices()[:n])
+        sharded = lambda a: jax.device_put(a, NamedSharding(m, P("i")))
+        program = lambda body: jax.jit(jax.shard_map(body, mesh=m, in_specs=P("i"),
+                                                     out_specs=P("i")))
         x = np.random.default_rng(n).standard_normal((n * 1001,)).astype(np.float32)
+        y = np.random.default_rng(n + 1).standard_normal(n * n * 7).astype(np.float32)
+        xs, ys = sharded(x), sharded(y)
         # Every device's copy (a row each), which must hold the same bits.
-        f = jax.jit(jax.shard_map(lambda v: jaxring.all_reduce(v, "i")[None], mesh=m,
-                                  in_specs=P("i"), out_specs=P("i")))
-        xs = jax.device_put(x, NamedSharding(m, P("i")))
+        f = program(lambda v: jaxring.all_reduce(v, "i")[None])
+        # Over 8 sources the fold runs in groups; the mean scales only the last one's.
+        mean = program(lambda v: jaxring.all_reduce(v, "i", "mean")[None])
+        # The grouped fold for the other ops and dtypes, and for reduce_scatter. The programs
+        # are compiled once: the algorithm is chosen as they run.
+        folds = {(op, dtype): program(lambda v, op=op, dtype=dtype: jaxring.all_reduce(
+                     (v * 1000).astype(dtype), "i", op)[None])
+                 for op, dtype in (("max", np.float32), ("min", np.float32), ("sum", np.int32),
+                                   ("sum", jnp.bfloat16))}
+        scatter = program(lambda v: jaxring.reduce_scatter(v, "i"))
+        per_device = x.reshape(n, -1)
         for algorithm in ("direct", "ring"):
             with jaxring.config.override(algorithm=algorithm):
                 got = np.asarray(f(xs))
+                means = np.asarray(mean(xs))
+                folded = {case: np.asarray(g(xs)) for case, g in folds.items()}
+                scattered = np.asarray(scatter(ys))
             assert (got == got[0]).all(), (n, algorithm, "devices disagree")
             expected = x.astype(np.float64).reshape(n, -1).sum(0)
             err = np.max(np.abs(got - expected) / np.maximum(np.abs(expected), 1))
             assert err < 1e-5 * n, (n, algorithm, err)
-            # Over 8 sources the fold runs in groups; the mean scales only the last one's.
-            mean = jax.jit(jax.shard_map(lambda v: jaxring.all_reduce(v, "i", "mean")[None],
-                                         mesh=m, in_specs=P("i"), out_specs=P("i")))
-            with jaxring.config.override(algorithm=algorithm):
-                assert np.array_equal(np.asarray(mean(xs)), got / np.float32(n)), (n, algorithm)
-            # The grouped fold for the other ops and dtypes, and for reduce_scatter.
-            per_device = x.reshape(n, -1)
-            for op, dtype in (("max", np.float32), ("min", np.float32), ("sum", np.int32),
-                              ("sum", jnp.bfloat16)):
-                g = jax.jit(jax.shard_map(
-                    lambda v: jaxring.all_reduce((v * 1000).astype(dtype), "i", op)[None],
-                    mesh=m, in_specs=P("i"), out_specs=P("i")))
-                with jaxring.config.override(algorithm=algorithm):
-                    got = np.asarray(g(xs))
+            assert np.array_equal(means, got / np.float32(n)), (n, algorithm)
+            for (op, dtype), out in folded.items():
                 case = (n, algorithm, op, str(dtype))
-                assert (got == got[0]).all(), case + ("devices disagree",)
+                assert (out == out[0]).all(), case + ("devices disagree",)
                 inputs = (per_device * 1000).astype(dtype).astype(np.float64)
                 expected = getattr(inputs, op)(0)
                 if dtype == jnp.bfloat16:  # summed in float32 and rounded once
-                    np.testing.assert_allclose(got.astype(np.float64), np.broadcast_to(
-                        expected, got.shape), rtol=2.0 ** -8, atol=1e-2 * n, err_msg=str(case))
+                    np.testing.assert_allclose(out.astype(np.float64), np.broadcast_to(
+                        expected, out.shape), rtol=2.0 ** -8, atol=1e-2 * n, err_msg=str(case))
                 else:
-                    assert np.array_equal(got, np.broadcast_to(expected, got.shape)), case
-            y = np.random.default_rng(n + 1).standard_normal(n * n * 7).astype(np.float32)
-            h = jax.jit(jax.shard_map(lambda v: jaxring.reduce_scatter(v, "i"), mesh=m,
-                                      in_specs=P("i"), out_specs=P("i")))
-            with jaxring.config.override(algorithm=algorithm):
-                got = np.asarray(h(jax.device_put(y, NamedSharding(m, P("i")))))
+                    assert np.array_equal(out, np.broadcast_to(expected, out.shape)), case
             expected = y.astype(np.float64).reshape(n, -1).sum(0)
-            np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5 * n,
+            np.testing.assert_allclose(scattered, expected, rtol=1e-5, atol=1e-5 * n,
                                        err_msg=f"reduce_scatter {n} {algorithm}")
     print("ALL OK")
 """)
