@@ -95,6 +95,66 @@ def test_a_transcript_longer_than_max_label_length_is_an_error_not_cut():
         data.make_batch(dataset, [0, 1, 2], 4, 8, max_label_length=longest - 1)
 
 
+def test_training_refuses_a_transcript_too_long_before_its_first_step_and_evaluation_takes_it():
+    """A max_label_length below the longest training transcript failed only in the batch that
+    held it, late in the first epoch (SortaGrad runs short to long); evaluation, which decodes
+    without labels, refused test transcripts as long."""
+    dataset = random_dataset(np.random.default_rng(5), count=11)
+    longest = max(range(len(dataset)), key=lambda i: len(dataset.labels[i]))
+    n = len(dataset.labels[longest])
+    assert training._check_label_lengths(dataset, n) is None
+    with pytest.raises(ValueError, match=rf"max_label_length {n - 1} is below the {n} labels of "
+                                         rf"training utterance {longest} \('utt{longest}'\): "
+                                         rf"raise it to at least {n}"):
+        training._check_label_lengths(dataset, n - 1)
+    rows = 0
+    for batch in data.eval_batches(dataset, 4, 8):
+        widest = max(len(dataset.labels[int(t[3:])]) for t in batch.transcripts if t)
+        assert batch.labels.shape == (4, widest)
+        for row, name in enumerate(batch.transcripts):
+            if name:
+                labels = dataset.labels[int(name[3:])]
+                np.testing.assert_array_equal(batch.labels[row, :len(labels)], labels)
+                assert batch.label_mask[row].sum() == len(labels)
+                rows += 1
+    assert rows == len(dataset)
+
+
+def test_two_writers_of_one_cache_both_finish_and_a_stopped_one_leaves_no_cache(tmp_path,
+                                                                                  monkeypatch):
+    """Every writer of a data cache wrote one temporary name, so of two runs making the same
+    cache at once, the one that renamed second found nothing to rename (FileNotFoundError, 4
+    times in 4 in a review); WaveNet's wrote the cache's own name, so a run stopped mid-write
+    left a partial file that every later run took for the cache."""
+    from models import cache
+
+    path = tmp_path / "speech.npz"
+    first, second = (random_dataset(np.random.default_rng(seed), count=5) for seed in (1, 2))
+    savez = np.savez
+
+    def another_run_finishes_meanwhile(file, **arrays):
+        savez(file, **arrays)
+        monkeypatch.setattr(np, "savez", savez)
+        data.write_dataset(second, path)  # the other run writes and renames before this one
+
+    monkeypatch.setattr(np, "savez", another_run_finishes_meanwhile)
+    data.write_dataset(first, path)
+    stored = data.read_dataset(path)  # the last rename's: this run's
+    assert stored.transcripts == first.transcripts and all(
+        np.array_equal(a, b) for a, b in zip(stored.labels, first.labels))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["speech.npz"]
+    assert path.stat().st_mode & 0o777 == 0o644
+
+    def stopped(file, **arrays):
+        file.write(b"PK partial")
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(np, "savez", stopped)
+    with pytest.raises(KeyboardInterrupt):
+        cache.save_npz(tmp_path / "wavenet.npz", x=np.zeros(3))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["speech.npz"]
+
+
 def test_batches_sortagrad_then_shuffled_with_masks():
     rng = np.random.default_rng(0)
     dataset = random_dataset(rng, count=23)
@@ -342,6 +402,10 @@ def test_configs_from_tiny_to_paper():
     with pytest.raises(ValueError, match="unknown config key"):
         configs.get_config("tiny", nonsense=1)
     assert training.check_trainable(configs.get_config("tiny")) is None
+    # The ends of the optimiser's ranges that are in them: plain SGD steps, no annealing.
+    assert training.check_trainable(configs.get_config(
+        "tiny", optimizer="nesterov", momentum=0.0, learning_rate_decay_per_epoch=1.0,
+        seed=0, data_seed=0)) is None
     # Lists from Python are taken as the command line's, and refused alike.
     assert configs.Config(conv_kernels=[[3, 5]]).conv_kernels == ((3, 5),)
 
@@ -364,14 +428,29 @@ def test_configs_from_tiny_to_paper():
     ("train_utterances", "8", r"train_utterances \(8\) is below batch_size \(32\)"),
     ("train_utterances", "31", r"train_utterances \(31\) is below batch_size \(32\)"),
     ("bucket_bytes", "1", r"bucket_bytes 1 cuts the gradients into 28593 buckets, each a "
-                          r"collective call of its own; more than 4096")])
+                          r"collective call of its own; more than 4096"),
+    ("grad_clip_norm", "-1", r"grad_clip_norm must be above 0, got -1.0"),
+    ("grad_clip_norm", "0", r"grad_clip_norm must be above 0, got 0.0"),
+    ("learning_rate", "0", r"learning_rate must be above 0, got 0.0"),
+    ("learning_rate", "-0.001", r"learning_rate must be above 0, got -0.001"),
+    ("learning_rate", "nan", r"learning_rate must be above 0, got nan"),
+    ("learning_rate_decay_per_epoch", "0", r"learning_rate_decay_per_epoch must be in \(0, 1\]"),
+    ("learning_rate_decay_per_epoch", "1.2",
+     r"learning_rate_decay_per_epoch must be in \(0, 1\]: the factor .* got 1.2"),
+    ("momentum", "1", r"momentum must be in \[0, 1\), got 1.0"),
+    ("momentum", "-0.5", r"momentum must be in \[0, 1\), got -0.5"),
+    ("seed", "-1", r"seed must be at least 0, got -1"),
+    ("data_seed", "-1", r"data_seed must be at least 0, got -1")])
 def test_a_bad_override_names_its_key(key, value, message):
     """--set values that failed deep in parsing, data loading or training (int()'s message, a
     JSON decode error, a modulo by zero) without naming the key, or (a bare 16 for a tuple
     field) were taken and broke the model later. Conv settings of different lengths built as
     many convolutions as the shortest, while config.json recorded the others; too few training
     utterances for one batch trained nothing and wrote NaN losses; 1-byte buckets took minutes to
-    compile; an unknown optimizer was refused only after the data was synthesised."""
+    compile; an unknown optimizer was refused only after the data was synthesised. optax took a
+    negative clip norm (it flipped every gradient, so training climbed the loss), zero rates,
+    a decay above 1 (the rate grew each epoch) and momentum of 1; a negative seed failed only
+    after the data was made."""
     with pytest.raises(ValueError, match=message):  # as `train` checks a config, first of all
         training.check_trainable(configs.get_config("tiny", **{key: value}))
 
@@ -412,6 +491,23 @@ def test_transcribing_a_wav_without_samples_says_so(tmp_path):
     with pytest.raises(SystemExit, match=r"config.json describes no model this version builds: "
                                          r"conv_channels, conv_kernels and conv_strides"):
         main.main(["transcribe", "--workdir", str(tmp_path), str(wav)])
+
+
+def test_an_8_bit_wav_reads_as_the_same_signal_as_a_16_bit_one(tmp_path):
+    """scipy reads 8-bit PCM as unsigned samples centred on 128; transcribe took them as they
+    came, so the model saw a signal with a large offset (features off by 9.5 at most, in
+    normalised units, in a review)."""
+    import scipy.io.wavfile
+
+    from models.deepspeech import main
+
+    t = np.arange(4000) / 8000
+    signal = 0.8 * np.sin(2 * np.pi * 440 * t) * np.hanning(len(t))
+    scipy.io.wavfile.write(tmp_path / "16.wav", 8000, np.round(signal * 32767).astype(np.int16))
+    scipy.io.wavfile.write(tmp_path / "8.wav", 8000, np.round(signal * 127 + 128).astype(np.uint8))
+    wide, narrow = (main.read_wav(tmp_path / name, 8000) for name in ("16.wav", "8.wav"))
+    assert np.abs(wide).max() == pytest.approx(1.0)
+    np.testing.assert_allclose(narrow, wide, atol=2 / 127)  # 8 bits' rounding, after the peak
 
 
 def test_training_leaves_out_utterances_too_short_for_ctc_at_their_strides():

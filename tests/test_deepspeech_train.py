@@ -41,6 +41,13 @@ def test_loss_falls_runs_are_deterministic_and_resume_exactly(tmp_path, monkeypa
                                              r"\(32 training utterances after 16 left out"):
             training.train_and_evaluate(CONFIG, tmp_path / "b", cache, progress=False)
     resumed = training.train_and_evaluate(CONFIG, tmp_path / "b", cache, progress=False)
+    # A transcript longer than max_label_length is refused before the first step.
+    with pytest.raises(ValueError, match=r"max_label_length 4 is below the \d+ labels of "
+                                         r"training utterance \d+"):
+        training.train_and_evaluate(CONFIG.replace(max_label_length=4), tmp_path / "c", cache,
+                                    progress=False)
+    assert not (tmp_path / "c" / "checkpoints").exists() or not any(
+        (tmp_path / "c" / "checkpoints").iterdir())
     assert len(first) == 1 and len(resumed) == 3
     # Restored, not trained again: a rerun of the first epoch would give the same losses, but
     # not the same wall-clock time, which the restored history keeps.

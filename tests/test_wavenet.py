@@ -506,6 +506,14 @@ def test_the_configs_refuse_counts_below_one():
         dataclasses.replace(TINY, num_speakers=-1)
     with pytest.raises(ValueError, match=r"steps_per_epoch must be at least 1, got 0"):
         dataclasses.replace(get_config("tiny"), steps_per_epoch=0)
+    # Adam climbed the loss with a negative rate and stood still with 0; a negative seed failed
+    # in numpy after the data was made.
+    for rate in (0.0, -1e-3, float("nan")):
+        with pytest.raises(ValueError, match=rf"learning_rate must be above 0, got {rate}"):
+            dataclasses.replace(get_config("tiny"), learning_rate=rate)
+    with pytest.raises(ValueError, match=r"seed must be at least 0, got -1"):
+        dataclasses.replace(get_config("tiny"), seed=-1)
+    assert dataclasses.replace(get_config("tiny"), seed=0, learning_rate=1e-9).seed == 0
 
 
 def test_sampling_refuses_another_sample_rate_than_the_run_trained_at(tmp_path):

@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from models import espeak
+from models import cache, espeak
 
 # ---- characters --------------------------------------------------------------------------------
 
@@ -202,14 +202,12 @@ def generate(num_utterances: int, variants, seed: int, sample_rate: int,
 
 def write_dataset(dataset: Dataset, path: Path):
     """One .npz: features stored as float16 (half the disk, far below the features' noise)."""
-    temporary = path.with_suffix(".tmp.npz")
-    np.savez(temporary,
-             features=np.concatenate(dataset.features).astype(np.float16),
-             lengths=np.array([len(f) for f in dataset.features]),
-             labels=np.concatenate(dataset.labels),
-             label_lengths=np.array([len(lab) for lab in dataset.labels]),
-             transcripts=np.array(dataset.transcripts), voices=np.array(dataset.voices))
-    temporary.rename(path)
+    cache.save_npz(path,
+                   features=np.concatenate(dataset.features).astype(np.float16),
+                   lengths=np.array([len(f) for f in dataset.features]),
+                   labels=np.concatenate(dataset.labels),
+                   label_lengths=np.array([len(lab) for lab in dataset.labels]),
+                   transcripts=np.array(dataset.transcripts), voices=np.array(dataset.voices))
 
 
 def read_dataset(path: Path) -> Dataset:
@@ -232,7 +230,6 @@ def load(split: str, num_utterances: int, seed: int, sample_rate: int,
     digest = hashlib.sha256(key.encode()).hexdigest()[:16]
     path = Path(cache_dir) / f"speech-{split}-{num_utterances}-{digest}.npz"
     if not path.exists():
-        path.parent.mkdir(parents=True, exist_ok=True)
         write_dataset(generate(num_utterances, variants, split_seed, sample_rate,
                                f"synthesising {split}"), path)
     # Always read back what the cache holds, so a cached and a fresh run train identically.
@@ -256,10 +253,13 @@ def round_up(n: int, multiple: int) -> int:
 
 
 def make_batch(dataset: Dataset, indices, batch_size: int, frame_multiple: int,
-               max_label_length: int) -> Batch:
+               max_label_length: int | None) -> Batch:
     """Pads `indices` to `batch_size` rows (extra rows fully masked) and time to a multiple of
-    `frame_multiple`, so few distinct shapes reach jit."""
+    `frame_multiple`, so few distinct shapes reach jit. Labels are padded to `max_label_length`
+    (None: to the batch's longest, for decoding, which reads no labels)."""
     frames = round_up(max(len(dataset.features[i]) for i in indices), frame_multiple)
+    if max_label_length is None:
+        max_label_length = max(len(dataset.labels[i]) for i in indices)
     feature_dim = dataset.features[indices[0]].shape[1]
     batch = Batch(np.zeros((batch_size, frames, feature_dim), np.float32),
                   np.zeros((batch_size, frames), np.float32),
@@ -295,8 +295,11 @@ def train_batches(dataset: Dataset, batch_size: int, epoch: int, seed: int, fram
         yield make_batch(dataset, group, batch_size, frame_multiple, max_label_length)
 
 
-def eval_batches(dataset: Dataset, batch_size: int, frame_multiple: int, max_label_length: int):
-    """Every utterance once, in length order; the last batch is padded with masked rows."""
+def eval_batches(dataset: Dataset, batch_size: int, frame_multiple: int,
+                 max_label_length: int | None = None):
+    """Every utterance once, in length order; the last batch is padded with masked rows. Labels
+    are padded as `make_batch` pads them: with no `max_label_length`, no transcript is too long
+    (evaluation decodes without them)."""
     order = np.argsort([len(f) for f in dataset.features], kind="stable")
     for i in range(0, len(order), batch_size):
         yield make_batch(dataset, order[i:i + batch_size], batch_size, frame_multiple,

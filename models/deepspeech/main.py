@@ -69,8 +69,6 @@ def train(args):
 
 def transcribe(args):
     import numpy as np
-    import scipy.io.wavfile
-    import scipy.signal
 
     from models.deepspeech import configs, data, decoding
     from models.deepspeech import train as training
@@ -85,21 +83,12 @@ def transcribe(args):
     except ValueError as error:
         raise SystemExit(f"{workdir / 'config.json'} describes no model this version builds: "
                          f"{error}") from error
-    rate, audio = scipy.io.wavfile.read(args.wav)
-    audio = audio.astype(np.float32)
-    if audio.ndim == 2:
-        audio = audio.mean(axis=1)
-    if audio.size == 0:
-        raise SystemExit(f"{args.wav} holds no samples")
-    audio /= max(np.abs(audio).max(), 1e-9)
-    ratio = np.gcd(rate, config.sample_rate)
-    audio = scipy.signal.resample_poly(audio, config.sample_rate // ratio, rate // ratio)
-    features = data.log_spectrogram(audio, config.sample_rate)
+    features = data.log_spectrogram(read_wav(args.wav, config.sample_rate), config.sample_rate)
     model = training.create_model(config, seed=0)
     graphdef, params, batch_stats = nnx_split(model)
     template = {"params": params, "batch_stats": batch_stats}
-    manager = training.checkpoint_manager(workdir, read_only=True)
-    restored = training.restore_checkpoint(manager, _with_opt_state(config, template))
+    with training.checkpoint_manager(workdir, read_only=True) as manager:
+        restored = training.restore_checkpoint(manager, _with_opt_state(config, template))
     if restored is None:
         raise SystemExit(f"no checkpoint in {workdir / 'checkpoints'}")
     state = restored[1]
@@ -108,6 +97,24 @@ def transcribe(args):
                                                                             np.float32))
     print("greedy:", decoding.greedy_decode(log_probs, mask)[0])
     print("beam:  ", decoding.beam_decode(log_probs, mask, config.beam_width)[0])
+
+
+def read_wav(path, sample_rate: int):
+    """`path`'s samples as float32 at `sample_rate`, channels averaged, peak at 1."""
+    import numpy as np
+    import scipy.io.wavfile
+    import scipy.signal
+
+    rate, audio = scipy.io.wavfile.read(path)
+    # 8-bit PCM is unsigned, centred on 128: every other format is centred on 0.
+    audio = audio.astype(np.float32) - (128 if audio.dtype == np.uint8 else 0)
+    if audio.ndim == 2:
+        audio = audio.mean(axis=1)
+    if audio.size == 0:
+        raise SystemExit(f"{path} holds no samples")
+    audio /= max(np.abs(audio).max(), 1e-9)
+    ratio = np.gcd(rate, sample_rate)
+    return scipy.signal.resample_poly(audio, sample_rate // ratio, rate // ratio)
 
 
 def nnx_split(model):

@@ -57,10 +57,12 @@ MAX_GRADIENT_CALLS = 4096
 def check_trainable(config: Config) -> None:
     """Refuses, before any data is made, settings that would train nothing or fail only after
     minutes of data synthesis: an unknown optimizer, fewer training utterances than one batch
-    (it trained nothing and wrote NaN losses), a negative beam_utterances, or buckets so small
-    that the gradients' collective calls could not be compiled in reasonable time."""
+    (it trained nothing and wrote NaN losses), a negative beam_utterances, optimiser settings
+    that train wrongly (`_check_optimisation`), or buckets so small that the gradients'
+    collective calls could not be compiled in reasonable time."""
     if config.optimizer not in OPTIMIZERS:
         raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {config.optimizer!r}")
+    _check_optimisation(config)
     if config.beam_utterances < 0:
         raise ValueError(f"beam_utterances must be at least 0 (0: no beam search), got "
                          f"{config.beam_utterances}")
@@ -75,6 +77,35 @@ def check_trainable(config: Config) -> None:
         raise ValueError(f"bucket_bytes {config.bucket_bytes} cuts the gradients into {calls} "
                          f"buckets, each a collective call of its own; more than "
                          f"{MAX_GRADIENT_CALLS} make a program that takes minutes to compile")
+
+
+def _check_label_lengths(train_set: data.Dataset, max_label_length: int) -> None:
+    """Refuses, before the first step, a training transcript longer than max_label_length: the
+    batch that held it failed, and SortaGrad puts the longest last in the first epoch."""
+    longest = max(range(len(train_set)), key=lambda i: len(train_set.labels[i]), default=None)
+    if longest is not None and len(train_set.labels[longest]) > max_label_length:
+        raise ValueError(f"max_label_length {max_label_length} is below the "
+                         f"{len(train_set.labels[longest])} labels of training utterance "
+                         f"{longest} ({train_set.transcripts[longest]!r}): raise it to at least "
+                         f"{len(train_set.labels[longest])}")
+
+
+def _check_optimisation(config: Config) -> None:
+    """Settings optax takes without a word but trains wrongly with: a negative clip norm flips
+    every gradient (training climbs the loss), a zero one or a zero rate never updates, a decay
+    above 1 (1.2 for the paper's "annealed by 1.2") grows the rate every epoch, momentum of 1 or
+    more diverges. A negative seed failed only after the data was made."""
+    for key, bad, rule in (
+            ("learning_rate", not config.learning_rate > 0, "above 0"),
+            ("grad_clip_norm", not config.grad_clip_norm > 0, "above 0"),
+            ("learning_rate_decay_per_epoch", not 0 < config.learning_rate_decay_per_epoch <= 1,
+             "in (0, 1]: the factor the rate is multiplied by each epoch (1/1.2 anneals it "
+             "by 1.2)"),
+            ("momentum", not 0 <= config.momentum < 1, "in [0, 1)"),
+            ("seed", config.seed < 0, "at least 0"),
+            ("data_seed", config.data_seed < 0, "at least 0")):
+        if bad:
+            raise ValueError(f"{key} must be {rule}, got {getattr(config, key)}")
 
 
 def create_optimizer(config: Config, steps_per_epoch: int) -> optax.GradientTransformation:
@@ -300,8 +331,7 @@ def evaluate(graphdef, params, batch_stats, dataset, config: Config, beam: bool 
                                                decoding.ErrorRates(), decoding.ErrorRates())
     unseen_utterances = beamed = 0
     beam_left = config.beam_utterances if beam else 0
-    for batch in data.eval_batches(dataset, config.batch_size, config.frame_multiple,
-                                   config.max_label_length):
+    for batch in data.eval_batches(dataset, config.batch_size, config.frame_multiple):
         log_probs, mask = predict_log_probs(graphdef, params, batch_stats, batch.features,
                                             batch.feature_mask)
         real = [i for i, t in enumerate(batch.transcripts) if t]
@@ -459,6 +489,7 @@ def train(config: Config, workdir: str | Path, cache_dir: str | Path | None = No
         warnings.warn(f"{unalignable} training utterances are left out: conv_strides "
                       f"{list(config.conv_strides)} leave them fewer frames than CTC needs for "
                       "their transcripts")
+    _check_label_lengths(train_set, config.max_label_length)
     seen = frozenset(train_set.transcripts)  # evaluation also scores the test's other sentences
     steps_per_epoch = len(train_set) // config.batch_size
     if steps_per_epoch == 0:  # all but a few left out for CTC (check_trainable counted them all)

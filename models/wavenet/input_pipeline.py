@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 from scipy import signal
 
-from models import espeak
+from models import cache, espeak
 from models.wavenet import audio
 from models.wavenet.configs.default import Config
 
@@ -111,8 +111,7 @@ def load_dataset(config: Config, cache_dir) -> dict[str, np.ndarray]:
                                   levels)
         for name, clips in zip(SPLITS, (train, test, test_synthetic))
     }
-    path.parent.mkdir(parents=True, exist_ok=True)
-    np.savez(path, **dataset)
+    cache.save_npz(path, **dataset)
     return dataset
 
 

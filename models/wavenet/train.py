@@ -108,7 +108,9 @@ def restore(manager: ocp.CheckpointManager, net, optimizer) -> int:
 def load_weights(workdir, config: Config) -> dict:
     """The newest checkpoint's weights as the samplers' plain dictionary."""
     net, optimizer = create_model(config)
-    if restore(checkpoint_manager(workdir, read_only=True), net, optimizer) == 0:
+    with checkpoint_manager(workdir, read_only=True) as manager:
+        restored = restore(manager, net, optimizer)
+    if restored == 0:
         raise FileNotFoundError(f"no checkpoint under {Path(workdir) / 'checkpoints'}")
     return net.weights()
 
@@ -192,4 +194,5 @@ def train_and_evaluate(config: Config, workdir) -> list[dict]:
                 nnx.to_pure_dict(training_state(net, optimizer))))
             manager.wait_until_finished()
         plot_learning_curve(workdir / "learning_curve.png", history)
+    manager.close()
     return history

@@ -58,9 +58,12 @@ class Config:
         # or failed in numpy or espeak-ng, after config.json had kept them (a review).
         _check_counts(self, ("sample_rate", "crop_length", "batch_size", "num_epochs",
                              "steps_per_epoch", "eval_crops", "utterances_per_voice",
-                             "checkpoint_every_epochs"), ())
+                             "checkpoint_every_epochs"), ("seed",))
         if not self.synthetic_seconds >= 0:
             raise ValueError(f"synthetic_seconds must be at least 0, got {self.synthetic_seconds}")
+        # Adam took a negative or zero rate without a word: it climbed the loss, or stood still.
+        if not self.learning_rate > 0:
+            raise ValueError(f"learning_rate must be above 0, got {self.learning_rate}")
 
 
 def get_config() -> Config:
