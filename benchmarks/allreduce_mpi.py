@@ -31,6 +31,7 @@ benchmarks/results/allreduce_mpi-cpu-n{N}.{json,md,png}.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import time
@@ -259,7 +260,15 @@ def main() -> None:
     parser.add_argument("--sizes", type=int, nargs="*", help="bytes per rank (default: 4 B..64 MiB)")
     parser.add_argument("--name", default=None,
                         help="results file (default allreduce_mpi-cpu-n{N}[-bound])")
+    parser.add_argument("--render", nargs="+", metavar="NAME",
+                        help="measure nothing: rewrite each results/NAME.md from its JSON")
     args = parser.parse_args()
+    if args.render:
+        for name in args.render:
+            run = json.loads((RESULTS / f"{name}.json").read_text())
+            (RESULTS / f"{name}.md").write_text(markdown(
+                run["rows"], run["environment"], run["ranks"], run["copy_bandwidth_gbps"]))
+        return
     n = COMM.size
     sizes = args.sizes or ([4, 4096, 1 << 20, 4 << 20] if args.quick else
                            [4 ** k for k in range(1, 14)])
@@ -313,7 +322,8 @@ def lone_floor(rows, nbytes: int, huge_pages: int) -> float | None:
     the launch, alone and followed by the exchange or the traffic (common.launch_floors)."""
     by = {(r["impl"], r["bytes"]): r["seconds"] for r in rows if not r.get("per_op")}
     floors = [by[(EFFECT_FLOOR, nbytes)] if nbytes < huge_pages else None,
-              looped_floor(rows, nbytes, COPY_FLOOR), *launch_floors(rows, nbytes).values()]
+              looped_floor(rows, nbytes, COPY_FLOOR),
+              *launch_floors(rows, nbytes, huge_pages).values()]
     standing = [f for f in floors if f is not None and f <= by[("jaxring.all_reduce", nbytes)]]
     return max(standing, default=None)
 

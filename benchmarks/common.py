@@ -220,19 +220,25 @@ def exchange_reads(ranks: int) -> float:
 TRAFFIC_FLOOR = "traffic floor"
 
 
-def launch_floors(rows: list[dict], nbytes: int) -> dict[str, float | None]:
+def launch_floors(rows: list[dict], nbytes: int,
+                  huge_page_bytes: int) -> dict[str, float | None]:
     """The floors under a lone all-reduce of `nbytes` in one run of allreduce_mpi.py that start
     with its launch: `launch`, the least `effect floor` or `launch floor` at this size or a
-    smaller one (a lone call's launch does not shrink as the message grows; XLA copies the launch
-    floor's input into its output 2-3x slower than numpy at 1-4 MiB, so at its own size it would
-    overstate the launch); `launch+exchange`, the launch followed by the larger of the loop
+    smaller one below `huge_page_bytes` (a lone call's launch does not shrink as the message
+    grows; XLA copies the launch floor's input into its output 2-3x slower than numpy at 1-4 MiB,
+    so at its own size it would overstate the launch, and from `huge_page_bytes` it pages its
+    output in 4 KiB at a time where jaxring's takes huge pages: a run of large sizes alone has no
+    launch floor); `launch+exchange`, the launch followed by the larger of the loop
     table's `exchange floor` and the lone `exchange floor, fresh output`; and `launch+traffic`,
     the launch followed by the loop table's `traffic floor` (up to 4 MiB). A lone call launches,
     then moves its data, and moves at least what one in a loop moves, so the loop table's floors
     bound that part as they bound the loop's rows. None where a floor was not measured."""
     lone = {(r["impl"], r["bytes"]): r["seconds"] for r in rows if not r.get("per_op")}
-    launch = min(t for (m, b), t in lone.items()
-                 if b <= nbytes and m in (EFFECT_FLOOR, LAUNCH_FLOOR))
+    launch = min((t for (m, b), t in lone.items()
+                  if b <= nbytes and b < huge_page_bytes and m in (EFFECT_FLOOR, LAUNCH_FLOOR)),
+                 default=None)
+    if launch is None:
+        return {"launch": None, "launch+exchange": None, "launch+traffic": None}
     fresh = [t for (m, b), t in lone.items()
              if b == nbytes and m.startswith(FRESH_EXCHANGE_FLOOR)]
     moved = max(looped_floor(rows, nbytes, EXCHANGE_FLOOR) or 0.0, min(fresh, default=0.0))
@@ -317,6 +323,7 @@ def environment(mpi=None) -> dict:
     import jax
     import jaxlib
 
+    import jaxring
     from jaxring._src import native
 
     devices = jax.devices()
@@ -340,6 +347,10 @@ def environment(mpi=None) -> dict:
         "jaxlib": jaxlib.__version__,
         "numpy": np.__version__,
         "jaxring_commit": code_version(),
+        "jaxring_build_id": native.build_id(),  # a hash of the native sources that ran
+        # Settings that differ from jaxring.config's defaults (JAXRING_* variables, say).
+        "jaxring_config_changed": {key: value for key, value in vars(jaxring.config.get()).items()
+                                   if value != getattr(jaxring.config.Config(), key)},
         "date": time.strftime("%Y-%m-%d"),
         "cpu_steal_percent": cpu_steal_percent(),
         **versions,
@@ -467,8 +478,8 @@ def medians_in_turns(cases: dict, budget_seconds: float = 0.5, min_rounds: int =
         one_clock = world.allreduce(node.size == world.size, op=MPI.LAND)
         node.Free()
     for name, fn in cases.items():
-        with context(name):
-            for _ in range(warmups):  # compilation and first-touch page faults
+        for _ in range(warmups):  # compilation and first-touch page faults
+            with context(name):  # around each call, as around each timed one (a fresh input)
                 fn()
     samples = {name: [] for name in cases}
     deadline = time.perf_counter() + budget_seconds * len(cases)

@@ -14,7 +14,9 @@ same for the row's floors, measured in the same run (the benchmarks' docstrings 
 programs that do less than the collective must, so that none can take less than the fastest way
 of doing what they do. `effect`: the collective's input in, an output of its shape out, and
 jaxring's ordered effect, with no communication; `launch`: the least effect floor at that size
-or a smaller one, since a lone call's launch does not shrink as the message grows (across
+or a smaller one whose output is below huge_page_bytes, since a lone call's launch does not
+shrink as the message grows (a run of large sizes alone has none: there the effect floor pages
+its output in 4 KiB at a time, which jaxring's huge pages do not, and is no launch; across
 processes also a program that carries the effect and returns its input); `local` (all_reduce
 and reduce_scatter in one process): jaxring's own call on an axis of one device, each device
 copying the output's size, the same effect, FFI call and output without communicating, shown
@@ -131,8 +133,8 @@ def in_process_rows(run: dict) -> dict:
     """(table, collective, n, bytes) -> (jaxring / target, {floor kind: floor / target}) for one
     run of allreduce.py. The target is issue2_target() x the twin's time. A lone row's floors: the
     `effect` floor at its size (below huge_page_bytes outputs, see allreduce.py), the `launch`
-    (the least effect floor at its size or a smaller one: a lone call's launch does not shrink as
-    the message grows), the `local` floor (jaxring's own call on an axis of one device, at every
+    (the least effect floor at its size or a smaller one, with an output below huge_page_bytes:
+    a lone call's launch does not shrink as the message grows), the `local` floor (jaxring's own call on an axis of one device, at every
     size: its output is jaxring's; not all_gather's, which two runs also timed, since it reads
     n x the memory the collective reads: allreduce.py's LOCAL), the `native` floor of
     reduce_scatter and all_gather (their local part in a native call with the effect, at every
@@ -159,7 +161,8 @@ def in_process_rows(run: dict) -> dict:
             floors = {"effect": (by.get((n, nbytes, effect))
                                  if output_bytes(collective, n, nbytes) < huge else None),
                       "launch": min((t for (m, s, c), t in by.items()
-                                     if m == n and c == effect and s <= nbytes), default=None),
+                                     if m == n and c == effect and s <= nbytes
+                                     and output_bytes(collective, n, s) < huge), default=None),
                       "local": (by.get((n, nbytes, f"local floor[{collective}]"))
                                 if collective != "all_gather" else None),
                       "native": (by.get((n, nbytes, f"native floor[{collective}]"))
@@ -179,7 +182,7 @@ def mpi_rows(run: dict) -> dict:
     """(table, bytes) -> (jaxring / target, {floor kind: floor / target}) for one run of
     allreduce_mpi.py, the target being issue3_target() of the same table's mpi4jax and mpi4py
     times. A lone row's floors: the `effect` floor below huge_page_bytes, the `launch` (the least
-    effect or launch floor at its size or a smaller one), from 16 MiB the loop table's `copy`
+    effect or launch floor at its size or a smaller one, below huge_page_bytes), from 16 MiB the loop table's `copy`
     floor, `launch+exchange`: the launch, then the larger of the loop table's exchange floor
     (a lone all-reduce moves at least what one in a loop does) and, from 16 MiB, the exchange
     into a fresh output, and `launch+traffic`: the launch, then the loop table's traffic floor
@@ -199,7 +202,7 @@ def mpi_rows(run: dict) -> dict:
                                 by[("mpi4py Allreduce", nbytes)], nbytes)
         floors = {"effect": by[(EFFECT_FLOOR, nbytes)] if nbytes < HUGE_PAGE_BYTES else None,
                   "copy": looped_floor(rows, nbytes, "copy floor"),
-                  **launch_floors(rows, nbytes)}
+                  **launch_floors(rows, nbytes, HUGE_PAGE_BYTES)}
         out[("lone", nbytes)] = (by[("jaxring.all_reduce", nbytes)] / allowed,
                                  ratios(floors, allowed, one_read))
     for nbytes in sorted({r["bytes"] for r in rows if r.get("per_op")}):
@@ -368,8 +371,8 @@ def markdown(issue2: list[dict], n_in_process: int, issue3: dict, n_mpi: dict,
         "jaxring's ordered effect, or nothing that moves the bytes, meets it on this machine); "
         "`unmet`. Floor kinds (the docstring of `targets.py` says more): `effect`, a program with"
         " jaxring's ordered effect that takes the input and writes the output without "
-        "communicating; `launch`, the least effect floor at that size or a smaller one (a lone "
-        "call's launch does not shrink as the message grows; across processes also a program that"
+        "communicating; `launch`, the least effect floor at that size or a smaller one, with an "
+        "output below huge_page_bytes (a lone call's launch does not shrink as the message grows; across processes also a program that"
         " carries the effect and returns its input); `local` (all_reduce and reduce_scatter), "
         "jaxring's own call on an axis of one device, copying the output's size without "
         "communicating, shown as `jaxring's own floors` but never grounds for `impossible`, "
