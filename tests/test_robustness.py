@@ -291,6 +291,121 @@ def test_remembered_runs_go_with_their_function():
     assert not mine & set(remembered)
 
 
+def test_a_jitted_functions_clear_cache_forgets_the_remembered_runs():
+    """f.clear_cache() empties JAX's cache of traced programs (every function's), so that no
+    later call found the remembered runs, which kept their executables alive: one more with
+    every clear_cache(), where JAX's path freed them (a review's loop)."""
+    import gc
+    import weakref
+
+    import jax._src.pjit as jax_pjit
+    from jax._src.interpreters import pxla
+
+    if not hasattr(jax_pjit._run_python_pjit, "remembered"):
+        pytest.skip("JAX's dispatch path differs from what runtime_tokens._remembered_runs expects")
+    remembered = jax_pjit._run_python_pjit.remembered.entries
+    m = mesh(4)
+    f = jax.jit(jax.shard_map(lambda v: jaxring.all_reduce(v, "i"), mesh=m, in_specs=P("i"),
+                              out_specs=P()))
+    xs = np.random.default_rng(3).standard_normal((4, 8)).astype(np.float32)
+    executables = []
+    for x in xs:
+        before = set(remembered)
+        np.testing.assert_array_equal(np.asarray(f(shard(x, m))), x.reshape(4, 2).sum(0))
+        np.testing.assert_array_equal(np.asarray(f(shard(x, m))), x.reshape(4, 2).sum(0))
+        (key,) = set(remembered) - before
+        executables.append(weakref.ref(remembered[key][1]))
+        assert isinstance(remembered[key][1], pxla.MeshExecutable)
+        f.clear_cache()
+        assert key not in remembered
+    gc.collect()
+    assert [e() for e in executables] == [None] * len(xs)
+
+
+_CONSTANT_ARGUMENTS = textwrap.dedent("""
+    import os
+    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
+    os.environ["JAX_USE_SIMPLIFIED_JAXPR_CONSTANTS"] = "1"  # read as jax is imported
+    import jax, numpy as np, jaxring
+    import jax._src.pjit as jax_pjit
+    from jax.sharding import NamedSharding, PartitionSpec as P
+    remembered = getattr(jax_pjit._run_python_pjit, "remembered", None)
+    if remembered is None:
+        print("SKIP")
+        raise SystemExit
+    m = jax.make_mesh((4,), ("i",), devices=jax.devices()[:4])
+    inner = jax.shard_map(lambda v: jaxring.all_reduce(v, "i"), mesh=m, in_specs=P("i"),
+                          out_specs=P())
+    # Large enough not to be inlined into the program as a literal.
+    x = np.random.default_rng(4).standard_normal(4096).astype(np.float32)
+    scale = jax.device_put(np.full(4096, 3.0, np.float32), NamedSharding(m, P()))
+    f = jax.jit(lambda v: inner(v * scale))
+    for _ in range(3):
+        got = np.asarray(f(jax.device_put(x, NamedSharding(m, P("i")))))
+        np.testing.assert_allclose(got, (3 * x).reshape(4, 1024).sum(0), rtol=1e-5, atol=1e-5)
+    assert not remembered.entries, remembered.entries
+    scale.delete()
+    try:
+        f(jax.device_put(x, NamedSharding(m, P("i"))))
+    except RuntimeError as error:
+        assert "deleted" in str(error), error
+        print("ALL OK")
+""")
+
+
+def test_a_program_with_constant_arguments_is_not_remembered():
+    """With jax_use_simplified_jaxpr_constants, JAX passes the arrays a function closes over as
+    arguments, sent to the devices on every call. A remembered run reused the first call's, so
+    a closed-over array deleted since ran as a program with a missing shard ("Expected args to
+    execute_sharded_on_local_devices to have 4 shards"), where JAX's path names the deletion."""
+    result = subprocess.run([sys.executable, "-c", _CONSTANT_ARGUMENTS], capture_output=True,
+                            text=True, timeout=600)
+    if "SKIP" in result.stdout:
+        pytest.skip("JAX's dispatch path differs from what runtime_tokens._remembered_runs expects")
+    assert result.returncode == 0 and "ALL OK" in result.stdout, result.stderr[-3000:]
+
+
+def test_clearing_the_remembered_runs_while_another_thread_adds_one():
+    """cache_clear iterated over the functions' key sets while another thread's first call of a
+    function added one, or a function's death dropped one: "dictionary changed size during
+    iteration", from jax.clear_caches() or when the 256 entries filled up."""
+    remembered = runtime_tokens._Remembered()
+
+    class Function:  # the jitted functions' stand-ins: weakly referable
+        pass
+
+    kept = [Function() for _ in range(2000)]
+    for i, fun in enumerate(kept):
+        assert remembered.own(fun, i)
+        remembered.entries[i] = i
+    errors, clears, done = [], [], threading.Event()
+
+    def clear():
+        while not done.is_set():
+            try:
+                remembered.cache_clear()
+            except RuntimeError as error:
+                errors.append(error)
+                return
+            clears.append(None)
+
+    clearer = threading.Thread(target=clear)
+    switch = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        clearer.start()
+        for j in range(20000):
+            remembered.own(Function(), ("short-lived", j))  # dropped at once: forget() runs
+            if errors:
+                break
+    finally:
+        done.set()
+        clearer.join()
+        sys.setswitchinterval(switch)
+    assert errors == [] and clears
+    assert not remembered.entries and all(not keys for keys in remembered.owners.values())
+
+
 def test_a_deleted_token_is_named():
     """The token among jax.live_arrays(), deleted with them, was reported as an earlier
     program's failure (a review's repro); reset_after_error starts a fresh one."""

@@ -127,8 +127,8 @@ def _expected_run() -> bool:
         run = inspect.signature(jax_pjit._run_python_pjit).parameters
     except (AttributeError, TypeError, ValueError):
         return False
-    return list(run) == ["p", "args_flat", "fun", "args", "kwargs"] and hasattr(
-        jax_pjit, "_pjit_call_impl_python")
+    return (list(run) == ["p", "args_flat", "fun", "args", "kwargs"]
+            and hasattr(jax_pjit, "_pjit_call_impl_python") and hasattr(jax_pjit, "jit_evict_fn"))
 
 
 _compiled_calls_guarded = False
@@ -267,7 +267,7 @@ def _run_with_token(call, token_handler, input_bufs):
 # How many (traced program, argument placement) pairs _remembered_runs keeps; past that it starts
 # afresh. Its entries hold what JAX's own caches hold too (traces and executables, and through
 # the traces the arrays a function closes over); they go with the jitted function, as JAX's do,
-# and jax.clear_caches() empties them with JAX's.
+# and jax.clear_caches() or a jitted function's clear_cache() empties them with JAX's.
 _REMEMBERED_RUNS = 256
 
 
@@ -330,7 +330,7 @@ class _Remembered:
 
     def cache_clear(self):
         self.entries.clear()
-        for keys in self.owners.values():
+        for keys in list(self.owners.values()):  # another thread's call may add or drop one
             keys.clear()
 
     def cache_info(self):
@@ -354,6 +354,17 @@ def _remembered_runs(jax_run, effect_type: type):
     if hasattr(jax_util, "register_cache"):
         jax_util.register_cache(remembered, "jaxring's remembered runs")
     runs = remembered.entries
+    # A jitted function's clear_cache() empties JAX's cache of traced programs, every function's,
+    # so no later call finds an entry here: the entries would only keep their programs alive.
+    # (JAX sets its clear_cache on the jitted functions' class as it makes each one.)
+    jax_evict = jax_pjit.jit_evict_fn
+
+    def jit_evict_fn(self):
+        jax_evict(self)
+        remembered.cache_clear()
+
+    jax_pjit.jit_evict_fn = jit_evict_fn
+    type(jax.jit(lambda: None)).clear_cache = jit_evict_fn  # the functions made before
 
     def run(p, args_flat, fun, args, kwargs):
         key = _run_key(p, args_flat)
@@ -366,16 +377,18 @@ def _remembered_runs(jax_run, effect_type: type):
                 input_bufs = kept
             else:
                 input_bufs = call.in_handler(kept)
-                if passes is None:  # the key fixes what in_handler does with them
-                    passes = all(b is a for a, b in zip(input_bufs, kept))
-                    runs[key] = (*hit[:4], passes)
+                if passes is None and runs.get(key) is hit:  # not cleared meanwhile
+                    # The key fixes what in_handler does with them.
+                    runs[key] = (*hit[:4], all(b is a for a, b in zip(input_bufs, kept)))
             out_flat = _run_with_token(call, token_handler, input_bufs)
             return (tree_util.tree_unflatten(p.out_tree, out_flat), out_flat, p.out_tree,
                     args_flat, p.params["jaxpr"], compiled, None, const_args)
         result = jax_run(p, args_flat, fun, args, kwargs)
         compiled = result[5] if len(result) == 8 and result[6] is None else None
         call = getattr(compiled, "unsafe_call", None)
-        if (key is not None and isinstance(compiled, pxla.MeshExecutable)
+        # Not with constants passed as arguments (jax_use_simplified_jaxpr_constants): JAX's
+        # path sends them to the devices on every call, so it sees one changed or deleted since.
+        if (key is not None and not result[7] and isinstance(compiled, pxla.MeshExecutable)
                 and isinstance(call, pxla.ExecuteReplicated) and _only_effect(call, effect_type)):
             try:
                 token_handler = _token_handler(tuple(call._local_devices))
