@@ -12,7 +12,9 @@ from flax import nnx
 
 from models.deepspeech import configs, data, decoding
 from models.deepspeech import train as training
-from models.deepspeech.model import DeepSpeech2, conv_padding, ctc_loss_per_utterance
+from models.deepspeech.model import (BidirectionalGRU, DeepSpeech2, SequenceBatchNorm,
+                                     clipped_relu, conv_padding, ctc_loss_per_utterance,
+                                     same_padding)
 
 TINY_MODEL = dict(conv_channels=(4,), conv_kernels=((5, 7),), conv_strides=((2, 2),),
                   rnn_layers=2, rnn_hidden=12, dense=16)
@@ -541,3 +543,117 @@ def test_training_leaves_out_utterances_too_short_for_ctc_at_their_strides():
     losses = np.asarray(ctc_loss_per_utterance(logits, logit_mask, label_array, label_mask))
     feasible = np.array(left) >= np.array(needed)
     assert losses[~feasible].min() > 1e4 > losses[feasible].max()
+
+
+# ---- the model's arithmetic (a mutation review of models/deepspeech/model.py) ---------------
+
+
+def perturbed(module, seed):
+    """`module` with every parameter and statistic moved off its initial value (zero biases, unit
+    variances), which hid terms that vanish at initialisation; variances stay positive."""
+    graphdef, params, stats = nnx.split(module, nnx.Param, nnx.BatchStat)
+    rng = np.random.default_rng(seed)
+    params = jax.tree.map(
+        lambda x: x + 0.3 * rng.standard_normal(x.shape).astype(np.float32), params)
+    stats = jax.tree.map(
+        lambda x: x + 0.3 * np.abs(rng.standard_normal(x.shape)).astype(np.float32), stats)
+    return nnx.merge(graphdef, params, stats)
+
+
+def sigmoid(v):
+    return 1 / (1 + np.exp(-v))
+
+
+def gru_reference(gru, x, mask):
+    """BidirectionalGRU in float64 numpy, frame by frame, from the paper's equations (DS2 section
+    3.1, GRU of Cho et al.): z = s(W_z x + U_z h + b_z), r = s(W_r x + U_r h + b_r),
+    n = tanh(W_n x + r (U_n h + b_n)), h' = (1 - z) h + z n, the input projection W x normalised
+    by the running statistics (train=False); the backward direction runs over each utterance's
+    real frames from its last; outputs of both directions summed, zero on padded frames."""
+    hidden = gru.hidden
+    f64 = lambda v: np.asarray(v, np.float64)
+    p = f64(x) @ f64(gru.input_projection.kernel[...])
+    norm = gru.norm
+    p = ((p - f64(norm.mean[...])) / np.sqrt(f64(norm.var[...]) + norm.epsilon)
+         * f64(norm.scale[...]) + f64(norm.bias[...]))
+    recurrent, bias = f64(gru.recurrent[...]), f64(gru.recurrent_bias[...])
+    batch, time, _ = x.shape
+    out = np.zeros((batch, time, hidden))
+    for b in range(batch):
+        real = int(mask[b].sum())
+        for d, frames in ((0, range(real)), (1, range(real - 1, -1, -1))):
+            h = np.zeros(hidden)
+            for t in frames:
+                xz, xr, xn = np.split(p[b, t, d * 3 * hidden:(d + 1) * 3 * hidden], 3)
+                hz, hr, hn = np.split(h @ recurrent[d] + bias[d], 3)
+                z, r = sigmoid(xz + hz), sigmoid(xr + hr)
+                n = np.tanh(xn + r * hn)
+                h = (1 - z) * h + z * n
+                out[b, t] += h
+    return out
+
+
+# Kills ds05 (reset gate dropped), ds06 (update gate swapped), ds07 (the backward direction fed
+# the forward direction's projection) and ds03 (padding let into the recurrence): every element
+# against a float64 reference, on utterances of different lengths.
+def test_bidirectional_gru_against_a_float64_reference():
+    gru = perturbed(BidirectionalGRU(5, 4, rngs=nnx.Rngs(0)), seed=1)
+    rng = np.random.default_rng(2)
+    x = rng.standard_normal((3, 7, 5)).astype(np.float32)
+    mask = (np.arange(7)[None, :] < np.array([[7], [4], [1]])).astype(np.float32)
+    x = x * mask[..., None] + 50 * (1 - mask[..., None])  # padding of any value
+    y = nnx.jit(lambda m, v, k: m(v, k, train=False))(gru, jnp.asarray(x), jnp.asarray(mask))
+    np.testing.assert_allclose(np.asarray(y), gru_reference(gru, x, mask), rtol=1e-5, atol=1e-5)
+
+
+# Kills ds03 through the whole model: the padding test, with parameters off their initial values
+# (a fresh model's zero biases kept a recurrence fed zeros at zero, mask or no mask).
+@pytest.mark.parametrize("layers", [TINY_MODEL, TWO_CONVS], ids=["one-conv", "two-convs"])
+@pytest.mark.parametrize("train", [False, True])
+def test_padding_does_not_change_real_frames_of_trained_weights(layers, train):
+    rng = np.random.default_rng(3)
+    length, padded_length = 13, 24
+    features = rng.standard_normal((2, length, 17)).astype(np.float32)
+    padded = np.concatenate([features, 100 * rng.standard_normal((2, padded_length - length, 17))],
+                            1).astype(np.float32)
+    mask = np.concatenate([np.ones((2, length)), np.zeros((2, padded_length - length))], 1)
+
+    def run(f, m):
+        model = perturbed(DeepSpeech2(feature_size=17, num_classes=data.NUM_CLASSES,
+                                      rngs=nnx.Rngs(0), **layers), seed=4)
+        return apply(model, jnp.asarray(f), jnp.asarray(m, jnp.float32), train)
+
+    short, _ = run(features, mask[:, :length])
+    long, _ = run(padded, mask)
+    np.testing.assert_allclose(long[:, :short.shape[1]], short, rtol=1e-4, atol=1e-5)
+
+
+# Kills ds08 (the halves of "SAME" padding swapped): against XLA's own, odd totals included.
+def test_same_padding_is_xlas():
+    for size in range(1, 40):
+        for kernel in range(1, 12):
+            for stride in range(1, 5):
+                assert same_padding(size, kernel, stride) == tuple(jax.lax.padtype_to_pads(
+                    (size,), (kernel,), (stride,), "SAME")[0]), (size, kernel, stride)
+
+
+# Kills ds10 (the ReLU's clip at 20 dropped).
+def test_clipped_relu_clips_at_20():
+    x = jnp.asarray([-3.0, 0.0, 7.5, 20.0, 20.5, 1e6])
+    np.testing.assert_array_equal(np.asarray(clipped_relu(x)), [0.0, 0.0, 7.5, 20.0, 20.0, 20.0])
+
+
+# Kills ds13 (the running variance updated with the batch mean): the running statistics after
+# one training call, and the output, against float64 masked moments.
+def test_sequence_batch_norm_running_statistics():
+    norm = SequenceBatchNorm(3)
+    rng = np.random.default_rng(5)
+    x = (3 + 2 * rng.standard_normal((2, 5, 3))).astype(np.float32)
+    mask = (np.arange(5)[None, :] < np.array([[5], [2]])).astype(np.float32)
+    y = norm(jnp.asarray(x), jnp.asarray(mask), train=True)
+    real = np.asarray(x, np.float64)[mask > 0]
+    mean, var = real.mean(0), real.var(0)
+    np.testing.assert_allclose(np.asarray(norm.mean[...]), 0.01 * mean, rtol=1e-5)
+    np.testing.assert_allclose(np.asarray(norm.var[...]), 0.99 + 0.01 * var, rtol=1e-5)
+    expected = (x - mean) / np.sqrt(var + 1e-5) * mask[..., None]
+    np.testing.assert_allclose(np.asarray(y), expected, rtol=1e-4, atol=1e-5)

@@ -10,6 +10,7 @@ import re
 import shutil
 import sys
 import time
+import wave
 from pathlib import Path
 
 import jax
@@ -743,3 +744,128 @@ def test_training_loss_falls_and_resumes(tmp_path, monkeypatch):
     assert np.mean(steps[-5:]) < np.mean(steps[:5]) - 0.05
     assert resumed[-1]["test_nll"] < resumed[0]["test_nll"]
     assert (tmp_path / "resumed" / "learning_curve.png").stat().st_size > 0
+
+
+# Kills ws10 (gpu_emulation ignored), ws11 (portable ignored), ws12 (threads ignored) and ws13
+# (weight_dtype ignored): the tests that compare those paths with the naive sampler cannot tell
+# them from the default path, whose samples are the same, so the program must show that the
+# options reach the kernel.
+@pytest.mark.parametrize("portable,threads,weight_dtype,gpu_emulation", [
+    (True, 3, jnp.float16, True), (False, 1, jnp.float32, False)])
+def test_fused_passes_its_options_to_the_kernel(portable, threads, weight_dtype, gpu_emulation):
+    weights = model.init_weights(TINY, 0)
+    text = fused_sampler.sample_fused.lower(
+        weights, TINY, jax.random.key(0), 4, 2, portable=portable, threads=threads,
+        weight_dtype=weight_dtype, gpu_emulation=gpu_emulation).as_text()
+    calls = [line for line in text.splitlines() if "stablehlo.custom_call @jaxring_wavenet" in line]
+    assert len(calls) == 1, calls
+    target = fused_sampler.GPU_EMULATION_TARGET if gpu_emulation else fused_sampler.TARGET
+    assert f"custom_call @{target}(" in calls[0]
+    assert f"portable = {'true' if portable else 'false'}" in calls[0]
+    assert f"threads = {threads} : i64" in calls[0]
+    packed = re.search(r"\(tensor<\d+x(\w+)>", calls[0].split(" : ")[-1]).group(1)
+    assert packed == ("f16" if weight_dtype == jnp.float16 else "f32")
+
+
+# Kills ws13 behaviourally too: with weight_dtype=float16 the kernel rounds the packed weights
+# it is given unrounded (the existing test rounds them first, so a float32 kernel passes it).
+# The gate bias and speaker embeddings reach the kernel in float32 (gate_bias_per_stream), so
+# only they are rounded beforehand here.
+def test_fused_float16_rounds_the_packed_weights_it_is_given_unrounded():
+    config, batch = CONDITIONED, 2
+    weights = random_weights(config, seed=8)
+    key = jax.random.key(9)
+    speaker, local = conditioning(config, batch, NUM_SAMPLES, seed=10)
+    rounded = fused_sampler.round_weights(weights, jnp.float16)
+    given = dict(weights, layers=dict(weights["layers"], **{
+        name: rounded["layers"][name] for name in ("gate_bias", "speaker_embedding")}))
+    expected = sampler.sample_naive(rounded, config, key, NUM_SAMPLES, batch, speaker, local,
+                                    return_logits=True)
+    unrounded = sampler.sample_naive(given, config, key, NUM_SAMPLES, batch, speaker, local,
+                                     return_logits=True)
+    # the test can tell: rounding moves the logits by more than the tolerance
+    assert not np.allclose(np.asarray(expected[1]), np.asarray(unrounded[1]), rtol=LOGIT_RTOL,
+                           atol=LOGIT_ATOL)
+    fused = fused_sampler.sample_fused(given, config, key, NUM_SAMPLES, batch, speaker, local,
+                                       return_logits=True, weight_dtype=jnp.float16)
+    assert_same_samples(fused, expected)
+
+
+# Kills ws20 (local conditioning checked on its batch and length only).
+def test_every_sampler_refuses_local_conditioning_of_another_channel_count():
+    config, batch, num_samples = CONDITIONED, 2, 12
+    weights = random_weights(config, seed=33)
+    key = jax.random.key(34)
+    speaker, local = conditioning(config, batch, num_samples, seed=35)
+    for channels in (config.local_channels - 3, config.local_channels + 2):
+        bad = jnp.zeros((batch, num_samples, channels), jnp.float32)
+        for sample in every_sampler():
+            with pytest.raises(ValueError, match=rf"local conditioning must have shape .* = "
+                                                 rf"\({batch}, {num_samples}, "
+                                                 rf"{config.local_channels}\), got \({batch}, "
+                                                 rf"{num_samples}, {channels}\)"):
+                sample(weights, config, key, num_samples, batch, speaker=speaker, local=bad)
+
+
+# Kills au02 (mu_law_encode without its clip to [-1, 1]).
+def test_mu_law_encode_clips_out_of_range_audio():
+    codes = audio.mu_law_encode(np.array([-5.0, -1.0001, -1.0, 1.0, 1.0001, 5.0]))
+    np.testing.assert_array_equal(codes, [0, 0, 0, 255, 255, 255])
+    np.testing.assert_array_equal(audio.mu_law_encode(np.array([-2.0, 2.0]), levels=16), [0, 15])
+
+
+# Kills au05 (write_wav truncating instead of rounding): 16-bit PCM is the nearest level, and
+# the round trip is within half a level (the existing test allows a whole one).
+def test_wav_samples_round_to_the_nearest_pcm_level(tmp_path):
+    x = np.array([0.6 / 32767, -0.6 / 32767, 1000.7 / 32767, -1000.7 / 32767, 1.0, -1.0, 2.0])
+    path = audio.write_wav(tmp_path / "x.wav", x, 8000)
+    with wave.open(str(path), "rb") as source:
+        pcm = np.frombuffer(source.readframes(source.getnframes()), "<i2")
+    np.testing.assert_array_equal(pcm, [1, -1, 1001, -1001, 32767, -32767, 32767])
+    x = np.random.default_rng(1).uniform(-1, 1, 800)
+    y, _ = audio.read_wav(audio.write_wav(tmp_path / "y.wav", x, 8000))
+    assert np.abs(y - x).max() <= 0.5 / 32767 + 1e-9
+
+
+# Kills ip01 (random_crops never starting at the last start) and ip02 (evaluation_crops
+# accepting a stream as long as the span, with a negative start): the shortest stream that holds
+# a crop gives that one crop, one sample shorter is refused.
+def test_crops_of_the_shortest_stream_that_holds_them():
+    from models.wavenet import input_pipeline
+
+    context, length = 3, 5
+    stream = np.arange(context + length + 1)
+    rng = np.random.default_rng(0)
+    crops = input_pipeline.random_crops(stream, 4, length, rng, context)
+    np.testing.assert_array_equal(crops, np.tile(stream, (4, 1)))
+    np.testing.assert_array_equal(
+        input_pipeline.evaluation_crops(stream, 3, length, context), np.tile(stream, (3, 1)))
+    with pytest.raises(ValueError, match=r"a held-out stream of 8 samples is too short for a "
+                                         r"crop of 9 \(context 3 \+ length 5 \+ 1\)"):
+        input_pipeline.evaluation_crops(stream[:-1], 3, length, context)
+    # every start is drawn, the last one included
+    stream = np.arange(context + length + 3)
+    starts = {int(c[0]) for c in input_pipeline.random_crops(stream, 200, length, rng, context)}
+    assert starts == {0, 1, 2}
+
+
+# Kills ip04 (the training clips left in order: speech, then every synthetic clip).
+def test_training_stream_interleaves_speech_and_synthetic_clips(monkeypatch, tmp_path):
+    from models.wavenet import input_pipeline
+
+    def speech(voices, per_voice, rate, rng):
+        return [np.full(rate // 4, 0.5, np.float32) for _ in range(len(voices) * per_voice)]
+
+    def synthetic(seconds, rate, rng):
+        return [np.full(rate // 4, -0.5, np.float32) for _ in range(int(seconds * 2))]
+
+    monkeypatch.setattr(input_pipeline, "speech", speech)
+    monkeypatch.setattr(input_pipeline, "synthetic", synthetic)
+    config = get_config("tiny")
+    train = input_pipeline.load_dataset(config, tmp_path)["train"]
+    clip, silence = config.sample_rate // 4, config.sample_rate // 20
+    kinds = train[::clip + silence][:len(train) // (clip + silence)]
+    speech_code = audio.mu_law_encode(0.5)
+    assert set(kinds.tolist()) == {int(speech_code), int(audio.mu_law_encode(-0.5))}
+    positions = np.flatnonzero(kinds == speech_code)
+    assert positions.max() > np.flatnonzero(kinds != speech_code).min(), kinds  # interleaved

@@ -1235,3 +1235,153 @@ def test_the_benchmarks_exchange_floor_moves_what_it_claims(streamed):
             tail = slice(end - (end - at) * max(n - 2, 0) // n, end)
             want[tail] += second[tail]
         np.testing.assert_array_equal(out, want)
+
+
+# ---- set-up checks at their edges (a mutation review of jaxring/mpi.py) ----------------------
+
+
+# Kills mpi01 (`value < 8 * size` -> `value < 8`) and mpi02 (`> 1 << 62` -> `> 1 << 63`):
+# the bounds of slot_bytes at their edges, for rank counts the mpiexec runs never reach.
+def test_slot_bytes_bounds_at_their_edges():
+    check = jaxring.mpi._check_slot_bytes
+    check(128, 16)                                  # 8 x 16 ranks = 128: just enough
+    with pytest.raises(ValueError, match=r"at least 8 x 9 ranks = 72 bytes"):
+        check(64, 9)                                # a multiple of 64, but < 8 x 9
+    check(1 << 60, 1)                               # 2 x 2 x 2**60 = 2**62: the largest
+    with pytest.raises(ValueError, match=r"at most 2\*\*62 / \(2 x 2\) = 1152921504606846976"):
+        check((1 << 60) + 64, 1)
+
+
+# Kills mpi08 (the check of `transport` dropped).
+def test_an_unknown_transport_is_refused_on_every_rank():
+    with pytest.raises(ValueError, match=r"transport must be one of \('auto', 'shm', 'mpi', "
+                                         r"'hierarchical'\), got 'tcp'"):
+        jaxring.mpi.Communicator(MPI_COMM, transport="tcp")
+
+
+# Kills mpi09 (`size <= mpi_direct_header_ranks` -> `<`): at exactly size ranks the exchange
+# is direct, at size - 1 Bruck's, so ranks set so disagree (they would agree under `<`).
+@pytest.mark.skipif(COMM.size < 2, reason="needs two ranks")
+def test_direct_headers_up_to_and_including_mpi_direct_header_ranks():
+    limit = COMM.size if COMM.rank == 0 else COMM.size - 1
+    with jaxring.config.override(mpi_direct_header_ranks=limit):
+        with pytest.raises(ValueError, match=r"direct header exchange\) \(.*, True\) and rank 1 "
+                                             r"for \(.*, False\)"):
+            jaxring.mpi.Communicator(MPI_COMM)
+
+
+# Kills mpi12 (nodes of unequal sizes made hierarchical): 3 ranks on pretend nodes of 2 and 1
+# are a flat MPI ring, and a large all-reduce (which would go through the levels) is right.
+def test_uneven_pretend_nodes_make_a_flat_mpi_communicator():
+    expected = ("shm" if COMM.size <= 2 else
+                "hierarchical" if COMM.size % 2 == 0 else "mpi")
+    with jaxring.mpi.Communicator(MPI_COMM, transport="hierarchical", ranks_per_node=2) as comm:
+        assert comm.transport == expected
+        x = random_array(np.random.default_rng(COMM.rank), (300_001,), np.float64)
+        y = np.asarray(jax.jit(lambda v: jaxring.all_reduce(v, comm))(x))
+        np.testing.assert_allclose(y, gathered(x).sum(0), rtol=1e-12, atol=1e-12)
+
+
+# Kills mpi14 (shared memory across nodes let through).
+@pytest.mark.skipif(COMM.size < 2, reason="needs two ranks")
+def test_shared_memory_across_pretend_nodes_is_refused():
+    with pytest.raises(ValueError, match=r"are on several nodes; the shared-memory transport "
+                                         r"needs them on one"):
+        jaxring.mpi.Communicator(MPI_COMM, transport="shm", ranks_per_node=1)
+
+
+# Kills mpi15 (hierarchical without the MPI transport not refused by name): the communicator
+# asked for says it needs the MPI transport, not one of its levels after the node level was made.
+@pytest.mark.skipif(COMM.size < 2, reason="needs two ranks")
+def test_a_hierarchical_communicator_without_the_mpi_transport_is_refused_by_name(monkeypatch):
+    ext, reason = jaxring.mpi._mpi_extension()
+    if ext is None:
+        pytest.skip(reason)
+    monkeypatch.setattr(ext, "build_id", lambda: "stale")
+    jaxring.mpi._mpi_extension.cache_clear()
+    try:
+        with pytest.raises(RuntimeError, match=r"MPI communicator stale \(\d+ processes\) needs "
+                                               r"the MPI transport \(its ranks are on several "
+                                               r"nodes\)"):
+            jaxring.mpi.Communicator(MPI_COMM, label="stale", transport="hierarchical",
+                                     ranks_per_node=1)
+    finally:
+        jaxring.mpi._mpi_extension.cache_clear()
+
+
+# Kills mpi19 (key -2**31, INT_MIN, refused).
+def test_split_takes_every_c_int_key():
+    for key in (-2**31, 2**31 - 1):
+        with COMM.split(0, key=key) as sub:   # equal keys: ordered by rank
+            assert (sub.size, sub.rank) == (COMM.size, COMM.rank)
+
+
+# Kills mpi21 (negative ranks_per_node let through) and mpi22 (JAXRING_MPI_RANKS_PER_NODE
+# read through float()).
+def test_bad_ranks_per_node_is_refused(monkeypatch):
+    with pytest.raises(ValueError, match=r"ranks_per_node must be a whole number of ranks "
+                                         r"\(0: the real nodes\), got -1"):
+        jaxring.mpi.Communicator(MPI_COMM, ranks_per_node=-1)
+    for text in ("2.5", "two"):
+        monkeypatch.setenv("JAXRING_MPI_RANKS_PER_NODE", text)
+        with pytest.raises(ValueError, match=rf"JAXRING_MPI_RANKS_PER_NODE must be a whole "
+                                             rf"number of ranks \(0: the real nodes\), got "
+                                             rf"'{text}'"):
+            jaxring.mpi.Communicator(MPI_COMM)
+
+
+# Kills mpi23 (_owning leaves the MPI communicator of a failed make allocated): a split whose
+# set-up fails at its last step frees the communicator MPI_Comm_split made.
+def test_a_split_that_fails_frees_its_mpi_communicator(monkeypatch):
+    seen = []
+
+    def attach(mpi_comm, key, rank, size, name, *rest, real=jaxring.mpi.gpu.attach):
+        if "split(color=0)" in name:
+            seen.append(mpi_comm)
+            raise RuntimeError("imagined: no GPU transport")
+        return real(mpi_comm, key, rank, size, name, *rest)
+    monkeypatch.setattr(jaxring.mpi.gpu, "attach", attach)
+    with pytest.raises(RuntimeError, match="imagined"):
+        COMM.split(0, key=COMM.rank)
+    assert seen and all(comm == MPI.COMM_NULL for comm in seen), seen
+    MPI_COMM.Barrier()
+
+
+# Kills mpi24 (free() of world() leaves it cached): world() after its free() is a new one.
+def test_world_after_its_free_is_a_new_communicator():
+    jaxring.mpi.world.cache_clear()  # this module's COMM (and others') stays alive
+    try:
+        first = jaxring.mpi.world()
+        assert first is not COMM and jaxring.mpi.world() is first
+        first.free()
+        again = jaxring.mpi.world()
+        assert again is not first
+        x = np.full(3, COMM.rank + 1.0)
+        np.testing.assert_array_equal(
+            np.asarray(jax.jit(lambda v: jaxring.all_reduce(v, again))(x)),
+            np.full(3, COMM.size * (COMM.size + 1) / 2))
+        again.free()
+    finally:
+        jaxring.mpi.world.cache_clear()
+
+
+# Kills mpi25 (split of a freed communicator not refused by name).
+def test_a_freed_communicator_refuses_to_split():
+    sub = COMM.split(0, key=COMM.rank)
+    sub.free()
+    with pytest.raises(ValueError, match=r"split\(color=0\) .* was freed"):
+        sub.split(0)
+
+
+# Kills mpi27 (a TypeError of one rank's options raised on that rank alone, its peers left to
+# time out): every rank raises at once, naming the rank and its problem.
+@pytest.mark.skipif(COMM.size < 2, reason="needs two ranks")
+def test_a_rank_whose_option_has_the_wrong_type_makes_every_rank_raise():
+    last = COMM.size - 1
+    start = time.monotonic()
+    with jaxring.config.override(timeout_seconds=5.0):
+        with pytest.raises(ValueError, match=rf"rank {last}: jaxring.mpi: gpu_workspace_bytes "
+                                             rf"must be an int, got 65536.5"):
+            jaxring.mpi.Communicator(
+                MPI_COMM, gpu_workspace_bytes=65536.5 if COMM.rank == last else 65536)
+    assert time.monotonic() - start < 4
