@@ -196,13 +196,16 @@ def install(effect_type: type) -> bool:
                     "jaxring: the token JAX passes from one jaxring program to the next was "
                     "deleted (it is one of jax.live_arrays(), so deleting every live array "
                     "deletes it); call jaxring.reset_after_error() to start a fresh one")
-            if (isinstance(token, core.Token)
-                    and token._buf.sharding is _token_layout(tuple(devices))[0]):
+            if isinstance(token, core.Token):
+                # Whatever devices it is on: one program at a time (see the module docstring),
+                # and a failed one's error until reset_after_error, which JAX's code below
+                # (from jax 0.12) would raise for the next program only.
                 try:
-                    token.block_until_ready()  # one program at a time: see the module docstring
+                    token.block_until_ready()
                 except Exception as error:  # noqa: BLE001 - any earlier program's error, wrapped
                     raise _earlier_failure(error) from error
-                return token
+                if token._buf.sharding is _token_layout(tuple(devices))[0]:
+                    return token
         return jax_get_token_input(self, eff, devices)
 
     def handle_token_bufs(self, token_bufs, sharded_token):
