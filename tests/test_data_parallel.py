@@ -15,6 +15,7 @@ from flax import nnx
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
+import jaxring
 from jaxring.parallel import data as data_parallel
 from models.deepspeech import configs
 from models.deepspeech import train as training
@@ -205,11 +206,29 @@ def test_bucket_sizes_are_checked_and_errors_name_the_function_called():
     for an empty tree; and an unknown axis was blamed on "jaxring.fusion"."""
     one = mesh(1)
     for helper in (data_parallel.all_reduce_gradients, data_parallel.broadcast_parameters):
-        with pytest.raises(ValueError, match="bucket_bytes must be positive, got -1"):
+        with pytest.raises(ValueError, match="bucket_bytes must be a positive int, got -1"):
             jax.jit(jax.shard_map(lambda v: helper(v, "i", bucket_bytes=-1), mesh=one,
                                   in_specs=P("i"), out_specs=P("i")))(shard(np.ones(2), one))
-        with pytest.raises(ValueError, match="fuse_below_bytes must be positive or None, got 0"):
+        with pytest.raises(ValueError, match="fuse_below_bytes must be a positive int or None, "
+                                             "got 0"):
             helper({}, "i", fuse_below_bytes=0)
+        # A float failed in numpy's split ("'float' object cannot be interpreted as an
+        # integer"), and True was taken as 1 byte.
+        for bad in (1e6, 16.5, True):
+            with pytest.raises(ValueError, match=rf"bucket_bytes must be a positive int, got "
+                                                 rf"{bad!r}"):
+                helper({"w": np.ones(3, np.float32)}, "i", bucket_bytes=bad)
+            with pytest.raises(ValueError, match=rf"fuse_below_bytes must be a positive int or "
+                                                 rf"None, got {bad!r}"):
+                helper({"w": np.ones(3, np.float32)}, "i", fuse_below_bytes=bad)
+    # An unknown op named all_reduce_gradients only where it reached jaxring.all_reduce, and
+    # distributed() took it until its first update.
+    with pytest.raises(ValueError, match=r"jaxring.all_reduce_gradients: unsupported op 'avg'"):
+        data_parallel.all_reduce_gradients({}, "i", op="avg")
+    with pytest.raises(ValueError, match=r"jaxring.distributed: unsupported op 'avg'"):
+        data_parallel.distributed(optax.sgd(0.1), "i", op="avg")
+    with pytest.raises(ValueError, match=r"bucket_bytes must be a positive int, got 0"):
+        data_parallel.distributed(optax.sgd(0.1), "i", bucket_bytes=0)
         with pytest.raises(NameError, match=f"jaxring.{helper.__name__}: unbound axis name"):
             jax.jit(jax.shard_map(lambda v: helper(v, "nope"), mesh=one, in_specs=P("i"),
                                   out_specs=P("i")))(shard(np.ones(2), one))
@@ -322,6 +341,62 @@ def test_masked_moments_of_a_feature_masked_everywhere_or_constant(use_fast_vari
         assert mean[1] == 0 and var[1] == 0, (mean[1], var[1])
         np.testing.assert_allclose(mean[2], selected.mean(), rtol=1e-5)
         np.testing.assert_allclose(var[2], selected.var(), rtol=1e-4)
+
+
+def test_masked_moments_leave_out_what_is_masked_even_nan_and_inf():
+    """Masked-out elements were multiplied by 0, so a NaN or an infinity there (padding that
+    was never written, say) made every statistic NaN."""
+    n = 2
+    rng = np.random.default_rng(31)
+    x = rng.standard_normal((n * 4, 3, 2)).astype(np.float32)
+    mask = (rng.random(x.shape) < 0.6).astype(np.float32)
+    x[mask == 0] = rng.choice([np.nan, np.inf, -np.inf], int((mask == 0).sum()))
+    m = mesh(n)
+    for fast in (True, False):
+        mean, var = jax.tree.map(every_device, jax.jit(jax.shard_map(
+            lambda x, mask, fast=fast: data_parallel.masked_moments(x, mask, "i", fast), mesh=m,
+            in_specs=(P("i"), P("i")), out_specs=P()))(shard(x, m), shard(mask, m)))
+        for feature in range(2):
+            selected = np.asarray(x, np.float64)[..., feature][mask[..., feature] > 0]
+            for replica in range(n):
+                np.testing.assert_allclose(mean[replica][feature], selected.mean(), rtol=1e-5)
+                np.testing.assert_allclose(var[replica][feature], selected.var(), rtol=1e-4)
+
+
+@pytest.mark.parametrize("n", [1, 3])
+def test_float0_and_empty_integer_gradients(n):
+    """The gradients of integer parameters under jax.grad(allow_int=True) are float0, whose
+    itemsize 0 divided bucket_bytes by zero (ZeroDivisionError); they come back as they are. An
+    empty int32 leaf's mean came back int32 on several devices and float32 on one, where
+    jaxring.all_reduce (and lax.pmean) gives float32 on any number."""
+    m = mesh(n)
+    x = np.random.default_rng(12).standard_normal((n, 3)).astype(np.float32)
+    types = []
+
+    def body(v):
+        params = {"w": jnp.ones(3, jnp.float32), "steps": jnp.int32(7)}
+        grads = jax.grad(lambda p: jnp.sum(p["w"] * v[0]), allow_int=True)(params)
+        grads["empty"] = jnp.zeros((0, 2), jnp.int32)
+        reduced = data_parallel.all_reduce_gradients(grads, "i", "mean", bucket_bytes=8)
+        alone = jaxring.all_reduce(grads["empty"], "i", "mean")
+        types.append({k: (leaf.shape, leaf.dtype) for k, leaf in reduced.items()})
+        types.append({"empty": (alone.shape, alone.dtype)})
+        return reduced["w"][None]
+
+    got = np.asarray(jax.jit(jax.shard_map(body, mesh=m, in_specs=P("i"), out_specs=P("i"),
+                                           check_vma=False))(shard(x, m)))
+    for replica in range(n):
+        assert_close(got[replica], np.asarray(x, np.float64).mean(0), np.float32, count=n)
+    reduced, alone = types
+    assert reduced["steps"] == ((), jax.dtypes.float0)
+    assert reduced["empty"] == alone["empty"] == ((0, 2), jnp.float32)
+    # The plan's own inverse refuses the pieces of another plan.
+    plan = data_parallel.fusion_plan({"a": np.ones(100), "b": np.arange(3.0)},
+                                     fuse_below_bytes=64)
+    with pytest.raises(ValueError, match=r"unfuse: the plan has 1 buckets and 1 leaves alone, "
+                                         r"got 1 and 0"):
+        data_parallel.unfuse(data_parallel.fuse({"a": np.ones(100), "b": np.arange(3.0)}, plan),
+                             plan)
 
 
 def test_masked_moments_refuse_an_x_without_a_floating_feature_axis():

@@ -15,6 +15,7 @@ devices or over N processes.
 from __future__ import annotations
 
 import math
+import numbers
 from typing import TYPE_CHECKING, NamedTuple
 
 import jax
@@ -51,10 +52,14 @@ class FusionPlan(NamedTuple):
 
 
 def _check_sizes(bucket_bytes: int, fuse_below_bytes: int | None) -> None:
-    if bucket_bytes <= 0:
-        raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
-    if fuse_below_bytes is not None and fuse_below_bytes <= 0:
-        raise ValueError(f"fuse_below_bytes must be positive or None, got {fuse_below_bytes}")
+    """A float or a bool passed here failed later in numpy's split ("'float' object cannot be
+    interpreted as an integer"), or was taken as 1 byte."""
+    for name, value, none in (("bucket_bytes", bucket_bytes, ""),
+                              ("fuse_below_bytes", fuse_below_bytes, " or None")):
+        if value is None and none:
+            continue
+        if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value <= 0:
+            raise ValueError(f"{name} must be a positive int{none}, got {value!r}")
 
 
 def _varying(leaf) -> frozenset:
@@ -77,17 +82,19 @@ def fusion_plan(tree, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
     kinds = tuple((dtype, _varying(leaf)) for dtype, leaf in zip(dtypes, leaves))
     alone = tuple(i for i in range(len(leaves)) if fuse_below_bytes is not None
                   and math.prod(shapes[i]) * np.dtype(dtypes[i]).itemsize >= fuse_below_bytes)
-    empty = tuple(i for i in range(len(leaves)) if math.prod(shapes[i]) == 0)
+    # Nothing to move: no elements, or float0 (the gradients of integer inputs under
+    # jax.grad(allow_int=True), whose itemsize 0 divided bucket_bytes by zero).
+    empty = tuple(i for i in range(len(leaves))
+                  if math.prod(shapes[i]) == 0 or dtypes[i] == jax.dtypes.float0)
     packed = sorted(set(range(len(leaves))) - set(alone) - set(empty))
     groups = []
-    for kind in dict.fromkeys(kinds):  # first-appearance order, deterministic on every rank
+    for kind in dict.fromkeys(kinds[i] for i in packed):  # first-appearance order, on every rank
         dtype = kind[0]
         indices = tuple(i for i in packed if kinds[i] == kind)
         total = sum(math.prod(shapes[i]) for i in indices)
         per_bucket = max(1, bucket_bytes // np.dtype(dtype).itemsize)
-        sizes = tuple(min(per_bucket, total - start) for start in range(0, total, per_bucket))
-        if sizes:
-            groups.append((dtype, indices, sizes))
+        groups.append((dtype, indices, tuple(min(per_bucket, total - start)
+                                             for start in range(0, total, per_bucket))))
     return FusionPlan(treedef, shapes, dtypes, tuple(groups), alone, empty)
 
 
@@ -106,11 +113,15 @@ def unfuse(buckets, plan: FusionPlan, alone=(), empty=None):
     """The inverse of `fuse`: a pytree of the original structure, shapes and dtypes, with the
     leaves that went alone (`alone`, in plan.alone's order) put back in their places and the
     empty ones made anew (or taken from `empty`, in plan.empty's order)."""
+    if len(alone) != len(plan.alone) or len(buckets) != sum(len(s) for _, _, s in plan.groups):
+        raise ValueError(f"unfuse: the plan has {sum(len(s) for _, _, s in plan.groups)} buckets "
+                         f"and {len(plan.alone)} leaves alone, got {len(buckets)} and "
+                         f"{len(alone)}")
     leaves = [None] * len(plan.shapes)
     for i, leaf in zip(plan.alone, alone):
         leaves[i] = leaf
     for k, i in enumerate(plan.empty):
-        leaves[i] = jnp.zeros(plan.shapes[i], plan.dtypes[i]) if empty is None else empty[k]
+        leaves[i] = _made_anew(plan.shapes[i], plan.dtypes[i]) if empty is None else empty[k]
     position = 0
     for _, indices, sizes in plan.groups:
         flat = jnp.concatenate(buckets[position:position + len(sizes)])
@@ -125,17 +136,24 @@ def _apply_fused(name, collective, tree, bucket_bytes, fuse_below_bytes, axis_na
     _check_sizes(bucket_bytes, fuse_below_bytes)
     if not jax.tree.leaves(tree):
         return tree
-    comm = common.communicator(name, axis_name)
-    if comm.size == 1:
-        return collective(tree)  # one replica: nothing moves, so nothing to fuse
+    # float0 leaves hold no values, and no collective takes them: they come back as they are.
+    # Empty ones go to the collective on their own, which moves nothing on a mesh axis and gives
+    # them its result's type (an integer mean's float, the varying axes left).
+    def own(leaf):
+        return leaf if jnp.result_type(leaf) == jax.dtypes.float0 else collective(leaf)
+
+    if common.communicator(name, axis_name).size == 1:
+        return jax.tree.map(own, tree)  # one replica: nothing moves, so nothing to fuse
     plan = fusion_plan(tree, bucket_bytes, fuse_below_bytes)
     leaves = jax.tree.leaves(tree)
     alone = [collective(leaves[i]) for i in plan.alone]
-    # Empty leaves move nothing; made anew, they get the type the collective would give them
-    # (varying over the axes the leaf varies over, less those reduced over).
-    empty = [common.make_varying(jnp.zeros(plan.shapes[i], plan.dtypes[i]),
-                                 tuple(_varying(leaves[i]) - set(comm.axes))) for i in plan.empty]
+    empty = [own(leaves[i]) for i in plan.empty]
     return unfuse([collective(bucket) for bucket in fuse(tree, plan)], plan, alone, empty)
+
+
+def _made_anew(shape, dtype):
+    """A leaf with no values: zeros, or float0's (which jnp.zeros does not make)."""
+    return np.zeros(shape, dtype) if dtype == jax.dtypes.float0 else jnp.zeros(shape, dtype)
 
 
 # ---- collectives on whole models -----------------------------------------------------------------
@@ -154,6 +172,8 @@ def all_reduce_gradients(grads, axis_name, op: str = "mean",
     gradients of replicated parameters per replica. With vma checking JAX reduces them itself,
     and a sum or mean of a leaf that comes back invariant over the axes (of more than one
     device) is refused."""
+    common.check_op("all_reduce_gradients", op)
+    _check_sizes(bucket_bytes, fuse_below_bytes)
     leaves = jax.tree.leaves(grads)
     if leaves:
         comm = common.communicator("all_reduce_gradients", axis_name)
@@ -211,8 +231,10 @@ def masked_moments(x, mask, axis_name=None, use_fast_variance: bool = True):
         raise TypeError(f"masked_moments takes a floating-point x with a feature axis (its "
                         f"last), got {x.dtype}{list(x.shape)}")
     acc = jnp.promote_types(x.dtype, jnp.float32)
-    xs = x.astype(acc)
     mask = jnp.broadcast_to(mask, x.shape).astype(acc)
+    # Masked-out elements are left out, not multiplied by 0: a NaN or an infinity there made
+    # every statistic NaN.
+    xs = jnp.where(mask > 0, x.astype(acc), 0)
     axes = tuple(range(x.ndim - 1))
 
     def total(parts):  # per-feature sums over this device's elements, then over the replicas
@@ -257,6 +279,8 @@ def distributed(optimizer: optax.GradientTransformation, axis_name, op: str = "m
     except ImportError as error:
         raise ImportError("jaxring.parallel.data.distributed wraps an optax optimizer: install "
                           "optax (pip install optax, or jaxring[models])") from error
+    common.check_op("distributed", op)
+    _check_sizes(bucket_bytes, fuse_below_bytes)
     inner = optax.with_extra_args_support(optimizer)
 
     def update(updates, state, params=None, **extra_args):

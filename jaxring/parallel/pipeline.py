@@ -112,7 +112,10 @@ def pipeline_apply(stage_fn, stage_params: PyTree, microbatches: PyTree, axis_na
     M + n - 1 ticks) and returns the last stage's outputs ``[M, ...]`` on every device.
 
     Equal to applying the stages one after another on one device; ``jax.grad`` through it equals
-    the unsharded gradient. A stage runs `stage_fn` only at the M ticks that bring it a
+    the unsharded gradient. (Over a process communicator each rank differentiates its own copy,
+    as with every collective across processes, so the objective is the sum of the ranks'
+    losses: ranks that each compute the whole loss from the output divide it by n, or let one
+    rank's count.) A stage runs `stage_fn` only at the M ticks that bring it a
     microbatch (under ``lax.cond``): at the others it would run on zeros or on what the idle
     stages before it made of them, and a function that is not finite there (a normalisation
     without an epsilon, a log) would put NaN into the gradient, multiplied by zero as it is.

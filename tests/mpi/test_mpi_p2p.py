@@ -209,6 +209,32 @@ def test_pipeline_over_processes_equals_the_unsharded_layers():
     np.testing.assert_allclose(np.asarray(jax.jit(ring)(mine, start)), np.asarray(want),
                                rtol=2e-5, atol=2e-6)
 
+    # Gradients follow every collective's across processes: each rank differentiates its own
+    # copy, so the objective is the sum of the ranks' losses. Each rank computing the whole loss
+    # from the broadcast output divides it by n; its stage then gets the unsharded gradient of
+    # its layers, and the ranks' copies of the microbatches share theirs (a review measured n
+    # times the unsharded gradient with the undivided loss, which the docs did not say).
+    targets = rng.standard_normal(microbatches.shape).astype(np.float32)
+
+    def loss(p, m):
+        return jnp.sum((pipeline.pipeline_apply(stage_fn, p, m, COMM) - targets) ** 2) / n
+
+    def unsharded_loss(all_layers, m):
+        x = m
+        for layer in all_layers:
+            x = dense(layer, x)
+        return jnp.sum((x - targets) ** 2)
+
+    got_params, got_inputs = jax.jit(jax.grad(loss, argnums=(0, 1)))(mine, microbatches)
+    want_layers, want_inputs = jax.grad(unsharded_loss, argnums=(0, 1))(layers, microbatches)
+    want_mine = jax.tree.map(lambda leaf: leaf[COMM.rank:COMM.rank + 1],
+                             pipeline.stack_stages(want_layers, n))
+    inputs = sum(MPI_COMM.allgather(np.asarray(got_inputs)))  # before any rank's assertion
+    for got_leaf, want_leaf in zip(jax.tree.leaves(got_params), jax.tree.leaves(want_mine)):
+        np.testing.assert_allclose(np.asarray(got_leaf), np.asarray(want_leaf), rtol=2e-4,
+                                   atol=2e-5)
+    np.testing.assert_allclose(inputs, np.asarray(want_inputs), rtol=2e-4, atol=2e-5)
+
 
 def test_mismatched_point_to_point_calls_name_both_sides():
     sub = COMM.split(0, key=COMM.rank)  # a fresh communicator: an error leaves it unusable
