@@ -134,9 +134,10 @@ def in_process_rows(run: dict) -> dict:
     run of allreduce.py. The target is issue2_target() x the twin's time. A lone row's floors: the
     `effect` floor at its size (below huge_page_bytes outputs, see allreduce.py), the `launch`
     (the least effect floor at its size or a smaller one, with an output below huge_page_bytes:
-    a lone call's launch does not shrink as the message grows), the `local` floor (jaxring's own call on an axis of one device, at every
-    size: its output is jaxring's; not all_gather's, which two runs also timed, since it reads
-    n x the memory the collective reads: allreduce.py's LOCAL), the `native` floor of
+    a lone call's launch does not shrink as the message grows), the `local` floor (jaxring's own
+    call on an axis of one device, at every size: its output is jaxring's; not all_gather's,
+    which two runs also timed, since it reads n x the memory the collective reads: allreduce.py's
+    LOCAL), the `native` floor of
     reduce_scatter and all_gather (their local part in a native call with the effect, at every
     size; all_gather's only from runs that record `gather_floor_piece_bytes`), the `read` floor of
     reduce_scatter (every input byte read, nothing written; only from runs that record
@@ -180,17 +181,17 @@ def in_process_rows(run: dict) -> dict:
 
 def mpi_rows(run: dict) -> dict:
     """(table, bytes) -> (jaxring / target, {floor kind: floor / target}) for one run of
-    allreduce_mpi.py, the target being issue3_target() of the same table's mpi4jax and mpi4py
-    times. A lone row's floors: the `effect` floor below huge_page_bytes, the `launch` (the least
-    effect or launch floor at its size or a smaller one, below huge_page_bytes), from 16 MiB the loop table's `copy`
-    floor, `launch+exchange`: the launch, then the larger of the loop table's exchange floor
-    (a lone all-reduce moves at least what one in a loop does) and, from 16 MiB, the exchange
-    into a fresh output, and `launch+traffic`: the launch, then the loop table's traffic floor
-    (up to 4 MiB). A lone call launches, then moves its data, one after the other. A loop row's
-    floors: the loop table's `traffic` or `copy` floor and its `exchange` floor. Where the run's
-    exchange read fewer bytes than any all-reduce must (common.exchange_reads), as that of the
-    earlier runs did from 3 ranks on, the floors built on it are named `... (one read)`: looser
-    floors, kept apart from the full ones."""
+    allreduce_mpi.py, the target being issue3_target() of the same table's mpi4jax and mpi4py times.
+    A lone row's floors: the `effect` floor below huge_page_bytes, the `launch` (the least effect or
+    launch floor at its size or a smaller one, below huge_page_bytes), from 16 MiB the loop table's
+    `copy` floor, `launch+exchange`: the launch, then the larger of the loop table's exchange floor
+    (a lone all-reduce moves at least what one in a loop does) and, from 16 MiB, the exchange into a
+    fresh output, and `launch+traffic`: the launch, then the loop table's traffic floor (up to 4
+    MiB). A lone call launches, then moves its data, one after the other. A loop row's floors: the
+    loop table's `traffic` or `copy` floor and its `exchange` floor. Where the run's exchange read
+    fewer bytes than any all-reduce must (common.exchange_reads), as that of the earlier runs did
+    from 3 ranks on, the floors built on it are named `... (one read)`: looser floors, kept apart
+    from the full ones."""
     rows = run["rows"]
     ranks = run["ranks"]
     one_read = run.get("exchange_reads", 1.0) < exchange_reads(ranks)
@@ -372,8 +373,9 @@ def markdown(issue2: list[dict], n_in_process: int, issue3: dict, n_mpi: dict,
         "`unmet`. Floor kinds (the docstring of `targets.py` says more): `effect`, a program with"
         " jaxring's ordered effect that takes the input and writes the output without "
         "communicating; `launch`, the least effect floor at that size or a smaller one, with an "
-        "output below huge_page_bytes (a lone call's launch does not shrink as the message grows; across processes also a program that"
-        " carries the effect and returns its input); `local` (all_reduce and reduce_scatter), "
+        "output below huge_page_bytes (a lone call's launch does not shrink as the message grows; "
+        "across processes also a program that carries the effect and returns its input); "
+        "`local` (all_reduce and reduce_scatter), "
         "jaxring's own call on an axis of one device, copying the output's size without "
         "communicating, shown as `jaxring's own floors` but never grounds for `impossible`, "
         "since it bounds jaxring's way of making a call rather than every implementation's; "
