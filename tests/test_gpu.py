@@ -449,3 +449,16 @@ def test_the_fused_wavenet_sampler_on_the_gpu_equals_naive(model, weight_dtype, 
             weight_dtype=dtype or jnp.float32, chunk_steps=chunk_steps)
         assert fused[0].devices() == {jax.devices("cuda")[0]}
     wn.assert_same_samples(fused, naive)
+
+
+def test_slots_too_small_for_the_ranks_are_refused_by_the_planner():
+    """16 bytes a rank is the least a slot may give (plan.cc CheckSlotBytes): 4096 bytes serve
+    256 ranks, not 257. Without the check (a mutation review), a float64 reduce_scatter's steps
+    past that got 0 elements and planned ({0, 0}) to move nothing, with no error."""
+    f64 = DTYPE_CODES[np.dtype(np.float64)]
+    rs = COLLECTIVES["reduce_scatter"]
+    assert native.extension.gpu_plan("staged", rs, 256, 256 * 2, 4096, f64) == [(0, 2, "")]
+    for transport, what in (("staged", "gpu_staging_bytes"), ("ipc", "gpu_workspace_bytes")):
+        with pytest.raises(ValueError, match=rf"{what} of 4096 bytes is too small for 257 ranks "
+                                             r"\(at least 16 bytes per rank\)"):
+            native.extension.gpu_plan(transport, rs, 257, 257 * 2, 4096, f64)

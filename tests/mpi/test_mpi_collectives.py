@@ -898,7 +898,8 @@ def test_a_rank_that_drops_a_communicator_fails_its_peers_calls_at_once():
             outcome = "the call returned"
         except Exception as error:  # noqa: BLE001 - its text is what is checked
             took = time.monotonic() - start
-            if not re.search(r"rank \d+ left the communicator .*so this call cannot complete\. "
+            if not re.search(r"\(rank \d+ of \d+\): rank 0 left the communicator .*so this call "
+                             r"cannot complete\. "
                              r"The first error: rank 0 closed .* while its peers went on "
                              r"calling", str(error)):
                 outcome = f"another error: {error}"

@@ -12,6 +12,8 @@
 Only the CUDA operations underneath (copies, kernels, interprocess events) need a GPU."""
 
 import os
+import re
+import time
 
 import jax
 import numpy as np
@@ -128,6 +130,38 @@ def message_ops():
         pytest.skip(why_not)
     from mpi4py import MPI
     return extension.message_ops(MPI._addressof(MPI_COMM), "direct test")
+
+
+def outcome_of(call):
+    """(seconds taken, None or the error's text): every rank reports, none asserts alone."""
+    start = time.monotonic()
+    try:
+        call()
+        return time.monotonic() - start, None
+    except Exception as error:  # noqa: BLE001 - checked after gathering
+        return time.monotonic() - start, str(error)
+
+
+@pytest.mark.skipif(COMM.size < 2, reason="needs two ranks")
+def test_a_rank_already_waiting_learns_at_once_that_its_peer_gave_up():
+    """Rank 0 waits for a broadcast from rank 1 (1 s timeout) while every other rank waits for
+    one from rank 0 (20 s): all are inside their wait when rank 0 times out and gives up. The
+    others fail within seconds, quoting rank 0's timeout, as a wait that has gone on a while
+    looks for its peers' notices (mpi_messages.cc WaitAll); a mutation that never looked
+    passed every other test (their notices came before the next post) and waited out 20 s."""
+    ops = message_ops()
+    x = np.arange(16, dtype=np.float32)
+    MPI_COMM.Barrier()
+    root, timeout = (1, 1.0) if COMM.rank == 0 else (0, 20.0)
+    took, error = outcome_of(lambda: direct(ops, BROADCAST, "sum", x, x.size, root=root,
+                                            timeout=timeout))
+    outcomes = MPI_COMM.allgather((took, error))
+    assert outcomes[0][1] is not None and "timed out after 1 s waiting for rank(s) [1]" in \
+        outcomes[0][1], outcomes
+    for rank, (took, error) in enumerate(outcomes[1:], 1):
+        assert error is not None and re.search(r"rank 0 gave up on direct test \(.*timed out "
+                                               r"after 1 s", error), (rank, error)
+        assert took < 10, (rank, took, error)
 
 
 @pytest.mark.parametrize("deferred", [False, True], ids=["kernels at once", "kernels deferred"])
