@@ -955,13 +955,15 @@ def test_a_rank_that_leaves_after_a_call_does_not_fail_its_slower_peers():
 def test_missing_rank_times_out_naming_it():
     sub = COMM.split(0, key=COMM.rank)
     last = COMM.size - 1
-    if COMM.rank != last:  # the last rank never calls
-        with jaxring.config.override(timeout_seconds=2.0):
-            with pytest.raises(Exception, match=rf"timed out after 2 s waiting for rank\(s\) "
-                                                rf"\[{last}\]"):
-                np.asarray(jax.jit(lambda v: jaxring.all_reduce(v, sub))(np.ones(4)))
-        jaxring.reset_after_error()
-    MPI_COMM.Barrier()
+    try:
+        if COMM.rank != last:  # the last rank never calls
+            with jaxring.config.override(timeout_seconds=2.0):
+                with pytest.raises(Exception, match=rf"timed out after 2 s waiting for rank\(s\) "
+                                                    rf"\[{last}\]"):
+                    np.asarray(jax.jit(lambda v: jaxring.all_reduce(v, sub))(np.ones(4)))
+            jaxring.reset_after_error()
+    finally:
+        MPI_COMM.Barrier()  # in any case: a rank that failed an assertion must not hang the others
 
 
 @pytest.mark.skipif(COMM.size < 2, reason="needs two ranks")
@@ -1143,17 +1145,19 @@ def test_a_failure_on_one_node_reaches_the_other_nodes_at_once():
     x = np.ones(size, np.float32)
     f.lower(x).compile()
     MPI_COMM.Barrier()
-    start = time.monotonic()
-    with jaxring.config.override(timeout_seconds=30.0):
-        with pytest.raises(Exception, match=r"mismatched collectives") as error:
-            np.asarray(f(x))
-    took = time.monotonic() - start
-    jaxring.reset_after_error()
-    assert took < 10, f"rank {COMM.rank} took {took:.1f} s to fail: {error.value}"
-    if across.rank != 0:  # not on node 0: told by its peer between the nodes
-        assert re.search(r"rank 0 gave up on this communicator .* The error on rank 0: .*"
-                         r"mismatched collectives", str(error.value)), str(error.value)
-    MPI_COMM.Barrier()
+    try:
+        start = time.monotonic()
+        with jaxring.config.override(timeout_seconds=30.0):
+            with pytest.raises(Exception, match=r"mismatched collectives") as error:
+                np.asarray(f(x))
+        took = time.monotonic() - start
+        jaxring.reset_after_error()
+        assert took < 10, f"rank {COMM.rank} took {took:.1f} s to fail: {error.value}"
+        if across.rank != 0:  # not on node 0: told by its peer between the nodes
+            assert re.search(r"rank 0 gave up on this communicator .* The error on rank 0: .*"
+                             r"mismatched collectives", str(error.value)), str(error.value)
+    finally:
+        MPI_COMM.Barrier()  # in any case: a rank that failed an assertion must not hang the others
 
 
 @pytest.mark.skipif(COMM.transport != "hierarchical", reason="a hierarchical communicator")

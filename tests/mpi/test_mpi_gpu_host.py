@@ -206,12 +206,14 @@ def test_the_cuda_aware_algorithm_names_a_missing_rank(count):
     cancelling them crashed MPICH's UCX device, so the failure only frees them."""
     ops = message_ops()
     last = COMM.size - 1
-    if COMM.rank != last:
-        with pytest.raises(RuntimeError, match=rf"timed out after 1 s waiting for rank\(s\) "
-                                               rf"\[.*{last}\]"):
-            direct(ops, ALL_GATHER, "sum", np.ones(count, np.float32), count * COMM.size,
-                   timeout=1.0)
-    MPI_COMM.Barrier()
+    try:
+        if COMM.rank != last:
+            with pytest.raises(RuntimeError, match=rf"timed out after 1 s waiting for rank\(s\) "
+                                                   rf"\[.*{last}\]"):
+                direct(ops, ALL_GATHER, "sum", np.ones(count, np.float32), count * COMM.size,
+                       timeout=1.0)
+    finally:
+        MPI_COMM.Barrier()  # in any case: a rank that failed an assertion must not hang the others
 
 
 @pytest.mark.skipif(COMM.size < 2, reason="needs two ranks")
@@ -225,16 +227,18 @@ def test_a_late_receiver_of_a_root_that_gave_up_fails_and_the_messages_stay_fail
 
     ops = message_ops()
     x = np.arange(300_000, dtype=np.float32)
-    if COMM.rank == 0:
-        with pytest.raises(RuntimeError, match=r"timed out after 1 s waiting for rank\(s\) \["):
-            direct(ops, BROADCAST, "sum", x, x.size, timeout=1.0)
-    else:
-        time.sleep(2.0)
-        with pytest.raises(RuntimeError, match=r"rank 0 gave up on direct test \(timed out"):
-            direct(ops, BROADCAST, "sum", x, x.size, timeout=10.0)
-    with pytest.raises(RuntimeError, match="an earlier exchange on direct test failed"):
-        direct(ops, ALL_GATHER, "sum", x[:4], 4 * COMM.size, timeout=10.0)
-    MPI_COMM.Barrier()
+    try:
+        if COMM.rank == 0:
+            with pytest.raises(RuntimeError, match=r"timed out after 1 s waiting for rank\(s\) \["):
+                direct(ops, BROADCAST, "sum", x, x.size, timeout=1.0)
+        else:
+            time.sleep(2.0)
+            with pytest.raises(RuntimeError, match=r"rank 0 gave up on direct test \(timed out"):
+                direct(ops, BROADCAST, "sum", x, x.size, timeout=10.0)
+        with pytest.raises(RuntimeError, match="an earlier exchange on direct test failed"):
+            direct(ops, ALL_GATHER, "sum", x[:4], 4 * COMM.size, timeout=10.0)
+    finally:
+        MPI_COMM.Barrier()  # in any case: a rank that failed an assertion must not hang the others
 
 
 @pytest.mark.skipif(COMM.size < 2, reason="needs two ranks")
