@@ -223,8 +223,6 @@ def test_a_late_receiver_of_a_root_that_gave_up_fails_and_the_messages_stay_fail
     once posted their receives, matched the root's send (freed, not cancelled) and returned its
     buffer's bytes, by then freed memory, as a success. They must fail, naming the root's error,
     and so must every later exchange on these messages, on every rank."""
-    import time
-
     ops = message_ops()
     x = np.arange(300_000, dtype=np.float32)
     try:
@@ -246,8 +244,6 @@ def test_a_rank_whose_reduction_fails_fails_its_peers_at_once_quoting_it():
     """Rank 0's first reduction fails (as a kernel launch may) after every rank has exchanged its
     shares: rank 0 gives up on the messages, so its peers, waiting for its reduced share, fail at
     once with its error instead of waiting out their timeout, and so does every later exchange."""
-    import time
-
     ops = message_ops()
     x = np.ones(1000, np.float32)
     start = time.monotonic()
@@ -401,8 +397,6 @@ def test_an_ipc_step_failing_fails_the_peers_at_once_quoting_it():
     on step 1, as a kernel launch may: rank 0 leaves the host communicator, so its peers, waiting
     for it in step 2's agreement, fail at once with its error instead of timing out; so does
     every later call."""
-    import time
-
     sub = COMM.split(0, key=COMM.rank)  # the failure breaks it; COMM must stay usable
     slots = SharedSlots(sub, 4096)
     x = np.ones(3000, np.float32)  # three steps of 1024 elements
@@ -484,8 +478,6 @@ def test_a_copy_failing_between_chunks_fails_the_peers_at_once_quoting_it():
     """Rank 0's copy of chunk 1's result fails after every rank ran chunk 1's host call, as a CUDA
     copy may: rank 0 leaves the host communicator (kJaxringHostLeave), so its peers, waiting for
     it in chunk 2's, fail at once with its error instead of timing out."""
-    import time
-
     sub = COMM.split(0, key=COMM.rank)  # the failure breaks it; COMM must stay usable
     x = np.ones(3000, np.float32)  # three chunks of 1024 elements
     with jaxring.config.override(timeout_seconds=20.0):
